@@ -1,0 +1,25 @@
+"""bigtune: fine-tune models that do not fit, and know where the memory goes.
+
+Python API (mirrors the CLI; heavy libraries load on first use)::
+
+    import bigtune
+    summary = bigtune.train("recipes/tinyllama-full.yaml", overrides=["train.micro_batch_size=8"])
+    recipe = bigtune.load_recipe(None, {"precision": "bf16-true"})
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["train", "load_recipe", "Recipe", "RecipeError", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy so that `import bigtune` and `bigtune --help` stay fast (Lightning alone takes seconds).
+    if name == "train":
+        from bigtune.engine import train
+
+        return train
+    if name in ("load_recipe", "Recipe", "RecipeError"):
+        from bigtune import recipe
+
+        return getattr(recipe, name)
+    raise AttributeError(f"module 'bigtune' has no attribute {name!r}")

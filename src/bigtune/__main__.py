@@ -1,0 +1,5 @@
+import sys
+
+from bigtune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,306 @@
+"""Data: read a source, turn records into token ids and labels, batch them.
+
+Sources: the bundled demo, JSON/JSONL/CSV/Parquet files, plain text, and folders written by
+``datasets.save_to_disk``. Formats: alpaca-style instruction records (instruction / input /
+output, prompt masked out of the loss by default) and raw text (a ``text`` column, or a .txt file
+cut into max_seq_length blocks).
+
+A record that cannot be used (missing or empty fields, nothing left to learn after truncation) is
+skipped, counted and reported with its index and reason; a file that cannot be parsed is an error
+naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from bigtune.presets import DEMO_DATA
+from bigtune.recipe import DataConfig
+from bigtune.stepmath import IGNORE_INDEX
+
+
+class DataError(ValueError):
+    """The data cannot be used as given; the message names the file/record and the fix."""
+
+
+@dataclass
+class DataReport:
+    source: str
+    format: str
+    records: int = 0
+    used: int = 0
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    truncated: int = 0
+
+    def summary(self) -> dict:
+        return {"source": self.source, "format": self.format, "records": self.records, "used": self.used,
+                "skipped": len(self.skipped), "truncated": self.truncated,
+                "skipped_examples": [{"index": i, "reason": r} for i, r in self.skipped[:20]]}
+
+    def lines(self) -> list[str]:
+        out = [f"data: {self.source} ({self.format}): {self.records} records, {self.used} used, "
+               f"{len(self.skipped)} skipped, {self.truncated} truncated"]
+        for i, r in self.skipped[:10]:
+            out.append(f"  skipped record {i}: {r}")
+        if len(self.skipped) > 10:
+            out.append(f"  ... and {len(self.skipped) - 10} more (all listed in summary.json up to 20)")
+        return out
+
+
+PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def format_prompt(instruction: str, input_text: str = "") -> str:
+    """The instruction prompt used for training and for `generate` on instruction-tuned runs."""
+    if input_text:
+        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+def _read_jsonl(path: Path) -> list[Any]:
+    out = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or delete "
+                                "that line (each line must be one JSON object)") from None
+    return out
+
+
+def _read_json(path: Path, split: str) -> list[Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}); fix the file, or use JSONL "
+                        "(one object per line)") from None
+    if isinstance(obj, dict):
+        if split in obj and isinstance(obj[split], list):
+            return obj[split]
+        raise DataError(f"{path}: top level is an object without a list under {split!r}; expected a list of "
+                        "records or {\"" + split + "\": [...]}")
+    if not isinstance(obj, list):
+        raise DataError(f"{path}: expected a list of records, got {type(obj).__name__}")
+    return obj
+
+
+def _read_hf(path: Path, split: str) -> list[Any]:
+    import datasets
+
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:
+            raise DataError(f"{path}: not a folder written by datasets' save_to_disk ({e})") from e
+    else:
+        builder = {".csv": "csv", ".parquet": "parquet", ".tsv": "csv"}[path.suffix]
+        kw = {"delimiter": "\t"} if path.suffix == ".tsv" else {}
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kw)
+        except Exception as e:
+            raise DataError(f"{path}: could not read as {builder} ({e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: has splits {sorted(ds)}, not {split!r}; set data.split to one of them")
+        ds = ds[split]
+    return [row for row in ds]
+
+
+def read_source(cfg: DataConfig) -> tuple[str, list[Any]]:
+    """(source label, raw records). Plain .txt files come back as one string."""
+    if cfg.source == "demo":
+        return str(DEMO_DATA), _read_jsonl(DEMO_DATA)
+    path = Path(cfg.source).expanduser()
+    if not path.exists():
+        raise DataError(f"data.source: {path} does not exist")
+    if path.is_dir():
+        return str(path), _read_hf(path, cfg.split)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return str(path), _read_jsonl(path)
+    if suffix == ".json":
+        return str(path), _read_json(path, cfg.split)
+    if suffix in (".csv", ".tsv", ".parquet"):
+        return str(path), _read_hf(path, cfg.split)
+    if suffix in (".txt", ".md", ".text"):
+        return str(path), [path.read_text(encoding="utf-8", errors="replace")]
+    raise DataError(f"data.source: {path} has an unknown extension {suffix!r}; use .jsonl, .json, .csv, .parquet, "
+                    ".txt or a save_to_disk folder")
+
+
+def detect_format(cfg: DataConfig, source: str, records: list[Any]) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    if source.endswith((".txt", ".md", ".text")):
+        return "text"
+    first = next((r for r in records if isinstance(r, dict)), None)
+    if first is not None and "instruction" in first and "output" in first:
+        return "alpaca"
+    if first is not None and cfg.text_field in first:
+        return "jsonl-text"
+    keys = sorted(first) if first is not None else []
+    raise DataError(f"data.source {source}: cannot tell the format from keys {keys}; records need "
+                    f"instruction/output (alpaca) or a {cfg.text_field!r} field (set data.text_field), or set "
+                    "data.format")
+
+
+# -- tokenizing -------------------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def _alpaca_example(rec: Any, tok, cfg: DataConfig) -> tuple[Optional[Example], str, bool]:
+    if not isinstance(rec, dict):
+        return None, f"not an object ({type(rec).__name__})", False
+    for key in ("instruction", "output"):
+        if key not in rec or rec[key] is None:
+            return None, f"missing {key!r}", False
+        if not isinstance(rec[key], str):
+            return None, f"{key!r} is {type(rec[key]).__name__}, not text", False
+    inp = rec.get("input") or ""
+    if not isinstance(inp, str):
+        return None, f"'input' is {type(inp).__name__}, not text", False
+    if not rec["output"].strip():
+        return None, "empty 'output'", False
+    prompt_ids = tok(format_prompt(rec["instruction"], inp), add_special_tokens=False)["input_ids"]
+    answer_ids = tok(rec["output"], add_special_tokens=False)["input_ids"]
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    prompt = bos + prompt_ids
+    ids = prompt + answer_ids + eos
+    labels = ([IGNORE_INDEX] * len(prompt) if cfg.mask_prompt else list(prompt)) + answer_ids + eos
+    truncated = len(ids) > cfg.max_seq_length
+    ids, labels = ids[: cfg.max_seq_length], labels[: cfg.max_seq_length]
+    if sum(1 for x in labels[1:] if x != IGNORE_INDEX) == 0:
+        return None, f"prompt is longer than data.max_seq_length={cfg.max_seq_length}: no response tokens left", truncated
+    return Example(ids, labels), "", truncated
+
+
+def _text_example(rec: Any, tok, cfg: DataConfig) -> tuple[Optional[Example], str, bool]:
+    text = rec.get(cfg.text_field) if isinstance(rec, dict) else None
+    if not isinstance(text, str):
+        return None, f"missing text field {cfg.text_field!r}", False
+    if not text.strip():
+        return None, "empty text", False
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    ids = bos + tok(text, add_special_tokens=False)["input_ids"]
+    if tok.eos_token_id is not None:
+        ids.append(tok.eos_token_id)
+    truncated = len(ids) > cfg.max_seq_length
+    ids = ids[: cfg.max_seq_length]
+    if len(ids) < 2:
+        return None, "fewer than 2 tokens", truncated
+    return Example(ids, list(ids)), "", truncated
+
+
+def _text_blocks(text: str, tok, cfg: DataConfig) -> list[Example]:
+    """A plain-text file becomes consecutive max_seq_length blocks (the usual LM setup)."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    n = cfg.max_seq_length
+    blocks = [ids[i:i + n] for i in range(0, len(ids), n)]
+    return [Example(b, list(b)) for b in blocks if len(b) >= 2]
+
+
+def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], DataReport]:
+    """Read, validate, tokenize, select num_train_samples (seeded shuffle). Raises DataError if empty."""
+    source, records = read_source(cfg)
+    fmt = detect_format(cfg, source, records)
+    report = DataReport(source=source, format=fmt, records=len(records))
+    examples: list[Example] = []
+    if fmt == "text" and len(records) == 1 and isinstance(records[0], str):
+        examples = _text_blocks(records[0], tok, cfg)
+        report.records = len(examples)
+    else:
+        make = _alpaca_example if fmt == "alpaca" else _text_example
+        for i, rec in enumerate(records):
+            ex, reason, truncated = make(rec, tok, cfg)
+            report.truncated += int(truncated)
+            if ex is None:
+                if not cfg.skip_bad_records:
+                    raise DataError(f"{source} record {i}: {reason}; fix the record or set data.skip_bad_records=true")
+                report.skipped.append((i, reason))
+                continue
+            examples.append(ex)
+    if not examples:
+        raise DataError(f"{source}: no usable samples ({report.records} records, {len(report.skipped)} skipped"
+                        + (f"; first problem: record {report.skipped[0][0]}: {report.skipped[0][1]}"
+                           if report.skipped else "") + ")")
+    if cfg.num_train_samples is not None and cfg.num_train_samples < len(examples):
+        order = list(range(len(examples)))
+        random.Random(seed).shuffle(order)
+        examples = [examples[i] for i in sorted(order[: cfg.num_train_samples])]
+    report.used = len(examples)
+    return examples, report
+
+
+# -- batching ---------------------------------------------------------------------------------------
+
+class Collator:
+    """Right-pads a list of examples to the longest one; padding gets label -100 and mask 0."""
+
+    def __init__(self, pad_id: int, pad_to_multiple_of: int = 1):
+        self.pad_id = pad_id
+        self.multiple = pad_to_multiple_of
+
+    def __call__(self, batch: list[Example]) -> dict[str, torch.Tensor]:
+        n = max(len(e.input_ids) for e in batch)
+        n = -(-n // self.multiple) * self.multiple
+        ids = torch.full((len(batch), n), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), n), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(batch), n), dtype=torch.long)
+        for i, e in enumerate(batch):
+            k = len(e.input_ids)
+            ids[i, :k] = torch.tensor(e.input_ids)
+            labels[i, :k] = torch.tensor(e.labels)
+            mask[i, :k] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """Seeded permutation per epoch that can start mid-epoch, so a resumed run sees the same data."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch = 0
+        self.start = 0  # first sample position to yield (set on resume)
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        self.epoch, self.start = epoch, start_sample
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start:])
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, items: list[Example]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.items[i]

@@ -1,0 +1,535 @@
+"""The training engine: setup (Fabric), build (model, data, optimizer), fit (the loop).
+
+``train(recipe)`` is the whole thing and returns the run's summary (also written to
+summary.json). Problems found before training (recipe, data, model) raise and write nothing;
+an out-of-memory during training is a *result*: summary.json says ``status: oom`` with the step
+and phase where it happened, the last memory snapshot and what to change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from bigtune import memory as mem
+from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
+from bigtune.models import build_model, count_parameters, enable_activation_checkpointing, load_tokenizer
+from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
+from bigtune.rundir import RunDir, pick_run_dir
+from bigtune.stepmath import GIB, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
+    throughput
+
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
+
+
+class TrainingOOM(RuntimeError):
+    """Raised by ``train(..., raise_on_oom=True)``; ``summary`` holds the recorded result."""
+
+    def __init__(self, summary: dict):
+        self.summary = summary
+        oom = summary.get("oom", {})
+        super().__init__(f"out of memory at step {oom.get('step')} during {oom.get('phase')}")
+
+
+# -- setup ------------------------------------------------------------------------------------------
+
+def setup_fabric(recipe: Recipe):
+    from lightning.fabric import Fabric
+
+    accel = resolve_accelerator(recipe)
+    fabric = Fabric(accelerator=accel, devices=recipe.devices, precision=recipe.precision, strategy="auto")
+    return fabric
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = recipe.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl: dict[str, Any] = {}
+    if o.implementation == "foreach":
+        impl = {"foreach": True}
+    elif o.implementation == "fused":
+        impl = {"fused": True}
+    elif o.implementation == "for-loop":
+        impl = {"foreach": False}
+    if o.name == "adamw":
+        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **impl)
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
+    raise ValueError(f"optim.name: unknown optimizer {o.name!r}")
+
+
+def lr_factor(step: int, total_steps: int, warmup: int, schedule: str, floor: float) -> float:
+    """Multiplier on the peak lr at optimizer step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total_steps <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * (1 - progress)
+
+
+# -- build ------------------------------------------------------------------------------------------
+
+@dataclass
+class Built:
+    recipe: Recipe
+    fabric: Any
+    tokenizer: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    sampler: EpochSampler
+    data_report: DataReport
+    steps_per_epoch: int
+    total_steps: int
+    micro_batches_per_epoch: int
+    params: dict = field(default_factory=dict)
+
+
+def build(recipe: Recipe, fabric) -> Built:
+    tokenizer = load_tokenizer(recipe.model)
+    examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
+    seed_everything(recipe.seed)
+    model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed)
+    if recipe.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    params = count_parameters(model)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(make_optimizer(recipe, model))
+
+    sampler = EpochSampler(len(examples), recipe.seed)
+    loader = torch.utils.data.DataLoader(
+        ListDataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
+        collate_fn=Collator(tokenizer.pad_token_id), num_workers=recipe.data.num_workers,
+        pin_memory=fabric.device.type == "cuda", persistent_workers=False)
+    micro = math.ceil(len(examples) / recipe.train.micro_batch_size)
+    if recipe.train.limit_train_batches is not None:
+        micro = min(micro, recipe.train.limit_train_batches)
+    steps_per_epoch = math.ceil(micro / recipe.accumulate)
+    total = steps_per_epoch * recipe.train.max_epochs if recipe.train.max_epochs else recipe.train.max_steps
+    if recipe.train.max_steps is not None:
+        total = min(total, recipe.train.max_steps)
+    o = recipe.optim
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
+    return Built(recipe, fabric, tokenizer, model, optimizer, scheduler, loader, sampler, report,
+                 steps_per_epoch, total, micro, params)
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+
+class Progress:
+    """An ETA line on a terminal, plain lines otherwise (logs, notebooks, CI)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.tty = sys.stdout.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, text: str, newline: bool) -> None:
+        done = step / max(1, self.total)
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (1 - done) if done > 0 else float("nan")
+        line = f"step {step}/{self.total} [{done:5.1%}] {text} eta {eta:5.0f}s"
+        if self.tty:
+            print("\r" + line.ljust(110), end="\n" if newline else "", flush=True)
+        elif newline:
+            print(line, flush=True)
+
+
+@dataclass
+class LoopState:
+    step: int = 0                        # optimizer steps done
+    tokens: int = 0                      # non-padding tokens trained on
+    samples: int = 0
+    train_seconds: float = 0.0
+    phase: str = "setup"
+    losses: list = field(default_factory=list)
+    epoch_loss_sum: float = 0.0
+    epoch_loss_steps: int = 0
+
+
+def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonitor], measure: bool,
+               state: LoopState) -> tuple[torch.Tensor, list[mem.Snapshot]]:
+    """One optimizer step over ``batches`` (the micro-batches of one accumulation window)."""
+    fabric, model, opt = b.fabric, b.model, b.optimizer
+    scale = loss_normaliser([x["labels"] for x in batches])
+    snaps: list[mem.Snapshot] = []
+    track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
+    loss_total = torch.zeros((), device=fabric.device)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        batch = {k: v.to(fabric.device, non_blocking=True) for k, v in batch.items()}
+        if track and i == 0:
+            monitor.begin_step(model, opt, extra=batch.values())
+        if measure and i == 0:
+            snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
+        with fabric.no_backward_sync(model, enabled=not last):
+            state.phase = "forward"
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = causal_lm_loss_sum(logits, batch["labels"]) * scale
+            if measure and last:
+                snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
+            state.phase = "backward"
+            fabric.backward(loss)
+        del logits
+        loss_total += loss.detach()
+        del loss
+    if measure:
+        snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
+    state.phase = "optimizer"
+    if b.recipe.optim.grad_clip is not None:
+        fabric.clip_gradients(model, opt, max_norm=b.recipe.optim.grad_clip)
+    opt.step()
+    b.scheduler.step()
+    if measure:
+        snaps.append(monitor.snapshot(state.step, "after_optimizer", model, opt))
+    opt.zero_grad(set_to_none=True)
+    if track:
+        monitor.end_step()
+    return loss_total, snaps
+
+
+def windows(b: Built, epoch: int, first_window: int):
+    """Yield lists of micro-batches (one list per optimizer step) for ``epoch``, from ``first_window``."""
+    k = b.recipe.accumulate
+    b.sampler.set_epoch(epoch, first_window * k * b.recipe.train.micro_batch_size)
+    it = iter(b.loader)
+    for w in range(first_window, b.steps_per_epoch):
+        n = min(k, b.micro_batches_per_epoch - w * k)
+        batches = [batch for _, batch in zip(range(n), it)]
+        if not batches:
+            return
+        yield batches
+
+
+def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMonitor], peak_flops: Optional[float]):
+    r = b.recipe
+    progress = Progress(b.total_steps)
+    flops_per_token = None
+    loss_acc = torch.zeros((), device=b.fabric.device)
+    window_tokens = window_samples = 0
+    window_t0 = time.perf_counter()
+    window_steps = 0
+    start_epoch, first_window = divmod(state.step, b.steps_per_epoch)
+    for epoch in range(start_epoch, math.ceil(b.total_steps / b.steps_per_epoch)):
+        for batches in windows(b, epoch, first_window if epoch == start_epoch else 0):
+            measure = monitor is not None and r.memory.enabled and (
+                state.step in (0, 1) or state.step % r.memory.every_steps == 0)
+            loss, snaps = train_step(b, batches, monitor, measure, state)
+            for s in snaps:
+                run.append_jsonl("memory.jsonl", s.to_dict())
+            if snaps:
+                print(mem.format_table(snaps, _capacity(b.fabric.device, r)), flush=True)
+            tokens = sum(int(x["attention_mask"].sum()) for x in batches)
+            samples = sum(x["input_ids"].shape[0] for x in batches)
+            if flops_per_token is None:
+                seq = max(x["input_ids"].shape[1] for x in batches)
+                flops_per_token = model_flops_per_token(b.model.module, seq) or 0.0
+            state.tokens += tokens
+            state.samples += samples
+            window_tokens += tokens
+            window_samples += samples
+            loss_acc += loss
+            state.step += 1
+            window_steps += 1
+            if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
+                mean_loss = (loss_acc / window_steps).item()  # the only host sync, once per log window
+                dt = time.perf_counter() - window_t0
+                state.train_seconds += dt
+                tp = throughput(window_tokens, window_samples, dt)
+                rec = {"step": state.step, "epoch": epoch, "loss": mean_loss, "lr": b.scheduler.get_last_lr()[0],
+                       "step_time_s": dt / window_steps, **tp,
+                       "mfu": mfu(tp["tokens_per_s"], flops_per_token, peak_flops), "tokens": state.tokens}
+                run.append_jsonl("metrics.jsonl", rec)
+                run.append_csv("metrics.csv", rec)
+                _tensorboard(run, rec)
+                state.losses.append(mean_loss)
+                state.epoch_loss_sum += mean_loss * window_steps
+                state.epoch_loss_steps += window_steps
+                progress.update(state.step, f"loss {mean_loss:.4f} lr {rec['lr']:.2e} "
+                                f"{tp['tokens_per_s']:,.0f} tok/s", newline=True)
+                loss_acc.zero_()
+                window_tokens = window_samples = window_steps = 0
+                window_t0 = time.perf_counter()
+            elif progress.tty:
+                progress.update(state.step, "", newline=False)
+            if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
+                save_checkpoint(b, run, state)
+            if state.step >= b.total_steps:
+                break
+        if state.epoch_loss_steps:
+            print(f"epoch {epoch}: average train loss {state.epoch_loss_sum / state.epoch_loss_steps:.4f}", flush=True)
+        state.epoch_loss_sum, state.epoch_loss_steps = 0.0, 0
+        if state.step >= b.total_steps:
+            break
+
+
+_TB: dict[str, Any] = {}
+
+
+def _tensorboard(run: RunDir, rec: dict) -> None:
+    """Metrics to TensorBoard when it is installed (JSONL/CSV are always written)."""
+    key = str(run.path)
+    if key not in _TB:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            _TB[key] = SummaryWriter(str(run.path / "tensorboard"))
+        except Exception:  # tensorboard not installed: skip silently, JSONL/CSV have everything
+            _TB[key] = None
+    w = _TB[key]
+    if w is not None:
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and k not in ("step", "epoch"):
+                w.add_scalar(f"train/{k}", v, rec["step"])
+        w.flush()
+
+
+def _capacity(device: torch.device, r: Recipe) -> Optional[int]:
+    if r.memory.cap_gib is not None:
+        return int(r.memory.cap_gib * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
+    path = run.checkpoint_path(state.step)
+    tmp = path.with_name(path.name + ".tmp")
+    payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler,
+               "loop": {"step": state.step, "tokens": state.tokens, "samples": state.samples,
+                        "train_seconds": state.train_seconds, "losses": list(state.losses)},
+               "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                       "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+    b.fabric.save(tmp, payload)
+    os.replace(tmp, path)
+    run.prune_checkpoints(b.recipe.checkpoint.keep_last)
+    return path
+
+
+def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
+    payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
+    rest = b.fabric.load(path, payload, weights_only=True)
+    loop = rest["loop"]
+    state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
+    state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
+    torch.set_rng_state(rest["rng"]["torch"])
+    random.setstate(_as_tuple(rest["rng"]["python"]))
+    if rest["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rest["rng"]["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def find_resume_checkpoint(resume: str | Path) -> tuple[Path, Path]:
+    """(run dir, checkpoint) from a run dir (its newest checkpoint) or a checkpoint path."""
+    p = Path(resume)
+    if p.is_file() or p.suffix == ".ckpt":
+        if not p.exists():
+            raise FileNotFoundError(f"--resume: checkpoint {p} does not exist")
+        return p.parent.parent, p
+    if not p.is_dir():
+        raise FileNotFoundError(f"--resume: {p} is neither a run directory nor a checkpoint")
+    ckpts = RunDir(p).list_checkpoints()
+    if not ckpts:
+        raise FileNotFoundError(f"--resume: {p} has no checkpoints (train with checkpoint.enabled=true and "
+                                "checkpoint.every_steps=N to make some)")
+    return p, ckpts[-1]
+
+
+# -- the whole run ----------------------------------------------------------------------------------
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("transformers", "lightning", "peft", "datasets"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = "not installed"
+    return out
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": props.name, "memory_bytes": props.total_memory, "count": 1}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "count": 1}
+
+
+def gpu_peak_flops(device: torch.device, precision: str) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    try:
+        from bigtune.gpus import detect_gpu, peak_flops
+    except ImportError:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    gpu = detect_gpu(props.name, props.total_memory)
+    if gpu is None:
+        return None
+    return peak_flops(gpu, precision, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+
+
+def oom_advice(r: Recipe) -> list[str]:
+    """What usually frees the most memory for this recipe, most effective first."""
+    out = []
+    if r.train.micro_batch_size > 1:
+        half = max(1, r.train.micro_batch_size // 2)
+        out.append(f"train.micro_batch_size={half} with train.accumulate_grad_batches={r.accumulate * 2} "
+                   "(same global batch, roughly half the activations)")
+    if not r.train.activation_checkpointing:
+        out.append("train.activation_checkpointing=true (activations drop to about one layer input per layer)")
+    if r.precision in ("32-true", "bf16-mixed", "16-mixed"):
+        out.append("precision=bf16-true (halves parameters, gradients and optimizer state)")
+    if r.optim.name == "adamw":
+        out.append("optim.name=sgd (no optimizer state; expect slower convergence)")
+    return out
+
+
+def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str] | dict | None = None,
+          resume: str | Path | None = None, raise_on_oom: bool = False, quiet_recipe: bool = False) -> dict:
+    """Train one recipe; return the summary dict (also in <run>/summary.json).
+
+    ``recipe`` is a Recipe, a dict, a YAML path or None (the built-in demo). ``resume`` is a run
+    directory or checkpoint. Bad input raises (RecipeError, DataError, ModelError) before anything is
+    written; an out-of-memory returns a summary with status "oom" (or raises TrainingOOM).
+    """
+    t_start = time.perf_counter()
+    r = load_recipe(recipe, overrides)
+    resume_ckpt = None
+    if resume is not None:
+        run_path, resume_ckpt = find_resume_checkpoint(resume)
+    else:
+        run_path = pick_run_dir(r.output_dir, r.name)
+    if not quiet_recipe:
+        print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
+    fabric = setup_fabric(r)
+    b = build(r, fabric)  # raises on bad data/model before the run dir exists
+    for line in b.data_report.lines():
+        print(line, flush=True)
+    print(f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable), "
+          f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
+          f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)", flush=True)
+
+    run = RunDir(run_path)
+    run.create()
+    run.write_text("recipe.yaml", r.to_yaml())
+    state = LoopState()
+    if resume_ckpt is not None:
+        load_checkpoint(b, resume_ckpt, state)
+        # Records past the checkpoint belong to the interrupted attempt; this run writes them again.
+        run.truncate_jsonl("metrics.jsonl", lambda rec: rec["step"] <= state.step)
+        run.truncate_jsonl("memory.jsonl", lambda rec: rec["step"] < state.step)
+        print(f"resumed from {resume_ckpt} at step {state.step}", flush=True)
+    print(f"run dir: {run.path}", flush=True)
+
+    cap = int(r.memory.cap_gib * GIB) if r.memory.cap_gib is not None else None
+    monitor = mem.MemoryMonitor(fabric.device, cap) if (r.memory.enabled or cap is not None) else None
+    summary: dict[str, Any] = {"name": r.name, "run_dir": str(run.path), "recipe": r.to_dict(),
+                               "device": device_info(fabric.device), "versions": versions(),
+                               "parameters": b.params, "data": b.data_report.summary(),
+                               "total_steps": b.total_steps}
+    status, error = "ok", None
+    try:
+        fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision))
+        if r.checkpoint.enabled and (not run.list_checkpoints() or
+                                     run.list_checkpoints()[-1] != run.checkpoint_path(state.step)):
+            save_checkpoint(b, run, state)
+        if r.checkpoint.save_model:
+            save_hf_model(b, run)
+    except Exception as e:  # noqa: BLE001 - every failure becomes a recorded result
+        if monitor is not None:
+            monitor.end_step()
+        if mem.is_oom(e):
+            status = "oom"
+            summary["oom"] = {"step": state.step, "phase": state.phase, "message": str(e).splitlines()[0][:500],
+                              "last_snapshot": monitor.last.to_dict() if monitor and monitor.last else None,
+                              "advice": oom_advice(r)}
+            print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
+            for a in summary["oom"]["advice"]:
+                print(f"  try: {a}", flush=True)
+            if fabric.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            status, error = "error", e
+            summary["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        _close_tensorboard(run)
+    summary.update(_results(run, state, status, time.perf_counter() - t_start))
+    run.write_json("summary.json", summary)
+    print(f"status {status}; final loss {summary['final_loss']}; peak allocated "
+          f"{human_bytes(summary['peak_allocated_bytes'])}; {summary['tokens_per_s'] or 0:,.0f} tok/s; "
+          f"summary: {run.path / 'summary.json'}", flush=True)
+    if error is not None:
+        raise error
+    if status == "oom" and raise_on_oom:
+        raise TrainingOOM(summary)
+    return summary
+
+
+def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
+    snaps = run.read_jsonl("memory.jsonl")
+    peaks = [s["peak_allocated"] for s in snaps]
+    reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
+    metrics = run.read_jsonl("metrics.jsonl")
+    tp = throughput(state.tokens, state.samples, state.train_seconds) if state.train_seconds else \
+        {"tokens_per_s": None, "samples_per_s": None}
+    return {
+        "status": status, "steps": state.step, "tokens": state.tokens, "samples": state.samples,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "first_loss": metrics[0]["loss"] if metrics else None,
+        "peak_allocated_bytes": max(peaks) if peaks else None,
+        "peak_reserved_bytes": max(reserved) if reserved else None,
+        "wall_seconds": wall, "train_seconds": state.train_seconds,
+        "step_time_s": state.train_seconds / state.step if state.step else None,
+        **tp, "mfu": metrics[-1].get("mfu") if metrics else None,
+    }
+
+
+def _close_tensorboard(run: RunDir) -> None:
+    w = _TB.pop(str(run.path), None)
+    if w is not None:
+        w.close()
+
+
+def save_hf_model(b: Built, run: RunDir) -> Path:
+    """The trained model + tokenizer in Hugging Face format (safetensors), written atomically."""
+    tmp = run.path / ".model.tmp"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    model = b.model.module if hasattr(b.model, "module") else b.model
+    model.save_pretrained(tmp, safe_serialization=True)
+    b.tokenizer.save_pretrained(tmp)
+    if run.model.exists():
+        import shutil
+
+        shutil.rmtree(run.model)
+    os.replace(tmp, run.model)
+    return run.model

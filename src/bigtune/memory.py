@@ -1,0 +1,222 @@
+"""Measured memory, per category and per phase of a training step.
+
+On CUDA the totals come from the caching allocator. On CPU there is no allocator to ask, so a
+``LiveTensorTracker`` (a TorchDispatchMode) registers the storage behind every tensor an op
+returns and notices, through a weak reference, when that storage dies: live bytes and their peak
+are then exact for everything created while it runs, plus what it was told about at the start
+(parameters, gradients, optimizer state, the batch). The same tracker runs over fake tensors in the
+planner, which is why planned and measured CPU figures can be compared byte for byte.
+
+Categories (the words are shared with the planner): parameters, gradients, optimizer state on the
+device and on the CPU, activations (= allocated − the rest: saved tensors, the batch, buffers and,
+with several devices, communication buffers), allocated, peak allocated, reserved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from bigtune.stepmath import GIB, storage_bytes
+
+PHASES = ("before_forward", "after_forward", "after_backward", "after_optimizer")
+
+
+class SimulatedOOM(torch.OutOfMemoryError):
+    """Raised by the CPU tracker when live bytes exceed ``memory.cap_gib``."""
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Counts the bytes of live tensor storages; exact on CPU and on fake tensors.
+
+    ``live_bytes`` is what is alive now, ``peak_bytes`` the most since ``reset_peak()``.
+    """
+
+    def __init__(self, cap_bytes: Optional[int] = None):
+        super().__init__()
+        self.cap_bytes = cap_bytes
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, Any] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._generation = 0
+
+    # Storages are keyed by id(); the weak-reference callback removes the key when the storage
+    # dies, before Python can hand the same id to a new object.
+    def _on_free(self, key: int, generation: int) -> None:
+        if generation != self._generation:
+            return
+        size = self._sizes.pop(key, None)
+        self._refs.pop(key, None)
+        if size is not None:
+            self.live_bytes -= size
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            key = id(st)
+            if key in self._sizes:
+                continue
+            size = st.nbytes()
+            gen = self._generation
+            try:
+                self._refs[key] = weakref.ref(st, lambda _r, k=key, g=gen: self._on_free(k, g))
+            except TypeError:
+                continue
+            self._sizes[key] = size
+            self.live_bytes += size
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            if self.cap_bytes is not None and self.live_bytes > self.cap_bytes:
+                raise SimulatedOOM(
+                    f"out of memory: {self.live_bytes / GIB:.3f} GiB live exceeds memory.cap_gib "
+                    f"({self.cap_bytes / GIB:.3f} GiB)")
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def clear(self) -> None:
+        self._generation += 1
+        self._sizes.clear()
+        self._refs.clear()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(tree_flatten(out)[0])
+        return out
+
+
+@dataclass
+class Snapshot:
+    step: int
+    phase: str
+    parameters: int
+    gradients: int
+    optimizer_device: int
+    optimizer_cpu: int
+    activations: int
+    allocated: int
+    peak_allocated: int
+    reserved: Optional[int]
+    peak_reserved: Optional[int]
+    device: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                      device_type: str) -> dict[str, int]:
+    """Parameters, gradients and optimizer state (split device/CPU), from the tensors themselves."""
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    opt_dev: list[torch.Tensor] = []
+    opt_cpu: list[torch.Tensor] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    # A 0-dim CPU `step` counter sits on the CPU even for CUDA training: it is
+                    # optimizer state in host RAM like any other.
+                    (opt_cpu if (v.device.type == "cpu" and device_type != "cpu") else opt_dev).append(v)
+    return {
+        "parameters": storage_bytes(params),
+        "gradients": storage_bytes(grads),
+        "optimizer_device": storage_bytes(opt_dev),
+        "optimizer_cpu": storage_bytes(opt_cpu),
+    }
+
+
+class MemoryMonitor:
+    """Takes categorised snapshots at the four phases of the steps it is told to measure."""
+
+    def __init__(self, device: torch.device, cap_bytes: Optional[int] = None):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.tracker = None if self.is_cuda else LiveTensorTracker(cap_bytes)
+        self.cap_bytes = cap_bytes
+        self._active = False
+        self.last: Optional[Snapshot] = None
+        if self.is_cuda and cap_bytes is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+
+    def begin_step(self, model: torch.nn.Module, optimizer, extra: Iterable[torch.Tensor] = ()) -> None:
+        """Start measuring a step: reset peaks (and on CPU register what already exists)."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        assert self.tracker is not None
+        self.tracker.clear()
+        existing: list[Any] = list(model.parameters()) + list(model.buffers())
+        existing += [p.grad for p in model.parameters() if p.grad is not None]
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                existing += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        existing += list(extra)
+        self.tracker.track(existing)
+        self.tracker.reset_peak()
+        if not self._active:
+            self.tracker.__enter__()
+            self._active = True
+
+    def end_step(self) -> None:
+        if self._active and self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self._active = False
+
+    def snapshot(self, step: int, phase: str, model: torch.nn.Module, optimizer) -> Snapshot:
+        states = model_state_bytes(model, optimizer, self.device.type)
+        if self.is_cuda:
+            allocated = torch.cuda.memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            peak_reserved = torch.cuda.max_memory_reserved(self.device)
+        else:
+            assert self.tracker is not None
+            allocated, peak = self.tracker.live_bytes, self.tracker.peak_bytes
+            reserved = peak_reserved = None  # no caching allocator on the CPU
+        on_device = states["parameters"] + states["gradients"] + states["optimizer_device"]
+        snap = Snapshot(step=step, phase=phase, activations=max(0, allocated - on_device), allocated=allocated,
+                        peak_allocated=peak, reserved=reserved, peak_reserved=peak_reserved,
+                        device=str(self.device), **states)
+        self.last = snap
+        return snap
+
+
+def format_table(snaps: list[Snapshot], capacity_bytes: Optional[int] = None) -> str:
+    """The compact per-phase table printed after measured steps (GiB, or MiB for small runs)."""
+    peak = max((s.peak_allocated for s in snaps), default=0)
+    unit, size = ("GiB", GIB) if peak >= GIB else ("MiB", 1024**2)
+
+    def g(n: Optional[int]) -> str:
+        return "-" if n is None else f"{n / size:.2f}"
+
+    cols = ("params", "grads", "optim", "optim_cpu", "acts", "alloc", "peak", "reserved")
+    lines = [f"{'step':>5} {'phase':<16}" + "".join(f"{c:>10}" for c in cols) + f"  ({unit})"]
+    for s in snaps:
+        vals = (s.parameters, s.gradients, s.optimizer_device, s.optimizer_cpu, s.activations, s.allocated,
+                s.peak_allocated, s.reserved)
+        lines.append(f"{s.step:>5} {s.phase:<16}" + "".join(f"{g(v):>10}" for v in vals))
+    if capacity_bytes and snaps:
+        lines.append(f"peak {peak / GIB:.3f} GiB = {100 * peak / capacity_bytes:.1f}% of {capacity_bytes / GIB:.1f} GiB")
+    return "\n".join(lines)
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()

@@ -1,0 +1,460 @@
+"""The recipe: one typed, documented schema for every knob bigtune has.
+
+A recipe is YAML (or a dict) shaped like the dataclasses below. Every field carries its doc in
+``metadata["doc"]``; the CLI help, ``bigtune recipe --docs`` and docs/recipe.md are generated from
+them, so there is exactly one place to add a knob. Validation collects *every* problem before any
+model is built and names the key, what is wrong and how to fix it.
+
+The lab scripts' knob names map as follows (lab → recipe key):
+model_name → model.name, lr → optim.lr, batch_size → train.micro_batch_size,
+accumulate_grad_batches → train.accumulate_grad_batches, precision → precision, optim → optim.name,
+act_ckpt → train.activation_checkpointing, max_epochs/max_steps/limit_train_batches → train.*,
+devices/strategy → devices/strategy, num_workers → data.num_workers,
+enable_checkpointing → checkpoint.enabled, num_train_samples → data.num_train_samples,
+save_model → checkpoint.save_model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true")
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "cosine", "linear")
+STRATEGIES = ("auto", "single")
+ACCELERATORS = ("auto", "cpu", "cuda")
+DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text")
+FAMILIES = ("causal-lm",)
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached (the single source of truth)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **kw})
+    return field(default=default, metadata={"doc": doc, **kw})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("tiny-llama", "Built-in preset (tiny-llama, tiny-opt), Hugging Face hub id, or local folder "
+                   "holding config.json + safetensors weights. Lab: model_name.")
+    family: Literal["causal-lm"] = _f("causal-lm", "Model family: causal-lm (AutoModelForCausalLM).")
+    revision: Optional[str] = _f(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
+    trust_remote_code: bool = _f(False, "Allow code shipped with a hub model to run. Off unless you trust it.")
+    attn_implementation: Literal["sdpa", "eager"] = _f(
+        "sdpa", "Attention kernel: sdpa (PyTorch scaled_dot_product_attention: flash/mem-efficient on CUDA) or eager.")
+    tokenizer: Optional[str] = _f(None, "Tokenizer folder or hub id when it differs from `name`.")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("demo", "`demo` (bundled instruction set), a .json/.jsonl/.csv/.parquet/.txt file, or a folder "
+                     "written by datasets' save_to_disk.")
+    format: Literal["auto", "alpaca", "text", "jsonl-text"] = _f(
+        "auto", "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column.")
+    split: str = _f("train", "Split to train on when the source holds several (DatasetDict).")
+    text_field: str = _f("text", "Column holding raw text for the text format.")
+    mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
+    max_seq_length: int = _f(512, "Truncate every sample to this many tokens.", min=2)
+    num_train_samples: Optional[int] = _f(None, "Keep only this many samples after a seeded shuffle. Lab: "
+                                          "num_train_samples.", min=1)
+    num_workers: int = _f(0, "DataLoader worker processes. Lab: num_workers.", min=0)
+    skip_bad_records: bool = _f(True, "Skip records with missing/empty fields (each one counted and reported by "
+                                "index). False makes the first bad record an error. Unparseable JSON is always an error.")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = _f(4, "Samples per forward/backward on one device. Lab: batch_size.", min=1)
+    accumulate_grad_batches: int = _f(1, "Micro-batches per optimizer step. Lab: accumulate_grad_batches.", min=1)
+    global_batch_size: Optional[int] = _f(
+        None, "Samples per optimizer step over all devices; if set, accumulate_grad_batches is derived from it "
+        "(must divide by micro_batch_size × devices).", min=1)
+    max_epochs: Optional[int] = _f(1, "Passes over the data (None: run until max_steps). Lab: max_epochs.", min=1)
+    max_steps: Optional[int] = _f(None, "Stop after this many optimizer steps. Lab: max_steps.", min=1)
+    limit_train_batches: Optional[int] = _f(None, "Micro-batches per epoch at most. Lab: limit_train_batches.", min=1)
+    activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward "
+                                        "(non-reentrant). Lab: act_ckpt.")
+    log_every_steps: int = _f(1, "Print/write loss and throughput every N optimizer steps.", min=1)
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer. Lab: optim.")
+    lr: float = _f(3e-4, "Peak learning rate. Lab: lr.", min=0.0)
+    weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW) or L2 (SGD).", min=0.0)
+    betas: list = _f([0.9, 0.999], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
+    momentum: float = _f(0.0, "SGD momentum (0 keeps no optimizer state).", min=0.0)
+    implementation: Literal["auto", "foreach", "fused", "for-loop"] = _f(
+        "auto", "PyTorch optimizer kernel: auto lets torch choose (foreach on CUDA); foreach costs a temporary "
+        "copy of the parameters; fused needs CUDA.")
+    schedule: Literal["constant", "cosine", "linear"] = _f("constant", "LR decay after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
+    min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
+    grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = _f(False, "Save a resumable checkpoint (atomically). Lab: enable_checkpointing.")
+    every_steps: Optional[int] = _f(None, "Checkpoint every N optimizer steps (and at the end when enabled).", min=1)
+    keep_last: int = _f(2, "Keep this many newest checkpoints.", min=1)
+    save_model: bool = _f(True, "Write the final model in Hugging Face format to <output_dir>/model. Lab: save_model.")
+
+
+@dataclass
+class MemoryConfig:
+    enabled: bool = _f(True, "Take memory snapshots at four phases of a step (before/after forward, after "
+                       "backward, after optimizer step).")
+    every_steps: int = _f(50, "Snapshot at optimizer steps 0, 1 and every N.", min=1)
+    cap_gib: Optional[float] = _f(
+        None, "Treat the device as having only this much memory: on CUDA a per-process limit, on CPU the live-tensor "
+        "tracker raises OOM above it (the tracker then runs every step). For what-if runs and tests.", min=0.0)
+
+
+@dataclass
+class Recipe:
+    name: str = _f("demo", "Run name (used for the default output_dir).")
+    model: ModelConfig = _f(None, "Which model to fine-tune.")
+    data: DataConfig = _f(None, "What to train on.")
+    train: TrainConfig = _f(None, "Batching, length of training, activation checkpointing.")
+    optim: OptimConfig = _f(None, "Optimizer and learning-rate schedule.")
+    checkpoint: CheckpointConfig = _f(None, "Checkpoints and the final model.")
+    memory: MemoryConfig = _f(None, "Memory measurement.")
+    precision: Literal["32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true"] = _f(
+        "32-true", "Numeric precision (Lightning Fabric names). Lab: precision.")
+    accelerator: Literal["auto", "cpu", "cuda"] = _f("auto", "Device type; auto picks cuda when available.")
+    devices: int = _f(1, "Devices per node (this release: 1).", min=1)
+    strategy: Literal["auto", "single"] = _f("auto", "Parallel strategy (this release: single device).")
+    seed: int = _f(42, "Seeds data order, initialisation and dropout.")
+    output_dir: Optional[str] = _f(None, "Run directory (default runs/<name>; a suffix is added if it exists).")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if dataclasses.is_dataclass(_SECTIONS.get(f.name)) or f.name in _SECTIONS:
+                if getattr(self, f.name) is None:
+                    setattr(self, f.name, _SECTIONS[f.name]())
+
+    # -- derived values -------------------------------------------------------------------------
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step, derived from global_batch_size when that is set."""
+        t = self.train
+        if t.global_batch_size is not None:
+            return max(1, t.global_batch_size // (t.micro_batch_size * self.devices))
+        return t.accumulate_grad_batches
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.micro_batch_size * self.accumulate * self.devices
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
+    "checkpoint": CheckpointConfig, "memory": MemoryConfig,
+}
+
+
+class RecipeError(ValueError):
+    """One or more problems in a recipe; ``problems`` holds one line each: key, problem, fix."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        super().__init__(f"invalid recipe{where}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+def _field_type(cls: type, name: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _describe(tp: Any) -> str:
+    inner, optional = _unwrap_optional(tp)
+    if typing.get_origin(inner) is Literal:
+        s = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
+    else:
+        s = getattr(inner, "__name__", str(inner))
+    return s + (" or null" if optional else "")
+
+
+def _coerce(value: Any, tp: Any, key: str, meta: dict, problems: list[str]) -> Any:
+    """Check/convert one leaf value; append a problem (and return the raw value) when it does not fit."""
+    inner, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        problems.append(f"{key}: must not be null; expected {_describe(tp)}")
+        return value
+    ok = True
+    out = value
+    if typing.get_origin(inner) is Literal:
+        choices = typing.get_args(inner)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"{key}: {value!r} is not allowed; use one of {', '.join(map(str, choices))}{hint}")
+            return value
+    elif inner is bool:
+        ok = isinstance(value, bool)
+    elif inner is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif inner is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        out = float(value) if ok else value
+    elif inner is str:
+        ok = isinstance(value, str)
+    elif inner is list:
+        ok = isinstance(value, (list, tuple))
+        out = list(value) if ok else value
+    if not ok:
+        problems.append(f"{key}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
+        return value
+    if "min" in meta and isinstance(out, (int, float)) and out < meta["min"]:
+        problems.append(f"{key}: {out!r} is below the minimum {meta['min']}")
+    return out
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or 'recipe'}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+        return cls()
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
+            problems.append(f"{full}: unknown key{hint}")
+            continue
+        f = next(f for f in dataclasses.fields(cls) if f.name == key)
+        if key in _SECTIONS and cls is Recipe:
+            kwargs[key] = _build(_SECTIONS[key], value, f"{full}.", problems)
+        else:
+            kwargs[key] = _coerce(value, _field_type(cls, key), full, dict(f.metadata), problems)
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=v`` → (``a.b``, YAML-parsed v). ``v`` keeps its string form when YAML cannot parse it."""
+    if "=" not in text:
+        raise RecipeError([f"override {text!r}: expected KEY=VALUE, e.g. train.micro_batch_size=8"])
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else None
+    except yaml.YAMLError:
+        value = raw
+    # keep things like model names ("1e-3" is a float, but "open_llama_3b" stays text)
+    return key, value
+
+
+def load_recipe(source: str | Path | dict | Recipe | None = None,
+                overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
+    """Build and validate a Recipe from a YAML path, a dict or nothing (the built-in demo), plus overrides.
+
+    Raises RecipeError listing every problem found.
+    """
+    if isinstance(source, Recipe):
+        tree = source.to_dict()
+        where = None
+    elif isinstance(source, dict):
+        tree = dict(source)
+        where = None
+    elif source is None:
+        tree = {}
+        where = None
+    else:
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            hint = ""
+            shipped = sorted(p.name for p in shipped_recipes())
+            if shipped:
+                close = difflib.get_close_matches(path.name, shipped, n=1)
+                hint = f"; did you mean recipes/{close[0]}?" if close else f"; shipped recipes: {', '.join(shipped)}"
+            raise RecipeError([f"recipe file {path} does not exist{hint}"])
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark else ""
+            raise RecipeError([f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax"]) from None
+        if not isinstance(tree, dict):
+            raise RecipeError([f"{path}: the top level must be a mapping of keys"])
+        if "name" not in tree:
+            tree["name"] = path.stem
+    tree = _deepcopy(tree)
+    problems: list[str] = []
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in (overrides or [])]
+    for key, value in items:
+        _set_path(tree, key, value)
+    recipe = _build(Recipe, tree, "", problems)
+    if not problems:
+        problems.extend(check_combinations(recipe))
+    if problems:
+        raise RecipeError(problems, where)
+    return recipe
+
+
+def _deepcopy(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _deepcopy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_deepcopy(v) for v in tree]
+    return tree
+
+
+def resolve_accelerator(recipe: Recipe) -> str:
+    if recipe.accelerator != "auto":
+        return recipe.accelerator
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_combinations(r: Recipe) -> list[str]:
+    """Cross-field rules, each stated with its reason and fix. Runs before any model or data is loaded."""
+    p: list[str] = []
+    t = r.train
+    if t.max_epochs is None and t.max_steps is None:
+        p.append("train.max_epochs / train.max_steps: both are null, so training would never stop; set one")
+    if t.global_batch_size is not None:
+        per = t.micro_batch_size * r.devices
+        if t.global_batch_size % per:
+            p.append(f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size × devices "
+                     f"= {per}; pick a multiple, or set train.accumulate_grad_batches instead")
+        if "accumulate_grad_batches" in _explicit(t) and t.accumulate_grad_batches != r.accumulate:
+            p.append("train.accumulate_grad_batches and train.global_batch_size disagree; set only one of them")
+    if len(r.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in r.optim.betas):
+        p.append(f"optim.betas: {r.optim.betas!r} must be two numbers, e.g. [0.9, 0.999]")
+    if r.optim.momentum and r.optim.name != "sgd":
+        p.append("optim.momentum: only SGD uses momentum; remove it or set optim.name=sgd")
+    if r.devices > 1 or r.strategy not in ("auto", "single"):
+        p.append(f"devices={r.devices}: this release trains on one device; set devices=1")
+    accel = resolve_accelerator(r)
+    if accel == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.append("accelerator: cuda was asked for but torch sees no CUDA device; use accelerator=cpu or auto")
+    if accel == "cpu":
+        if r.precision == "16-mixed":
+            p.append("precision: 16-mixed needs a CUDA GPU (on CPU Lightning silently switches to bf16-mixed); "
+                     "use bf16-mixed on CPU")
+        if r.precision == "16-true":
+            p.append("precision: 16-true on CPU gives NaN losses with fp16 optimizer state; use bf16-true on CPU")
+        if r.optim.implementation == "fused":
+            p.append("optim.implementation: fused kernels need CUDA; use auto or foreach on CPU")
+    if r.memory.cap_gib is not None and r.memory.cap_gib <= 0:
+        p.append("memory.cap_gib: must be positive")
+    if r.model.family == "causal-lm" and not _is_preset(r.model.name) and _looks_local(r.model.name):
+        path = Path(r.model.name).expanduser()
+        if not path.is_dir():
+            p.append(f"model.name: folder {path} does not exist; give a preset ({', '.join(preset_names())}), a hub id "
+                     "(org/name) or an existing folder")
+        elif not (path / "config.json").is_file():
+            p.append(f"model.name: folder {path} has no config.json; point at a Hugging Face model folder "
+                     "(save_pretrained output)")
+    src = r.data.source
+    if src != "demo" and not Path(src).expanduser().exists():
+        p.append(f"data.source: {src} does not exist; give a file/folder path or `demo`")
+    return p
+
+
+def _explicit(section: Any) -> set[str]:
+    """Fields whose value differs from the default (used to spot contradicting settings)."""
+    out = set()
+    for f in dataclasses.fields(section):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if getattr(section, f.name) != default:
+            out.add(f.name)
+    return out
+
+
+def preset_names() -> list[str]:
+    from bigtune.presets import PRESETS
+
+    return sorted(PRESETS)
+
+
+def _is_preset(name: str) -> bool:
+    return name in preset_names()
+
+
+def _looks_local(name: str) -> bool:
+    """./x, /x, ~/x, a/b/c or an existing path is a folder; `org/name` or `name` is a hub id."""
+    return name.startswith((".", "/", "~")) or name.count("/") >= 2 or Path(name).expanduser().exists()
+
+
+def shipped_recipes() -> list[Path]:
+    root = Path(__file__).resolve().parents[2] / "recipes"
+    return sorted(root.glob("*.yaml")) if root.is_dir() else []
+
+
+# -- documentation -------------------------------------------------------------------------------
+
+def schema_rows() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every leaf of the schema, in order."""
+    rows = []
+    for f in dataclasses.fields(Recipe):
+        if f.name in _SECTIONS:
+            sec = _SECTIONS[f.name]
+            for g in dataclasses.fields(sec):
+                default = g.default if g.default is not dataclasses.MISSING else g.default_factory()  # type: ignore
+                rows.append((f"{f.name}.{g.name}", _describe(_field_type(sec, g.name)), repr(default), g.metadata["doc"]))
+        else:
+            rows.append((f.name, _describe(_field_type(Recipe, f.name)), repr(f.default), f.metadata["doc"]))
+    return rows
+
+
+def schema_markdown() -> str:
+    lines = ["# Recipe reference", "", "Generated from `src/bigtune/recipe.py` (`bigtune recipe --docs`). "
+             "Override any key with `--set key=value`.", "", "| key | type | default | what it does |",
+             "|---|---|---|---|"]
+    for key, tp, default, doc in schema_rows():
+        lines.append(f"| `{key}` | {tp} | `{default}` | {doc} |")
+    return "\n".join(lines) + "\n"
