@@ -118,10 +118,24 @@ def _read_hf(path: Path, split: str) -> list[Any]:
     return [row for row in ds]
 
 
+def _read_hub(dataset_id: str, split: str) -> list[Any]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(dataset_id, split=split)
+    except Exception as e:
+        raise DataError(f"data.source hf:{dataset_id}: could not load split {split!r} from the hub ({e}). Offline, "
+                        "save it elsewhere with `datasets.load_dataset(...).save_to_disk(DIR)` and point "
+                        "data.source at DIR") from e
+    return [row for row in ds]
+
+
 def read_source(cfg: DataConfig) -> tuple[str, list[Any]]:
     """(source label, raw records). Plain .txt files come back as one string."""
     if cfg.source == "demo":
         return str(DEMO_DATA), _read_jsonl(DEMO_DATA)
+    if cfg.source.startswith("hf:"):
+        return cfg.source, _read_hub(cfg.source[3:], cfg.split)
     path = Path(cfg.source).expanduser()
     if not path.exists():
         raise DataError(f"data.source: {path} does not exist")

@@ -27,6 +27,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+DEMO_RECIPE = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -57,8 +58,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = _f("demo", "`demo` (bundled instruction set), a .json/.jsonl/.csv/.parquet/.txt file, or a folder "
-                     "written by datasets' save_to_disk.")
+    source: str = _f("demo", "`demo` (bundled instruction set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
+                     "written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; needs the hub).")
     format: Literal["auto", "alpaca", "text", "jsonl-text"] = _f(
         "auto", "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column.")
     split: str = _f("train", "Split to train on when the source holds several (DatasetDict).")
@@ -305,8 +306,8 @@ def load_recipe(source: str | Path | dict | Recipe | None = None,
         tree = dict(source)
         where = None
     elif source is None:
-        tree = {}
-        where = None
+        tree = yaml.safe_load(DEMO_RECIPE.read_text())
+        where = "the built-in demo recipe"
     else:
         path = Path(source)
         where = str(path)
@@ -400,8 +401,8 @@ def check_combinations(r: Recipe) -> list[str]:
             p.append(f"model.name: folder {path} has no config.json; point at a Hugging Face model folder "
                      "(save_pretrained output)")
     src = r.data.source
-    if src != "demo" and not Path(src).expanduser().exists():
-        p.append(f"data.source: {src} does not exist; give a file/folder path or `demo`")
+    if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
+        p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
     return p
 
 
