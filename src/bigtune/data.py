@@ -159,11 +159,13 @@ def detect_format(cfg: DataConfig, source: str, records: list[Any]) -> str:
         return cfg.format
     if source.endswith((".txt", ".md", ".text")):
         return "text"
-    first = next((r for r in records if isinstance(r, dict)), None)
-    if first is not None and "instruction" in first and "output" in first:
+    # Look past malformed leading records: one bad record must be skipped, not break detection.
+    dicts = [r for r in records[:1000] if isinstance(r, dict)]
+    if any("instruction" in r and "output" in r for r in dicts):
         return "alpaca"
-    if first is not None and cfg.text_field in first:
+    if any(cfg.text_field in r for r in dicts):
         return "jsonl-text"
+    first = dicts[0] if dicts else None
     keys = sorted(first) if first is not None else []
     raise DataError(f"data.source {source}: cannot tell the format from keys {keys}; records need "
                     f"instruction/output (alpaca) or a {cfg.text_field!r} field (set data.text_field), or set "
@@ -200,7 +202,7 @@ def _alpaca_example(rec: Any, tok, cfg: DataConfig) -> tuple[Optional[Example], 
     labels = ([IGNORE_INDEX] * len(prompt) if cfg.mask_prompt else list(prompt)) + answer_ids + eos
     truncated = len(ids) > cfg.max_seq_length
     ids, labels = ids[: cfg.max_seq_length], labels[: cfg.max_seq_length]
-    if sum(1 for x in labels[1:] if x != IGNORE_INDEX) == 0:
+    if len(prompt) >= cfg.max_seq_length:
         return None, f"prompt is longer than data.max_seq_length={cfg.max_seq_length}: no response tokens left", truncated
     return Example(ids, labels), "", truncated
 
@@ -233,6 +235,8 @@ def _text_blocks(text: str, tok, cfg: DataConfig) -> list[Example]:
 def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], DataReport]:
     """Read, validate, tokenize, select num_train_samples (seeded shuffle). Raises DataError if empty."""
     source, records = read_source(cfg)
+    if not records:
+        raise DataError(f"{source}: no usable samples (the source holds no records)")
     fmt = detect_format(cfg, source, records)
     report = DataReport(source=source, format=fmt, records=len(records))
     examples: list[Example] = []
@@ -243,12 +247,12 @@ def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], Data
         make = _alpaca_example if fmt == "alpaca" else _text_example
         for i, rec in enumerate(records):
             ex, reason, truncated = make(rec, tok, cfg)
-            report.truncated += int(truncated)
             if ex is None:
                 if not cfg.skip_bad_records:
                     raise DataError(f"{source} record {i}: {reason}; fix the record or set data.skip_bad_records=true")
                 report.skipped.append((i, reason))
                 continue
+            report.truncated += int(truncated)
             examples.append(ex)
     if not examples:
         raise DataError(f"{source}: no usable samples ({report.records} records, {len(report.skipped)} skipped"
@@ -299,7 +303,8 @@ class EpochSampler(torch.utils.data.Sampler[int]):
     def order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        # A large odd stride keeps (seed, epoch) pairs from sharing a permutation.
+        g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
         return torch.randperm(self.n, generator=g).tolist()
 
     def __iter__(self) -> Iterator[int]:

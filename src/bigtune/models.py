@@ -76,7 +76,7 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int) -> torch
             files = {p.suffix for p in Path(name).iterdir()}
             if ".safetensors" not in files and (".bin" in files or ".pt" in files):
                 raise ModelError(
-                    f"model folder {name} has only pickle weights (.bin/.pt), which bigtune does not load because "
+                    f"model folder {name} has only pickle weights (.bin/.pt); bigtune loads safetensors only, because "
                     "unpickling can run code. Convert once: `python -c \"from transformers import "
                     "AutoModelForCausalLM as M; M.from_pretrained('" + name + "').save_pretrained('" + name +
                     "-st')\"` and point model.name at the new folder.")

@@ -229,6 +229,12 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict, problems: list[str]) -> A
     elif inner is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif inner is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-3` (no dot) as text; accept any string float() understands.
+            try:
+                value = out = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         out = float(value) if ok else value
     elif inner is str:

@@ -1,0 +1,131 @@
+"""The command line as a new user meets it: the demo, local model folders, and one clear error per mistake."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, read_jsonl, run_cli
+
+FAST = ["--set", "train.max_steps=2", "--set", "train.max_epochs=null", "--set", "checkpoint.save_model=false",
+        "--set", "data.max_seq_length=64"]
+
+
+def test_demo_runs_loss_falls_and_prints_memory_table(tmp_path):
+    res = run_cli("train", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "# resolved recipe" in out
+    assert "before_forward" in out and "after_optimizer" in out and "peak" in out
+    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert summary["status"] == "ok"
+    assert summary["final_loss"] < 0.5 * summary["first_loss"], (summary["first_loss"], summary["final_loss"])
+    for name in ("recipe.yaml", "metrics.jsonl", "metrics.csv", "memory.jsonl", "summary.json"):
+        assert (tmp_path / "runs" / "demo" / name).is_file(), name
+    # the exported model is a plain Hugging Face folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "demo" / "model")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "runs" / "demo" / "model")
+    assert model.config.model_type == "llama" and tok.pad_token == "<pad>"
+    # a second run does not overwrite the first
+    res2 = run_cli("train", *FAST, cwd=tmp_path)
+    assert res2.returncode == 0 and (tmp_path / "runs" / "demo-2" / "summary.json").is_file()
+
+
+def _one_error(res, *fragments):
+    assert res.returncode == 2, res.stdout + res.stderr
+    err = res.stderr.strip()
+    assert err.startswith("bigtune: error:"), err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in err, err
+
+
+def test_misspelled_key(tmp_path):
+    _one_error(run_cli("train", "--set", "train.micro_bach_size=2", cwd=tmp_path), "did you mean train.micro_batch_size")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_wrong_type(tmp_path):
+    _one_error(run_cli("train", "--set", "train.max_steps=lots", cwd=tmp_path), "train.max_steps", "int")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_model_folder(tmp_path):
+    _one_error(run_cli("train", "--model", "./models/nope", cwd=tmp_path), "model.name", "does not exist")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_corrupt_jsonl_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    good = json.dumps({"instruction": "Say hi", "input": "", "output": "hi"})
+    data.write_text(good + "\n" + good + "\n{\"instruction\": \"broken\", \n" + good + "\n")
+    _one_error(run_cli("train", "--data", str(data), *FAST, cwd=tmp_path), str(data), "line 3")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_records_are_reported_not_fatal(tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = [{"instruction": "Say hi", "input": "", "output": "hi there"}] * 6
+    rows.insert(2, {"instruction": "no output here"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run_cli("train", "--data", str(data), *FAST, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "skipped record 2: missing 'output'" in res.stdout
+    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert summary["data"]["skipped"] == 1 and summary["data"]["used"] == 6
+
+
+def test_local_hf_folder_trains(tmp_path):
+    from bigtune.models import build_model
+    from bigtune.presets import tiny_tokenizer
+    from bigtune.recipe import ModelConfig
+
+    tok = tiny_tokenizer()
+    folder = tmp_path / "my-model"
+    build_model(ModelConfig(name="tiny-opt"), tok, "32-true", seed=0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    res = run_cli("train", "--model", str(folder), *FAST, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["recipe"]["model"]["name"] == str(folder)
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "pytorch_model.bin").write_bytes(b"not really")
+    from bigtune.presets import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(folder)
+    _one_error(run_cli("train", "--model", str(folder), *FAST, cwd=tmp_path), "pickle", "safetensors")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_oom_exit_code_and_summary(tmp_path):
+    res = run_cli("train", *FAST, "--set", "memory.cap_gib=0.004", cwd=tmp_path)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "OUT OF MEMORY at step 0" in res.stdout and "try:" in res.stdout
+    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    assert summary["status"] == "oom" and summary["oom"]["phase"] in ("forward", "backward", "optimizer")
+
+
+def test_recipe_verb_prints_resolved_recipe_and_docs(tmp_path):
+    res = run_cli("recipe", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--set", "precision=bf16-mixed", cwd=tmp_path)
+    assert res.returncode == 0 and "precision: bf16-mixed" in res.stdout
+    res = run_cli("recipe", "--docs", cwd=tmp_path)
+    assert "| `train.micro_batch_size` |" in res.stdout
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, bigtune, bigtune.cli; print('lightning' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT / "src")}).stdout.strip()
+    assert out == "False False"
