@@ -69,7 +69,8 @@ def bare_steps_per_s(steps: int) -> float:
             it = iter(loader)
             batch = next(it)
         scale = loss_normaliser([batch["labels"]])
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        mask = batch["attention_mask"] if batch["padded"] else None  # the engine skips full masks too
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask).logits
         loss = causal_lm_loss_sum(logits, batch["labels"]) * scale
         loss.backward()
         opt.step()

@@ -169,23 +169,28 @@ class LoopState:
 
 
 def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonitor], measure: bool,
-               state: LoopState) -> tuple[torch.Tensor, list[mem.Snapshot]]:
-    """One optimizer step over ``batches`` (the micro-batches of one accumulation window)."""
+               state: LoopState, token_count: Optional[int] = None) -> tuple[torch.Tensor, list[mem.Snapshot]]:
+    """One optimizer step over ``batches`` (the micro-batches of one accumulation window).
+
+    ``token_count`` is the window's target-token count when the caller knows it (counted across
+    ranks, or outside the planner's fake tensors); otherwise it is counted here.
+    """
     fabric, model, opt = b.fabric, b.model, b.optimizer
-    scale = loss_normaliser([x["labels"] for x in batches])
+    scale = loss_normaliser([x["labels"] for x in batches], global_token_count=token_count)
     snaps: list[mem.Snapshot] = []
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
-        batch = {k: v.to(fabric.device, non_blocking=True) for k, v in batch.items()}
+        padded = batch.get("padded", True)
+        batch = {k: v.to(fabric.device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         if track and i == 0:
             monitor.begin_step(model, opt, extra=batch.values())
         if measure and i == 0:
             snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
         with fabric.no_backward_sync(model, enabled=not last):
             state.phase = "forward"
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"] if padded else None).logits
             loss = causal_lm_loss_sum(logits, batch["labels"]) * scale
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
@@ -198,7 +203,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
         snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
     state.phase = "optimizer"
     if b.recipe.optim.grad_clip is not None:
-        fabric.clip_gradients(model, opt, max_norm=b.recipe.optim.grad_clip)
+        # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
+        fabric.clip_gradients(model, opt, max_norm=b.recipe.optim.grad_clip, error_if_nonfinite=False)
     opt.step()
     b.scheduler.step()
     if measure:
@@ -254,6 +260,10 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             window_steps += 1
             if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
                 mean_loss = (loss_acc / window_steps).item()  # the only host sync, once per log window
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(
+                        f"loss became {mean_loss} by step {state.step}: lower optim.lr, set optim.grad_clip, or use "
+                        "bf16 instead of fp16 precision")
                 dt = time.perf_counter() - window_t0
                 state.train_seconds += dt
                 tp = throughput(window_tokens, window_samples, dt)

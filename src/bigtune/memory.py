@@ -38,9 +38,11 @@ class LiveTensorTracker(TorchDispatchMode):
     ``live_bytes`` is what is alive now, ``peak_bytes`` the most since ``reset_peak()``.
     """
 
-    def __init__(self, cap_bytes: Optional[int] = None):
+    def __init__(self, cap_bytes: Optional[int] = None, round_to: int = 1):
         super().__init__()
         self.cap_bytes = cap_bytes
+        # The planner sets 512 to emulate the CUDA caching allocator, which rounds every block up.
+        self.round_to = round_to
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
         self.live_bytes = 0
@@ -68,7 +70,7 @@ class LiveTensorTracker(TorchDispatchMode):
             key = id(st)
             if key in self._sizes:
                 continue
-            size = st.nbytes()
+            size = -(-st.nbytes() // self.round_to) * self.round_to
             gen = self._generation
             try:
                 self._refs[key] = weakref.ref(st, lambda _r, k=key, g=gen: self._on_free(k, g))
@@ -143,10 +145,10 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
 class MemoryMonitor:
     """Takes categorised snapshots at the four phases of the steps it is told to measure."""
 
-    def __init__(self, device: torch.device, cap_bytes: Optional[int] = None):
+    def __init__(self, device: torch.device, cap_bytes: Optional[int] = None, round_to: int = 1):
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.tracker = None if self.is_cuda else LiveTensorTracker(cap_bytes)
+        self.tracker = None if self.is_cuda else LiveTensorTracker(cap_bytes, round_to)
         self.cap_bytes = cap_bytes
         self._active = False
         self.last: Optional[Snapshot] = None

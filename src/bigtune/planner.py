@@ -1,0 +1,422 @@
+"""bigtune plan: predict per-device memory and step time before training, without a GPU or weights.
+
+Method. The engine's own ``train_step`` runs two optimizer steps on *fake* tensors
+(``FakeTensorMode``: shapes and dtypes, no data, no memory) with the same model class, the same
+Fabric precision plugin, the same loss and the same optimizer, under the same ``MemoryMonitor``
+that measures real CPU runs. Only a model's first one and two decoder layers are simulated; every
+number is then extrapolated linearly to the real depth (exact for homogeneous stacks). So on a CPU
+the plan equals the measurement by construction, and any change to the engine changes the plan.
+
+For a CUDA target the simulation emulates what CUDA would do differently: the caching allocator
+rounds each block up to 512 bytes, and ``optim.implementation: auto`` becomes foreach (PyTorch's
+CUDA default, which needs a temporary the size of the parameters). What simulation cannot see is
+added analytically and labelled as such: the CUDA context, allocator fragmentation (reserved vs
+allocated) and, for several GPUs, sharding and communication buffers. Those terms are *assumptions*
+until calibrated against GPU measurements (bench/plan_accuracy.py); the plan says so.
+
+Step time is a roofline estimate: model FLOPs at an assumed fraction of the GPU's dense peak, plus
+the optimizer's memory traffic at an assumed fraction of the bandwidth, plus communication.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+from typing import Any, Optional
+
+import torch
+
+from bigtune.memory import PHASES
+from bigtune.recipe import Recipe, load_recipe
+
+GIB = 1024**3
+CONFIG_DIR = Path(__file__).resolve().parent / "assets" / "configs"
+CATEGORIES = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
+              "peak_allocated")
+
+# --- assumptions for CUDA targets (not seen by simulation; uncalibrated until GPU runs are committed) ---
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)   # CUDA context + cuBLAS/cuDNN handles outside PyTorch's allocator
+RESERVED_OVER_ALLOCATED = 1.05        # caching-allocator fragmentation: reserved ≈ 1.05 × peak allocated
+FIT_MARGIN = 0.02                     # keep 2 % of the card free before calling a plan FITS
+ASSUMED_MFU = 0.45                    # fraction of dense peak FLOP/s a fine-tuning step reaches
+ASSUMED_BW_EFFICIENCY = 0.7           # fraction of DRAM bandwidth the optimizer's update reaches
+
+
+class PlanError(ValueError):
+    """The recipe cannot be planned as given (unknown model config, unsupported family...)."""
+
+
+# -- model configs ------------------------------------------------------------------------------------
+
+def bundled_config_path(name: str) -> Optional[Path]:
+    p = CONFIG_DIR / (name.replace("/", "--") + ".json")
+    return p if p.is_file() else None
+
+
+def resolve_config(recipe: Recipe):
+    """The model's HF config, from a preset, a local folder, a bundled copy, or the hub (in that order)."""
+    from transformers import AutoConfig
+
+    from bigtune.presets import PRESETS, preset_config, tiny_tokenizer
+
+    name = recipe.model.name
+    if name in PRESETS:
+        return preset_config(name, tiny_tokenizer())
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return AutoConfig.from_pretrained(str(local), trust_remote_code=recipe.model.trust_remote_code)
+    bundled = bundled_config_path(name)
+    if bundled is not None:
+        d = json.loads(bundled.read_text())
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    try:
+        return AutoConfig.from_pretrained(name, revision=recipe.model.revision,
+                                          trust_remote_code=recipe.model.trust_remote_code)
+    except Exception as e:
+        known = sorted(p.stem.replace("--", "/") for p in CONFIG_DIR.glob("*.json"))
+        raise PlanError(f"model.name {name!r}: no config.json found (not a preset, not a local folder, not bundled, "
+                        f"hub unreachable: {type(e).__name__}). Point model.name at a folder holding its "
+                        f"config.json, or use a bundled one: {', '.join(known)}") from e
+
+
+# -- simulation ---------------------------------------------------------------------------------------
+
+@dataclass
+class Sim:
+    """Per-phase categories of the steady step (step 1) and the peak over both simulated steps."""
+    phases: dict[str, dict[str, int]]
+    peak_allocated: int
+    numel: int
+    matmul_numel: int
+
+
+def _sim_precision(precision: str) -> str:
+    # Fabric on a CPU turns 16-mixed into bf16-mixed; the byte counts are the same (2-byte copies).
+    return "bf16-mixed" if precision == "16-mixed" else precision
+
+
+def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Optional[int] = None) -> Sim:
+    """Run one steady-state training step of ``recipe`` with ``n_layers`` decoder layers on fake tensors.
+
+    The optimizer state is created first (one update with zero gradients), so the simulated step is
+    like the engine's step 1 and later: its peak is the run's peak. Accumulation windows are
+    simulated with two micro-batches: from the second one on, gradients are held during forward,
+    and a third micro-batch repeats the second one's memory exactly.
+    """
+    from lightning.fabric import Fabric
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from bigtune.engine import LoopState, make_optimizer, train_step
+    from bigtune.memory import MemoryMonitor
+    from bigtune.models import enable_activation_checkpointing, weights_dtype
+    from bigtune.stepmath import target_token_count
+
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = n_layers
+    cfg.use_cache = False
+    cfg._attn_implementation = recipe.model.attn_implementation
+    r = copy.deepcopy(recipe)
+    if cuda and r.optim.implementation == "auto":
+        r.optim.implementation = "foreach"  # torch's default for CUDA tensors
+    fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
+    # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
+    # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
+    fabric._precision.convert_module = lambda module: module
+    fabric._strategy.module_to_device = lambda module: None  # already on the (fake) CPU
+    b_size, seq = micro_batch or r.train.micro_batch_size, r.data.max_seq_length
+    k = min(r.accumulate, 2)
+    # Real (tiny) token ids: the loss normaliser needs a concrete count; everything else is fake.
+    ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+                "padded": False} for _ in range(k)]  # distinct storages, like distinct real micro-batches
+    tokens = int(target_token_count(ids)) * r.accumulate
+    # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
+    # sequences, which the real run (one sequence per row, checked on real values) drops.
+    no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=weights_dtype(r.precision))
+        model.config.use_cache = False
+        model.train()
+        if r.train.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        numel = sum(p.numel() for p in model.parameters())
+        matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        wrapped = fabric.setup_module(model)
+        opt = fabric.setup_optimizers(make_optimizer(r, wrapped))
+        for p in wrapped.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
+        monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
+        _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+    steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
+    return Sim(steady, max(s.peak_allocated for s in snaps), numel, matmul)
+
+
+def _extrapolate(a: int, b: int, n: int) -> int:
+    """Value at n layers from values at 1 and 2 layers (linear in depth)."""
+    return int(a + (b - a) * (n - 1))
+
+
+def simulate_full_depth(recipe: Recipe, config, cuda: bool) -> Sim:
+    n = int(config.num_hidden_layers)
+    if n <= 2:
+        return simulate(recipe, config, n, cuda)
+    s1, s2 = simulate(recipe, config, 1, cuda), simulate(recipe, config, 2, cuda)
+    phases = {ph: {c: _extrapolate(s1.phases[ph][c], s2.phases[ph][c], n) for c in CATEGORIES} for ph in s1.phases}
+    return Sim(phases, _extrapolate(s1.peak_allocated, s2.peak_allocated, n), _extrapolate(s1.numel, s2.numel, n),
+               _extrapolate(s1.matmul_numel, s2.matmul_numel, n))
+
+
+# -- the plan -------------------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """Where the recipe would run: a CPU, or ``gpus`` × a catalog GPU."""
+    device: str = "cpu"
+    gpu: Any = None
+    gpus: int = 1
+    strategy: str = "single"     # single | ddp | fsdp  (several GPUs are planned analytically)
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return int(self.gpu.memory_gib * GIB) if self.gpu is not None else None
+
+    def label(self) -> str:
+        if self.gpu is None:
+            return "cpu"
+        return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy})" if self.gpus > 1 else "")
+
+
+@dataclass
+class Plan:
+    recipe_name: str
+    target: str
+    variant: str
+    phases: dict[str, dict[str, int]]
+    peak_allocated: int
+    peak_reserved: Optional[int]
+    overhead: int
+    peak_total: int
+    capacity: Optional[int]
+    fits: Optional[bool]
+    parameters_total: int
+    step_time_s: Optional[float]
+    tokens_per_s: Optional[float]
+    tokens_per_step: int
+    notes: list[str] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    plan_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def model_states(self) -> dict[str, int]:
+        p = self.phases.get("after_backward", {})
+        return {c: p.get(c, 0) for c in ("parameters", "gradients", "optimizer_device", "optimizer_cpu")}
+
+
+def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
+    """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
+    if target.gpus <= 1:
+        return sim.phases, sim.peak_allocated, []
+    n = target.gpus
+    notes = [f"{n} GPUs with {target.strategy}: planned analytically from the 1-GPU simulation "
+             "(the engine trains on one device in this release)"]
+    phases = copy.deepcopy(sim.phases)
+    peak = sim.peak_allocated
+    if target.strategy == "fsdp":
+        saved = 0
+        for ph in phases.values():
+            before = ph["parameters"] + ph["gradients"] + ph["optimizer_device"]
+            for c in ("parameters", "gradients", "optimizer_device"):
+                ph[c] = -(-ph[c] // n)
+            after = ph["parameters"] + ph["gradients"] + ph["optimizer_device"]
+            ph["allocated"] -= before - after
+            saved = max(saved, before - after)
+        # Each rank all-gathers one block's full parameters (two in flight with prefetch) and
+        # reduce-scatters its gradients: about 3 blocks of unsharded weights in compute precision.
+        es = 4 if recipe.precision == "32-true" else 2
+        buffers = int(3 * sim.numel / max(1, n_layers) * es)
+        for ph in phases.values():
+            ph["activations"] += buffers
+            ph["allocated"] += buffers
+        peak = peak - saved + buffers
+        notes.append(f"FSDP: model states / {n}; + {buffers / GIB:.2f} GiB all-gather/reduce-scatter buffers")
+    return phases, peak, notes
+
+
+def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[float], Optional[float], list[str]]:
+    from bigtune.gpus import peak_flops
+    from bigtune.stepmath import decoder_flops_per_token
+
+    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
+    if target.gpu is None:
+        return None, None, []
+    peak = peak_flops(target.gpu, recipe.precision)
+    if not peak:
+        return None, None, [f"{target.gpu.key} has no {recipe.precision} tensor-core rate in the catalog"]
+    fpt = decoder_flops_per_token(sim.matmul_numel, int(config.num_hidden_layers), int(config.hidden_size),
+                                  recipe.data.max_seq_length)
+    if recipe.train.activation_checkpointing:
+        fpt *= 4 / 3  # one extra forward
+    t_compute = tokens * fpt / (peak * ASSUMED_MFU * target.gpus) * target.gpus  # per device: its own tokens
+    states = sim.phases["after_backward"]
+    # The update reads parameters, gradients and state and writes parameters and state.
+    moved = 2 * states["parameters"] + states["gradients"] + 2 * states["optimizer_device"]
+    if target.strategy == "fsdp":
+        moved /= target.gpus
+    t_opt = moved / (target.gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_BW_EFFICIENCY)
+    t_comm = 0.0
+    if target.gpus > 1 and target.gpu.interconnect_gbs:
+        grad_bytes = states["gradients"]
+        factor = 2 * (target.gpus - 1) / target.gpus
+        volume = factor * grad_bytes * (1.5 if target.strategy == "fsdp" else 1.0)
+        t_comm = volume / (target.gpu.interconnect_gbs / 2 * 1e9)  # one direction of the bidirectional figure
+    step = t_compute + t_opt + t_comm
+    return step, tokens * target.gpus / step, [
+        f"time: roofline at {ASSUMED_MFU:.0%} of dense peak and {ASSUMED_BW_EFFICIENCY:.0%} of bandwidth (assumed, "
+        "uncalibrated)"]
+
+
+def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
+         config=None, sim: Optional[Sim] = None) -> Plan:
+    """Predict one recipe on one target. ``sim`` reuses a simulation of the same single-device step."""
+    t0 = time.perf_counter()
+    config = config if config is not None else resolve_config(recipe)
+    cuda = target.device == "cuda"
+    if sim is None:
+        sim = simulate_full_depth(recipe, config, cuda)
+    phases, peak, notes = _shard(sim, recipe, target, int(config.num_hidden_layers))
+    if cuda:
+        reserved = int(peak * RESERVED_OVER_ALLOCATED)
+        overhead = CUDA_CONTEXT_BYTES
+        notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated and CUDA context "
+                     f"{CUDA_CONTEXT_BYTES / GIB:.1f} GiB are assumptions until calibrated on GPU runs")
+    else:
+        reserved, overhead = None, 0
+    total = (reserved if reserved is not None else peak) + overhead
+    cap = target.capacity_bytes
+    fits = None if cap is None else total <= cap * (1 - FIT_MARGIN)
+    step, tps, tnotes = _time(recipe, sim, target, config)
+    return Plan(recipe_name=recipe.name, target=target.label(), variant=variant, phases=phases, peak_allocated=peak,
+                peak_reserved=reserved, overhead=overhead, peak_total=total, capacity=cap, fits=fits,
+                parameters_total=sim.numel, step_time_s=step, tokens_per_s=tps,
+                tokens_per_step=recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
+                * target.gpus, notes=notes + tnotes, overrides=overrides or {},
+                plan_seconds=time.perf_counter() - t0)
+
+
+# -- alternatives -------------------------------------------------------------------------------------
+
+def candidate_overrides(recipe: Recipe, max_gpus: int) -> list[tuple[str, dict, int, str]]:
+    """(label, recipe overrides, gpus, strategy) for variants that keep the global batch size."""
+    g = recipe.global_batch_size
+    micro = sorted({m for m in (recipe.train.micro_batch_size, 1, 2, 4, 8, 16, 32) if m <= g and g % m == 0})
+    out = []
+    for precision in ("bf16-true", "bf16-mixed", "32-true"):
+        for ckpt in (False, True):
+            for optim in ("adamw", "sgd"):
+                for m in micro:
+                    over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim,
+                            "train.micro_batch_size": m, "train.accumulate_grad_batches": g // m,
+                            "train.global_batch_size": None}
+                    if optim == "adamw":
+                        over["optim.momentum"] = 0.0
+                    label = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}, micro {m} × acc {g // m}"
+                    out.append((label, over, 1, "single"))
+    gpus = 2
+    while gpus <= max_gpus:
+        for strategy in ("ddp", "fsdp"):
+            if g % gpus:
+                continue
+            per = g // gpus
+            m = min(recipe.train.micro_batch_size, per)
+            while per % m:
+                m -= 1
+            over = {"train.micro_batch_size": m, "train.accumulate_grad_batches": per // m,
+                    "train.global_batch_size": None}
+            out.append((f"{recipe.precision}, {gpus} GPUs {strategy}, micro {m} × acc {per // m}", over, gpus, strategy))
+        gpus *= 2
+    return out
+
+
+def alternatives(recipe: Recipe, target: Target, max_gpus: int = 8, config=None) -> list[Plan]:
+    """Variants that fit, fastest first (predicted tokens/s; peak memory breaks ties)."""
+    config = config if config is not None else resolve_config(recipe)
+    base = {k: v for k, v in recipe.to_dict().items()}
+    plans = []
+    cache: dict[str, Sim] = {}
+    for label, over, gpus, strategy in candidate_overrides(recipe, max_gpus):
+        r = load_recipe(base, {**over, "accelerator": "cpu"})
+        r.accelerator = recipe.accelerator
+        t = Target(target.device, target.gpu, gpus, strategy)
+        p = plan_cached(r, t, label, over, config, cache)
+        if p.fits is None or p.fits:
+            plans.append(p)
+    plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
+    return plans
+
+
+def plan_cached(recipe: Recipe, target: Target, label: str, over: dict, config, cache: dict) -> Plan:
+    """``plan`` with simulations shared between variants that differ only in GPU count/strategy."""
+    key = json.dumps([recipe.precision, recipe.train.activation_checkpointing, recipe.optim.name,
+                      recipe.optim.momentum, recipe.optim.implementation, recipe.train.micro_batch_size,
+                      recipe.accumulate, recipe.data.max_seq_length, target.device])
+    if key not in cache:
+        cache[key] = simulate_full_depth(recipe, config, target.device == "cuda")
+    return plan(recipe, target, label, over, config, sim=cache[key])
+
+
+# -- presentation -------------------------------------------------------------------------------------
+
+def format_plan(p: Plan) -> str:
+    unit, size = ("GiB", GIB) if p.peak_allocated >= GIB else ("MiB", 1024**2)
+
+    def g(n):
+        return "-" if n is None else f"{n / size:.2f}"
+
+    cols = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
+            "peak_allocated")
+    heads = ("params", "grads", "optim", "optim_cpu", "acts", "alloc", "peak")
+    lines = [f"plan: {p.recipe_name} on {p.target}: {p.parameters_total / 1e9:.3f} B parameters",
+             f"{'phase':<16}" + "".join(f"{h:>10}" for h in heads) + f"  ({unit}, predicted, per device)"]
+    for ph in PHASES:
+        if ph in p.phases:
+            lines.append(f"{ph:<16}" + "".join(f"{g(p.phases[ph][c]):>10}" for c in cols))
+    lines.append(f"peak allocated {p.peak_allocated / GIB:.2f} GiB"
+                 + (f"; reserved ≈ {p.peak_reserved / GIB:.2f} GiB + context {p.overhead / GIB:.2f} GiB = "
+                    f"{p.peak_total / GIB:.2f} GiB" if p.peak_reserved is not None else ""))
+    if p.capacity is not None:
+        verdict = "FITS" if p.fits else "OOM"
+        lines.append(f"{verdict}: {p.peak_total / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
+                     f"({100 * p.peak_total / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})")
+    if p.step_time_s:
+        lines.append(f"step ≈ {p.step_time_s:.3f} s, ≈ {p.tokens_per_s:,.0f} tokens/s "
+                     f"({p.tokens_per_step:,} tokens per optimizer step)")
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def format_alternatives(plans: list[Plan], limit: int = 20) -> str:
+    if not plans:
+        return "no variant fits; try more GPUs (--gpus) or a larger card"
+    lines = [f"{'#':>3} {'tokens/s':>11} {'peak GiB':>9}  variant"]
+    for i, p in enumerate(plans[:limit], 1):
+        tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
+        lines.append(f"{i:>3} {tps:>11} {p.peak_total / GIB:>9.2f}  {p.variant}")
+    if len(plans) > limit:
+        lines.append(f"... {len(plans) - limit} more (--json lists all)")
+    return "\n".join(lines)
