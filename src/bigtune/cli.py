@@ -40,6 +40,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", nargs="?", const="", metavar="RUN_OR_CKPT",
                    help="continue from a run directory's newest checkpoint (or a .ckpt file); without a value, "
                         "the recipe's output_dir")
+    pl = sub.add_parser("plan", help="predict per-device memory and step time (no GPU, no weights needed)")
+    _add_recipe_args(pl)
+    pl.add_argument("--gpu", help="GPU model from the catalog, e.g. h100-80gb, a100-80gb, rtx-4090 "
+                    "(default: plan for this machine's CPU)")
+    pl.add_argument("--gpus", type=int, default=1, help="number of GPUs (several are planned analytically)")
+    pl.add_argument("--strategy", choices=["ddp", "fsdp"], default="fsdp", help="strategy when --gpus > 1")
+    pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
+    pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
+    pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
     r = sub.add_parser("recipe", help="validate and print the resolved recipe, or the schema reference")
     _add_recipe_args(r)
     r.add_argument("--docs", action="store_true", help="print the reference of every recipe key (Markdown)")
@@ -61,15 +71,19 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_recipe(args)
         if args.verb == "train":
             return _cmd_train(args)
+        if args.verb == "plan":
+            return _cmd_plan(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - map known input errors to exit 2 with one clear message
         from bigtune.data import DataError
+        from bigtune.gpus import UnknownGPUError
         from bigtune.models import ModelError
+        from bigtune.planner import PlanError
         from bigtune.recipe import RecipeError
 
-        if isinstance(e, (RecipeError, DataError, ModelError, FileNotFoundError)):
+        if isinstance(e, (RecipeError, DataError, ModelError, FileNotFoundError, PlanError, UnknownGPUError)):
             print(f"bigtune: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
@@ -96,3 +110,39 @@ def _cmd_train(args) -> int:
         resume = r.output_dir or str(Path("runs") / r.name)
     summary = train(args.recipe, _overrides(args), resume=resume)
     return {"ok": EXIT_OK, "oom": EXIT_OOM}.get(summary["status"], EXIT_ERROR)
+
+
+def _cmd_plan(args) -> int:
+    import json
+
+    from bigtune.gpus import custom_gpu, find_gpu
+    from bigtune.planner import PlanError, Target, alternatives, format_alternatives, format_plan, plan, \
+        resolve_config
+    from bigtune.recipe import load_recipe
+
+    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"])
+    if args.gpus < 1:
+        raise PlanError("--gpus must be at least 1")
+    if args.gpu or args.gpu_memory:
+        gpu = find_gpu(args.gpu) if args.gpu else None
+        if args.gpu_memory:
+            gpu = custom_gpu(args.gpu_memory, gpu)
+        target = Target("cuda", gpu, args.gpus, args.strategy if args.gpus > 1 else "single")
+    else:
+        if args.gpus > 1:
+            raise PlanError("--gpus needs --gpu NAME (which GPU?)")
+        target = Target("cpu")
+    config = resolve_config(r)
+    p = plan(r, target, config=config)
+    alts = alternatives(r, target, max_gpus=args.max_gpus, config=config) if args.alternatives else None
+    if args.json:
+        out = {"plan": p.to_dict()}
+        if alts is not None:
+            out["alternatives"] = [a.to_dict() for a in alts]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(p))
+        if alts is not None:
+            print(f"\nalternatives that fit on {target.gpu.key if target.gpu else 'cpu'}, fastest first:")
+            print(format_alternatives(alts))
+    return EXIT_OK

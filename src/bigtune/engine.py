@@ -242,8 +242,10 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             measure = monitor is not None and r.memory.enabled and (
                 state.step in (0, 1) or state.step % r.memory.every_steps == 0)
             loss, snaps = train_step(b, batches, monitor, measure, state)
+            shape = list(batches[0]["input_ids"].shape)
+            padded = any(x.get("padded", True) for x in batches)
             for s in snaps:
-                run.append_jsonl("memory.jsonl", s.to_dict())
+                run.append_jsonl("memory.jsonl", {**s.to_dict(), "batch_shape": shape, "padded": padded})
             if snaps:
                 print(mem.format_table(snaps, _capacity(b.fabric.device, r)), flush=True)
             tokens = sum(int(x["attention_mask"].sum()) for x in batches)
@@ -446,6 +448,8 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
           f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
           f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)", flush=True)
 
+    prediction = predict_for_device(r, fabric.device) if r.memory.plan else None
+
     run = RunDir(run_path)
     run.create()
     run.write_text("recipe.yaml", r.to_yaml())
@@ -483,6 +487,12 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
             print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
             for a in summary["oom"]["advice"]:
                 print(f"  try: {a}", flush=True)
+            fitting = alternatives_for_device(r, fabric.device, cap)
+            if fitting:
+                summary["oom"]["alternatives"] = fitting
+                print("  variants the planner predicts to fit, fastest first:", flush=True)
+                for line in fitting[:5]:
+                    print(f"    {line}", flush=True)
             if fabric.device.type == "cuda":
                 torch.cuda.empty_cache()
         else:
@@ -491,6 +501,9 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
     finally:
         _close_tensorboard(run)
     summary.update(_results(run, state, status, time.perf_counter() - t_start))
+    if prediction is not None:
+        summary["plan"] = compare_with_plan(prediction, r, fabric.device, run.read_jsonl("memory.jsonl"))
+        print(format_comparison(summary["plan"]), flush=True)
     run.write_json("summary.json", summary)
     print(f"status {status}; final loss {summary['final_loss']}; peak allocated "
           f"{human_bytes(summary['peak_allocated_bytes'])}; {summary['tokens_per_s'] or 0:,.0f} tok/s; "
@@ -500,6 +513,103 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
     if status == "oom" and raise_on_oom:
         raise TrainingOOM(summary)
     return summary
+
+
+def _target_for(device: torch.device, cap_bytes: Optional[int] = None):
+    from bigtune.gpus import custom_gpu, detect_gpu
+    from bigtune.planner import Target
+
+    if device.type != "cuda":
+        if cap_bytes is not None:
+            return Target("cpu", custom_gpu(cap_bytes / GIB))
+        return Target("cpu")
+    props = torch.cuda.get_device_properties(device)
+    gpu = detect_gpu(props.name, props.total_memory) or custom_gpu(props.total_memory / GIB)
+    if cap_bytes is not None:
+        gpu = custom_gpu(cap_bytes / GIB, gpu)
+    return Target("cuda", gpu)
+
+
+def predict_for_device(r: Recipe, device: torch.device):
+    """The planner's prediction for this run's device, printed before step 0 (None if it cannot plan)."""
+    from bigtune.planner import format_plan, plan
+
+    try:
+        p = plan(r, _target_for(device))
+    except Exception as e:  # noqa: BLE001 - a planning problem must never stop training
+        print(f"plan: unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return None
+    print(format_plan(p), flush=True)
+    return p
+
+
+def alternatives_for_device(r: Recipe, device: torch.device, cap_bytes: Optional[int]) -> list[str]:
+    """One line per variant predicted to fit this device (single device only), fastest first."""
+    from bigtune.planner import alternatives
+
+    try:
+        alts = alternatives(r, _target_for(device, cap_bytes), max_gpus=1)
+    except Exception as e:  # noqa: BLE001
+        print(f"  (planner could not suggest variants: {type(e).__name__}: {str(e)[:200]})", flush=True)
+        return []
+    return [f"{a.variant}: predicted peak {human_bytes(a.peak_total)}" for a in alts]
+
+
+def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict]) -> dict:
+    """Measured vs predicted per category and phase, at the last measured step (steady state).
+
+    The plan before training assumes full max_seq_length micro-batches (the worst case). When the
+    measured step's batch was shorter, the step is planned again at that shape so the two can be
+    compared like for like; both predictions are kept.
+    """
+    out: dict[str, Any] = {"target": p.target, "predicted_peak_allocated": p.peak_allocated,
+                           "predicted_peak_total": p.peak_total, "notes": p.notes, "phases": {}}
+    if not snaps:
+        return out
+    last = max(s["step"] for s in snaps)
+    steady = {s["phase"]: s for s in snaps if s["step"] == last}
+    first = steady.get("before_forward", {})
+    shape, padded = first.get("batch_shape"), first.get("padded", False)
+    like = p
+    if shape and (shape[0] != r.train.micro_batch_size or shape[1] != r.data.max_seq_length or padded):
+        from bigtune.planner import plan
+
+        try:
+            like = plan(load_recipe(r.to_dict(), {"train.micro_batch_size": shape[0],
+                                                  "data.max_seq_length": shape[1]}), _target_for(device),
+                        padded=padded)
+            out["replanned_at_batch_shape"] = shape
+        except Exception as e:  # noqa: BLE001
+            out["replan_error"] = f"{type(e).__name__}: {e}"
+    for ph, s in steady.items():
+        if ph in like.phases:
+            out["phases"][ph] = {c: {"measured": s[c], "predicted": like.phases[ph][c]}
+                                 for c in ("parameters", "gradients", "optimizer_device", "optimizer_cpu",
+                                           "activations", "allocated")}
+    measured = max(s["peak_allocated"] for s in steady.values())
+    out["measured_peak_allocated"] = measured
+    out["measured_peak_allocated_all_steps"] = max(s["peak_allocated"] for s in snaps)
+    out["predicted_peak_allocated_like_for_like"] = like.peak_allocated
+    out["peak_error_pct"] = 100.0 * (like.peak_allocated - measured) / measured if measured else None
+    return out
+
+
+def format_comparison(c: dict) -> str:
+    if "measured_peak_allocated" not in c:
+        return "plan vs measured: nothing measured"
+    shape = c.get("replanned_at_batch_shape")
+    where = f"re-planned at the measured batch {shape[0]}×{shape[1]}" if shape else "as planned"
+    lines = [f"measured / predicted, last measured step ({where}):",
+             f"{'phase':<16}" + "".join(f"{h:>24}" for h in ("params", "grads", "optim", "acts", "alloc"))]
+    for ph, cats in c["phases"].items():
+        cells = [f"{human_bytes(cats[k]['measured'])} / {human_bytes(cats[k]['predicted'])}"
+                 for k in ("parameters", "gradients", "optimizer_device", "activations", "allocated")]
+        lines.append(f"{ph:<16}" + "".join(f"{x:>24}" for x in cells))
+    lines.append(f"peak allocated of that step: measured {human_bytes(c['measured_peak_allocated'])}, predicted "
+                 f"{human_bytes(c['predicted_peak_allocated_like_for_like'])} ({c['peak_error_pct']:+.2f}%)"
+                 + (f"; worst case (full max_seq_length) {human_bytes(c['predicted_peak_allocated'])}"
+                    if shape else ""))
+    return "\n".join(lines)
 
 
 def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:

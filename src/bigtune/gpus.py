@@ -487,7 +487,10 @@ def find_gpu(name: str) -> GPU:
         c = _compact(form)
         if c in _COMPACT:
             return CATALOG[_COMPACT[c]]
-    detected = _detect(name, None, guess_size=False) if norm else None
+    # Parse only what looks like a driver-reported device name; a typo such as "h100-81gb" must be
+    # an error, not silently the nearest card.
+    looks_like_device = norm.startswith(("nvidia", "tesla")) or "geforce" in norm
+    detected = _detect(name, None, guess_size=False) if norm and looks_like_device else None
     if detected is not None:
         return detected
     raise UnknownGPUError(_unknown_message(name, norm))

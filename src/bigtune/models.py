@@ -29,6 +29,16 @@ def weights_dtype(precision: str) -> torch.dtype:
 def load_tokenizer(cfg: ModelConfig):
     if cfg.name in PRESETS and cfg.tokenizer is None:
         return tiny_tokenizer()
+    if cfg.init == "random" and cfg.tokenizer is None and not (Path(cfg.name).expanduser() / "tokenizer.json").exists():
+        # Random weights are for memory/speed work: any token ids below the vocabulary size do, so the
+        # bundled tokenizer stands in when the model's own is not at hand (no download needed).
+        try:
+            return load_tokenizer(ModelConfig(name=cfg.name, revision=cfg.revision, tokenizer=cfg.name,
+                                              trust_remote_code=cfg.trust_remote_code))
+        except ModelError:
+            print(f"model: no tokenizer for {cfg.name} here; using bigtune's tiny tokenizer (ids < 512) for "
+                  "random-init training", flush=True)
+            return tiny_tokenizer()
     from transformers import AutoTokenizer
 
     src = cfg.tokenizer or cfg.name
@@ -64,8 +74,13 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int) -> torch
     from transformers import AutoModelForCausalLM
 
     dtype = weights_dtype(precision)
-    if cfg.name in PRESETS:
-        config = preset_config(cfg.name, tokenizer)
+    if cfg.name in PRESETS or cfg.init == "random":
+        if cfg.name in PRESETS:
+            config = preset_config(cfg.name, tokenizer)
+        else:
+            from bigtune.planner import resolve_config_name
+
+            config = resolve_config_name(cfg)
         config._attn_implementation = cfg.attn_implementation
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

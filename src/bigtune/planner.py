@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ RESERVED_OVER_ALLOCATED = 1.05        # caching-allocator fragmentation: reserve
 FIT_MARGIN = 0.02                     # keep 2 % of the card free before calling a plan FITS
 ASSUMED_MFU = 0.45                    # fraction of dense peak FLOP/s a fine-tuning step reaches
 ASSUMED_BW_EFFICIENCY = 0.7           # fraction of DRAM bandwidth the optimizer's update reaches
+MICRO_TOKENS_HALF_EFFICIENCY = 256    # a micro-batch of this many tokens reaches half of ASSUMED_MFU
 
 
 class PlanError(ValueError):
@@ -62,23 +64,27 @@ def bundled_config_path(name: str) -> Optional[Path]:
 
 def resolve_config(recipe: Recipe):
     """The model's HF config, from a preset, a local folder, a bundled copy, or the hub (in that order)."""
+    return resolve_config_name(recipe.model)
+
+
+def resolve_config_name(model_cfg):
     from transformers import AutoConfig
 
     from bigtune.presets import PRESETS, preset_config, tiny_tokenizer
 
-    name = recipe.model.name
+    name = model_cfg.name
     if name in PRESETS:
         return preset_config(name, tiny_tokenizer())
     local = Path(name).expanduser()
     if local.is_dir():
-        return AutoConfig.from_pretrained(str(local), trust_remote_code=recipe.model.trust_remote_code)
+        return AutoConfig.from_pretrained(str(local), trust_remote_code=model_cfg.trust_remote_code)
     bundled = bundled_config_path(name)
     if bundled is not None:
         d = json.loads(bundled.read_text())
         return AutoConfig.for_model(d.pop("model_type"), **d)
     try:
-        return AutoConfig.from_pretrained(name, revision=recipe.model.revision,
-                                          trust_remote_code=recipe.model.trust_remote_code)
+        return AutoConfig.from_pretrained(name, revision=model_cfg.revision,
+                                          trust_remote_code=model_cfg.trust_remote_code)
     except Exception as e:
         known = sorted(p.stem.replace("--", "/") for p in CONFIG_DIR.glob("*.json"))
         raise PlanError(f"model.name {name!r}: no config.json found (not a preset, not a local folder, not bundled, "
@@ -102,7 +108,8 @@ def _sim_precision(precision: str) -> str:
     return "bf16-mixed" if precision == "16-mixed" else precision
 
 
-def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Optional[int] = None) -> Sim:
+def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Optional[int] = None,
+             padded: bool = False) -> Sim:
     """Run one steady-state training step of ``recipe`` with ``n_layers`` decoder layers on fake tensors.
 
     The optimizer state is created first (one update with zero gradients), so the simulated step is
@@ -126,6 +133,7 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     r = copy.deepcopy(recipe)
     if cuda and r.optim.implementation == "auto":
         r.optim.implementation = "foreach"  # torch's default for CUDA tensors
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)  # no "Using bfloat16 AMP" per simulation
     fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
     # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
     # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
@@ -135,8 +143,11 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     k = min(r.accumulate, 2)
     # Real (tiny) token ids: the loss normaliser needs a concrete count; everything else is fake.
     ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": ids.clone(), "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-                "padded": False} for _ in range(k)]  # distinct storages, like distinct real micro-batches
+    mask = torch.ones_like(ids)
+    if padded:  # one padded row makes the model take the explicit-mask attention path, as a real batch does
+        mask[-1, -1] = 0
+    batches = [{"input_ids": ids.clone(), "attention_mask": mask.clone(), "labels": ids.clone(),
+                "padded": padded} for _ in range(k)]  # distinct storages, like distinct real micro-batches
     tokens = int(target_token_count(ids)) * r.accumulate
     # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
     # sequences, which the real run (one sequence per row, checked on real values) drops.
@@ -168,11 +179,11 @@ def _extrapolate(a: int, b: int, n: int) -> int:
     return int(a + (b - a) * (n - 1))
 
 
-def simulate_full_depth(recipe: Recipe, config, cuda: bool) -> Sim:
+def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False) -> Sim:
     n = int(config.num_hidden_layers)
     if n <= 2:
-        return simulate(recipe, config, n, cuda)
-    s1, s2 = simulate(recipe, config, 1, cuda), simulate(recipe, config, 2, cuda)
+        return simulate(recipe, config, n, cuda, padded=padded)
+    s1, s2 = simulate(recipe, config, 1, cuda, padded=padded), simulate(recipe, config, 2, cuda, padded=padded)
     phases = {ph: {c: _extrapolate(s1.phases[ph][c], s2.phases[ph][c], n) for c in CATEGORIES} for ph in s1.phases}
     return Sim(phases, _extrapolate(s1.peak_allocated, s2.peak_allocated, n), _extrapolate(s1.numel, s2.numel, n),
                _extrapolate(s1.matmul_numel, s2.matmul_numel, n))
@@ -271,7 +282,10 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
                                   recipe.data.max_seq_length)
     if recipe.train.activation_checkpointing:
         fpt *= 4 / 3  # one extra forward
-    t_compute = tokens * fpt / (peak * ASSUMED_MFU * target.gpus) * target.gpus  # per device: its own tokens
+    micro_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length
+    # Small micro-batches leave the GPU under-occupied; half efficiency at 256 tokens (assumed).
+    occupancy = micro_tokens / (micro_tokens + MICRO_TOKENS_HALF_EFFICIENCY)
+    t_compute = tokens * fpt / (peak * ASSUMED_MFU * occupancy)  # each device computes its own tokens
     states = sim.phases["after_backward"]
     # The update reads parameters, gradients and state and writes parameters and state.
     moved = 2 * states["parameters"] + states["gradients"] + 2 * states["optimizer_device"]
@@ -286,18 +300,22 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         t_comm = volume / (target.gpu.interconnect_gbs / 2 * 1e9)  # one direction of the bidirectional figure
     step = t_compute + t_opt + t_comm
     return step, tokens * target.gpus / step, [
-        f"time: roofline at {ASSUMED_MFU:.0%} of dense peak and {ASSUMED_BW_EFFICIENCY:.0%} of bandwidth (assumed, "
-        "uncalibrated)"]
+        f"time: roofline at {ASSUMED_MFU:.0%} of dense peak × micro-batch occupancy {occupancy:.2f} and "
+        f"{ASSUMED_BW_EFFICIENCY:.0%} of bandwidth (assumed, uncalibrated)"]
 
 
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
-         config=None, sim: Optional[Sim] = None) -> Plan:
-    """Predict one recipe on one target. ``sim`` reuses a simulation of the same single-device step."""
+         config=None, sim: Optional[Sim] = None, padded: bool = False) -> Plan:
+    """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
+
+    ``sim`` reuses a simulation of the same single-device step; ``padded`` plans batches that hold
+    padding (the attention then gets an explicit mask, which can cost more on some kernels).
+    """
     t0 = time.perf_counter()
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     if sim is None:
-        sim = simulate_full_depth(recipe, config, cuda)
+        sim = simulate_full_depth(recipe, config, cuda, padded=padded)
     phases, peak, notes = _shard(sim, recipe, target, int(config.num_hidden_layers))
     if cuda:
         reserved = int(peak * RESERVED_OVER_ALLOCATED)
@@ -320,63 +338,152 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
 
 # -- alternatives -------------------------------------------------------------------------------------
 
-def candidate_overrides(recipe: Recipe, max_gpus: int) -> list[tuple[str, dict, int, str]]:
-    """(label, recipe overrides, gpus, strategy) for variants that keep the global batch size."""
-    g = recipe.global_batch_size
-    micro = sorted({m for m in (recipe.train.micro_batch_size, 1, 2, 4, 8, 16, 32) if m <= g and g % m == 0})
-    out = []
+def count_parameters(config) -> int:
+    """Parameter count from the config alone (fake 1- and 2-layer models, extrapolated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    counts = []
+    for n in (1, 2):
+        cfg = copy.deepcopy(config)
+        cfg.num_hidden_layers = n
+        with FakeTensorMode():
+            model = AutoModelForCausalLM.from_config(cfg)
+            counts.append(sum(p.numel() for p in model.parameters()))
+    return _extrapolate(counts[0], counts[1], int(config.num_hidden_layers))
+
+
+def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
+    """Parameters + gradients + optimizer state bytes: memory no step can go below."""
+    from bigtune.models import weights_dtype
+
+    es = torch.empty((), dtype=weights_dtype(r.precision)).element_size()
+    opt = {"adamw": 2.0, "sgd": 1.0 if r.optim.momentum else 0.0}[r.optim.name]
+    return int(numel * es * (2 + opt))
+
+
+def _variant_recipe(recipe: Recipe, over: dict) -> Recipe:
+    r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"})
+    r.accelerator = recipe.accelerator
+    return r
+
+
+def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
+    """Memory at micro batch m from exact simulations at m_lo and m_hi (linear in the batch size).
+
+    Peak memory is a maximum of lines in the batch size, hence convex: the interpolation is exact
+    at both ends and errs on the safe (high) side in between.
+    """
+    t = (m - m_lo) / (m_hi - m_lo)
+
+    def f(a: int, b: int) -> int:
+        return int(round(a + (b - a) * t))
+
+    phases = {ph: {c: f(lo.phases[ph][c], hi.phases[ph][c]) for c in CATEGORIES} for ph in lo.phases}
+    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel)
+
+
+def _sim_key(r: Recipe, micro: int) -> str:
+    """Simulations depend only on these; variants that agree on them share one."""
+    k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
+    return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
+                       r.optim.implementation, r.data.max_seq_length, micro, min(k, 2)])
+
+
+def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int) -> dict[str, Sim]:
+    """Simulate every (recipe, micro batch) job, in parallel worker processes when there are several cores."""
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork: the children inherit the imported libraries instead of importing them again (seconds).
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
+            futs = {k: ex.submit(_sim_job, r, config, cuda, m) for k, (r, m) in jobs.items()}
+            return {k: f.result() for k, f in futs.items()}
+    return {k: _sim_job(r, config, cuda, m) for k, (r, m) in jobs.items()}
+
+
+def _sim_job(recipe: Recipe, config, cuda: bool, micro: int) -> Sim:
+    r = copy.deepcopy(recipe)
+    r.train.micro_batch_size = micro
+    return simulate_full_depth(r, config, cuda)
+
+
+def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None,
+                 workers: Optional[int] = None) -> list[Plan]:
+    """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
+
+    Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
+    optimizer × micro batch; multi-GPU variants (DDP, FSDP) keep the recipe's precision. Micro batches
+    between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
+    "interpolated"); everything else is simulated.
+    """
+    import os
+
+    config = config if config is not None else resolve_config(recipe)
+    cuda = target.device == "cuda"
+    workers = workers if workers is not None else min(4, os.cpu_count() or 1)
+    g, m0 = recipe.global_batch_size, recipe.train.micro_batch_size
+    micro = [m for m in (1, 2, 4, 8, 16, 32, 64) if m < m0 and m0 % m == 0 and g % m == 0]
+    jobs: dict[str, tuple[Recipe, int]] = {}
+    todo: list[tuple[str, dict, int, str, Any]] = []
     for precision in ("bf16-true", "bf16-mixed", "32-true"):
         for ckpt in (False, True):
             for optim in ("adamw", "sgd"):
-                for m in micro:
-                    over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim,
-                            "train.micro_batch_size": m, "train.accumulate_grad_batches": g // m,
-                            "train.global_batch_size": None}
-                    if optim == "adamw":
-                        over["optim.momentum"] = 0.0
-                    label = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}, micro {m} × acc {g // m}"
-                    out.append((label, over, 1, "single"))
+                over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim,
+                        "optim.momentum": 0.0}
+                base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
+                r_hi = _variant_recipe(recipe, over)
+                key_hi, key_lo = _sim_key(r_hi, m0), _sim_key(r_hi, 1)
+                jobs[key_hi] = (r_hi, m0)
+                todo.append((f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", key_hi))
+                # The recipe's own accumulation regime must hold at both ends for interpolation.
+                if micro and (g // m0 >= 2):
+                    jobs[key_lo] = (r_hi, 1)
+                    for m in micro:
+                        mo = {**over, "train.micro_batch_size": m, "train.accumulate_grad_batches": g // m,
+                              "train.global_batch_size": None}
+                        how = key_lo if m == 1 else (key_lo, key_hi, m)
+                        tag = "" if m == 1 else " (interpolated)"
+                        todo.append((f"{base}, micro {m} × acc {g // m}{tag}", mo, 1, "single", how))
     gpus = 2
     while gpus <= max_gpus:
-        for strategy in ("ddp", "fsdp"):
-            if g % gpus:
-                continue
+        if g % gpus == 0:
             per = g // gpus
-            m = min(recipe.train.micro_batch_size, per)
-            while per % m:
-                m -= 1
+            m = max(d for d in range(1, min(m0, per) + 1) if per % d == 0)
             over = {"train.micro_batch_size": m, "train.accumulate_grad_batches": per // m,
                     "train.global_batch_size": None}
-            out.append((f"{recipe.precision}, {gpus} GPUs {strategy}, micro {m} × acc {per // m}", over, gpus, strategy))
+            r_g = _variant_recipe(recipe, over)
+            key = _sim_key(r_g, m)
+            jobs[key] = (r_g, m)
+            for strategy in ("ddp", "fsdp"):
+                todo.append((f"{recipe.precision}, {gpus} GPUs {strategy}, micro {m} × acc {per // m}", over, gpus,
+                             strategy, key))
         gpus *= 2
-    return out
-
-
-def alternatives(recipe: Recipe, target: Target, max_gpus: int = 8, config=None) -> list[Plan]:
-    """Variants that fit, fastest first (predicted tokens/s; peak memory breaks ties)."""
-    config = config if config is not None else resolve_config(recipe)
-    base = {k: v for k, v in recipe.to_dict().items()}
+    # Model states alone are a lower bound on the peak: variants whose states cannot fit are
+    # dropped before any simulation (for a 70B model that is most single-GPU variants).
+    numel = count_parameters(config)
+    cap = target.capacity_bytes
+    if cap is not None:
+        def hopeless(r: Recipe, gpus: int, strategy: str) -> bool:
+            return state_bytes_lower_bound(r, numel) / (gpus if strategy == "fsdp" else 1) > cap
+        todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1]), t[2], t[3])]
+        needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
+        jobs = {k: v for k, v in jobs.items() if k in needed}
+    sims = _run_sims(jobs, config, cuda, workers)
     plans = []
-    cache: dict[str, Sim] = {}
-    for label, over, gpus, strategy in candidate_overrides(recipe, max_gpus):
-        r = load_recipe(base, {**over, "accelerator": "cpu"})
-        r.accelerator = recipe.accelerator
-        t = Target(target.device, target.gpu, gpus, strategy)
-        p = plan_cached(r, t, label, over, config, cache)
+    for label, over, gpus, strategy, how in todo:
+        if isinstance(how, tuple):
+            key_lo, key_hi, m = how
+            sim = _interpolate(sims[key_lo], sims[key_hi], 1, m0, m)
+        else:
+            sim = sims[how]
+        r = _variant_recipe(recipe, over)
+        p = plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
         if p.fits is None or p.fits:
             plans.append(p)
     plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
     return plans
-
-
-def plan_cached(recipe: Recipe, target: Target, label: str, over: dict, config, cache: dict) -> Plan:
-    """``plan`` with simulations shared between variants that differ only in GPU count/strategy."""
-    key = json.dumps([recipe.precision, recipe.train.activation_checkpointing, recipe.optim.name,
-                      recipe.optim.momentum, recipe.optim.implementation, recipe.train.micro_batch_size,
-                      recipe.accumulate, recipe.data.max_seq_length, target.device])
-    if key not in cache:
-        cache[key] = simulate_full_depth(recipe, config, target.device == "cuda")
-    return plan(recipe, target, label, over, config, sim=cache[key])
 
 
 # -- presentation -------------------------------------------------------------------------------------
@@ -390,7 +497,8 @@ def format_plan(p: Plan) -> str:
     cols = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
             "peak_allocated")
     heads = ("params", "grads", "optim", "optim_cpu", "acts", "alloc", "peak")
-    lines = [f"plan: {p.recipe_name} on {p.target}: {p.parameters_total / 1e9:.3f} B parameters",
+    count = f"{p.parameters_total / 1e9:.2f} B" if p.parameters_total >= 1e8 else f"{p.parameters_total / 1e6:.2f} M"
+    lines = [f"plan: {p.recipe_name} on {p.target}: {count} parameters",
              f"{'phase':<16}" + "".join(f"{h:>10}" for h in heads) + f"  ({unit}, predicted, per device)"]
     for ph in PHASES:
         if ph in p.phases:

@@ -49,6 +49,9 @@ class ModelConfig:
     name: str = _f("tiny-llama", "Built-in preset (tiny-llama, tiny-opt), Hugging Face hub id, or local folder "
                    "holding config.json + safetensors weights. Lab: model_name.")
     family: Literal["causal-lm"] = _f("causal-lm", "Model family: causal-lm (AutoModelForCausalLM).")
+    init: Literal["pretrained", "random"] = _f(
+        "pretrained", "pretrained: load the weights. random: build the architecture from its config.json with random "
+        "weights (benchmarks and planner validation need no download; bundled configs cover the lab's models).")
     revision: Optional[str] = _f(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
     trust_remote_code: bool = _f(False, "Allow code shipped with a hub model to run. Off unless you trust it.")
     attn_implementation: Literal["sdpa", "eager"] = _f(
@@ -118,6 +121,8 @@ class MemoryConfig:
     enabled: bool = _f(True, "Take memory snapshots at four phases of a step (before/after forward, after "
                        "backward, after optimizer step).")
     every_steps: int = _f(50, "Snapshot at optimizer steps 0, 1 and every N.", min=1)
+    plan: bool = _f(True, "Print `bigtune plan`'s prediction for this device before step 0, and measured vs "
+                    "predicted at the end (also in summary.json).")
     cap_gib: Optional[float] = _f(
         None, "Treat the device as having only this much memory: on CUDA a per-process limit, on CPU the live-tensor "
         "tracker raises OOM above it (the tracker then runs every step). For what-if runs and tests.", min=0.0)
