@@ -138,11 +138,13 @@ def _cmd_plan(args) -> int:
     if args.json:
         out = {"plan": p.to_dict()}
         if alts is not None:
+            out["plan"]["variants_evaluated"] = alts.evaluated
             out["alternatives"] = [a.to_dict() for a in alts]
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(p))
         if alts is not None:
-            print(f"\nalternatives that fit on {target.gpu.key if target.gpu else 'cpu'}, fastest first:")
+            print(f"\n{len(alts)} of {alts.evaluated} variants fit on {target.gpu.key if target.gpu else 'cpu'}, "
+                  "fastest first:")
             print(format_alternatives(alts))
     return EXIT_OK

@@ -248,22 +248,28 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     phases = copy.deepcopy(sim.phases)
     peak = sim.peak_allocated
     if target.strategy == "fsdp":
-        saved = 0
-        for ph in phases.values():
-            before = ph["parameters"] + ph["gradients"] + ph["optimizer_device"]
-            for c in ("parameters", "gradients", "optimizer_device"):
-                ph[c] = -(-ph[c] // n)
-            after = ph["parameters"] + ph["gradients"] + ph["optimizer_device"]
-            ph["allocated"] -= before - after
-            saved = max(saved, before - after)
         # Each rank all-gathers one block's full parameters (two in flight with prefetch) and
         # reduce-scatters its gradients: about 3 blocks of unsharded weights in compute precision.
         es = 4 if recipe.precision == "32-true" else 2
         buffers = int(3 * sim.numel / max(1, n_layers) * es)
+
+        def states(ph: dict) -> int:
+            return ph["parameters"] + ph["gradients"] + ph["optimizer_device"]
+
+        f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+        # Peaks are cumulative over the step; split each into model states (sharded N ways) and the rest.
+        fwd = states(f) // n + (f["peak_allocated"] - states(f)) + buffers
+        bwd = states(b_) // n + max(0, b_["peak_allocated"] - states(b_)) + buffers
+        # The update itself (states plus the optimizer's temporaries) is all proportional to the shard.
+        opt = o["peak_allocated"] // n
+        peak = max(fwd, bwd, opt)
         for ph in phases.values():
+            full = states(ph)
+            for c in ("parameters", "gradients", "optimizer_device"):
+                ph[c] = -(-ph[c] // n)
+            ph["allocated"] += states(ph) - full + buffers
             ph["activations"] += buffers
-            ph["allocated"] += buffers
-        peak = peak - saved + buffers
+            ph["peak_allocated"] = min(ph["peak_allocated"], peak)
         notes.append(f"FSDP: model states / {n}; + {buffers / GIB:.2f} GiB all-gather/reduce-scatter buffers")
     return phases, peak, notes
 
@@ -409,6 +415,14 @@ def _sim_job(recipe: Recipe, config, cuda: bool, micro: int) -> Sim:
     return simulate_full_depth(r, config, cuda)
 
 
+class Alternatives(list):
+    """The fitting plans, fastest first; ``evaluated`` counts every variant considered."""
+
+    def __init__(self, plans, evaluated: int):
+        super().__init__(plans)
+        self.evaluated = evaluated
+
+
 def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None,
                  workers: Optional[int] = None) -> list[Plan]:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
@@ -462,6 +476,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         gpus *= 2
     # Model states alone are a lower bound on the peak: variants whose states cannot fit are
     # dropped before any simulation (for a 70B model that is most single-GPU variants).
+    n_evaluated = len(todo)
     numel = count_parameters(config)
     cap = target.capacity_bytes
     if cap is not None:
@@ -483,7 +498,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         if p.fits is None or p.fits:
             plans.append(p)
     plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
-    return plans
+    return Alternatives(plans, evaluated=n_evaluated)
 
 
 # -- presentation -------------------------------------------------------------------------------------
