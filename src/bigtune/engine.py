@@ -23,6 +23,7 @@ import torch
 from bigtune import memory as mem
 from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
 from bigtune.models import build_model, count_parameters, enable_activation_checkpointing, load_tokenizer
+from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
 from bigtune.stepmath import GIB, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
@@ -109,7 +110,12 @@ def build(recipe: Recipe, fabric) -> Built:
     tokenizer = load_tokenizer(recipe.model)
     examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
     seed_everything(recipe.seed)
-    model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed)
+    if recipe.model.name in PRESETS or recipe.model.init == "random":
+        # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
+        with fabric.init_module():
+            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed)
+    else:
+        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed)
     if recipe.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     params = count_parameters(model)

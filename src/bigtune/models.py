@@ -29,16 +29,11 @@ def weights_dtype(precision: str) -> torch.dtype:
 def load_tokenizer(cfg: ModelConfig):
     if cfg.name in PRESETS and cfg.tokenizer is None:
         return tiny_tokenizer()
-    if cfg.init == "random" and cfg.tokenizer is None and not (Path(cfg.name).expanduser() / "tokenizer.json").exists():
+    if cfg.init == "random" and cfg.tokenizer is None and not Path(cfg.name).expanduser().is_dir():
         # Random weights are for memory/speed work: any token ids below the vocabulary size do, so the
-        # bundled tokenizer stands in when the model's own is not at hand (no download needed).
-        try:
-            return load_tokenizer(ModelConfig(name=cfg.name, revision=cfg.revision, tokenizer=cfg.name,
-                                              trust_remote_code=cfg.trust_remote_code))
-        except ModelError:
-            print(f"model: no tokenizer for {cfg.name} here; using bigtune's tiny tokenizer (ids < 512) for "
-                  "random-init training", flush=True)
-            return tiny_tokenizer()
+        # bundled tokenizer stands in rather than a hub download (set model.tokenizer to use another).
+        print(f"model: random init of {cfg.name}; tokenizing with bigtune's tiny tokenizer (ids < 512)", flush=True)
+        return tiny_tokenizer()
     from transformers import AutoTokenizer
 
     src = cfg.tokenizer or cfg.name
