@@ -12,7 +12,9 @@ import math
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,9 @@ import torch
 
 from bigtune import memory as mem
 from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
-from bigtune.models import build_model, count_parameters, enable_activation_checkpointing, load_tokenizer
+from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
+    load_tokenizer
+from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
@@ -48,6 +52,10 @@ def setup_fabric(recipe: Recipe):
 
     accel = resolve_accelerator(recipe)
     fabric = Fabric(accelerator=accel, devices=recipe.devices, precision=recipe.precision, strategy="auto")
+    # Models are built in the dtype their precision stores weights in, and PEFT / bitsandbytes pick
+    # their own dtypes on purpose (fp32 adapters and norms, uint8 4-bit weights): Fabric's blanket
+    # module.to(dtype) would undo that (and bitsandbytes models refuse .to), so it is skipped.
+    fabric._precision.convert_module = lambda module: module
     return fabric
 
 
@@ -56,23 +64,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-def make_optimizer(recipe: Recipe, model: torch.nn.Module) -> torch.optim.Optimizer:
-    o = recipe.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    impl: dict[str, Any] = {}
-    if o.implementation == "foreach":
-        impl = {"foreach": True}
-    elif o.implementation == "fused":
-        impl = {"fused": True}
-    elif o.implementation == "for-loop":
-        impl = {"foreach": False}
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **impl)
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **impl)
-    raise ValueError(f"optim.name: unknown optimizer {o.name!r}")
 
 
 def lr_factor(step: int, total_steps: int, warmup: int, schedule: str, floor: float) -> float:
@@ -104,23 +95,32 @@ class Built:
     total_steps: int
     micro_batches_per_epoch: int
     params: dict = field(default_factory=dict)
+    base_dir: Optional[Path] = None      # initial weights of a preset/random model under adapters
 
 
 def build(recipe: Recipe, fabric) -> Built:
     tokenizer = load_tokenizer(recipe.model)
     examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
     seed_everything(recipe.seed)
-    if recipe.model.name in PRESETS or recipe.model.init == "random":
+    peft = recipe.peft.method != "none"
+    quantized = recipe.model.quantize != "none"
+    no_folder = recipe.model.name in PRESETS or recipe.model.init == "random"
+    # An adapter run on a model without a folder keeps its initial weights, so export can merge into them.
+    base_dir = Path(tempfile.mkdtemp(prefix="bigtune-base-")) if peft and no_folder and \
+        recipe.checkpoint.save_model else None
+    if no_folder and not quantized:
         # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
         with fabric.init_module():
-            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed)
+            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir)
     else:
-        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed)
-    if recipe.train.activation_checkpointing:
+        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir)
+    if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
+    if peft:
+        model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing)
     params = count_parameters(model)
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(make_optimizer(recipe, model))
+    optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model))
 
     sampler = EpochSampler(len(examples), recipe.seed)
     loader = torch.utils.data.DataLoader(
@@ -138,7 +138,7 @@ def build(recipe: Recipe, fabric) -> Built:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
     return Built(recipe, fabric, tokenizer, model, optimizer, scheduler, loader, sampler, report,
-                 steps_per_epoch, total, micro, params)
+                 steps_per_epoch, total, micro, params, base_dir)
 
 
 # -- the loop ---------------------------------------------------------------------------------------
@@ -341,7 +341,10 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
                         "train_seconds": state.train_seconds, "losses": list(state.losses)},
                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-    b.fabric.save(tmp, payload)
+    trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
+    # Adapter runs checkpoint only what trains: the frozen base is reloaded from its source on resume.
+    only_trainable = {"model": lambda name, _: name in trainable} if b.recipe.peft.method != "none" else None
+    b.fabric.save(tmp, payload, filter=only_trainable)
     os.replace(tmp, path)
     run.prune_checkpoints(b.recipe.checkpoint.keep_last)
     return path
@@ -349,7 +352,7 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
 
 def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
-    rest = b.fabric.load(path, payload, weights_only=True)
+    rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
     loop = rest["loop"]
     state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
     state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
@@ -644,18 +647,24 @@ def _close_tensorboard(run: RunDir) -> None:
 
 
 def save_hf_model(b: Built, run: RunDir) -> Path:
-    """The trained model + tokenizer in Hugging Face format (safetensors), written atomically."""
-    tmp = run.path / ".model.tmp"
-    if tmp.exists():
-        import shutil
+    """The trained model in Hugging Face format (safetensors), written atomically.
 
-        shutil.rmtree(tmp)
+    Full fine-tuning: <run>/model. Adapters: <run>/adapter (peft format), plus <run>/base with the
+    initial weights when the base has no folder of its own (presets, random init);
+    `bigtune export --merge` folds them into one model.
+    """
     model = b.model.module if hasattr(b.model, "module") else b.model
+    dest = run.path / ("adapter" if b.recipe.peft.method != "none" else "model")
+    tmp = run.path / f".{dest.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     b.tokenizer.save_pretrained(tmp)
-    if run.model.exists():
-        import shutil
-
-        shutil.rmtree(run.model)
-    os.replace(tmp, run.model)
-    return run.model
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    if b.base_dir is not None and b.base_dir.exists():
+        if (run.path / "base").exists():
+            shutil.rmtree(run.path / "base")
+        shutil.move(str(b.base_dir), run.path / "base")
+    return dest

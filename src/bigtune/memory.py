@@ -125,9 +125,14 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     """Parameters, gradients and optimizer state (split device/CPU), from the tensors themselves."""
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params if p.grad is not None]
+    # bitsandbytes 4-bit weights keep their block scales beside the packed uint8 data.
+    quant = [t for p in params for t in _quant_state_tensors(p)]
     opt_dev: list[torch.Tensor] = []
     opt_cpu: list[torch.Tensor] = []
-    if optimizer is not None:
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric wraps optimizers
+    if getattr(inner, "offloaded", False):
+        opt_cpu += inner.cpu_state_tensors()
+    elif optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
@@ -135,11 +140,22 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
                     # optimizer state in host RAM like any other.
                     (opt_cpu if (v.device.type == "cpu" and device_type != "cpu") else opt_dev).append(v)
     return {
-        "parameters": storage_bytes(params),
+        "parameters": storage_bytes(params + quant),
         "gradients": storage_bytes(grads),
         "optimizer_device": storage_bytes(opt_dev),
         "optimizer_cpu": storage_bytes(opt_cpu),
     }
+
+
+def _quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:
+    qs = getattr(p, "quant_state", None)
+    if qs is None:
+        return []
+    out = [qs.absmax, getattr(qs, "code", None)]
+    nested = getattr(qs, "state2", None)
+    if nested is not None:
+        out += [nested.absmax, getattr(nested, "code", None)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
 
 
 class MemoryMonitor:
@@ -165,7 +181,11 @@ class MemoryMonitor:
         self.tracker.clear()
         existing: list[Any] = list(model.parameters()) + list(model.buffers())
         existing += [p.grad for p in model.parameters() if p.grad is not None]
-        if optimizer is not None:
+        existing += [t for p in model.parameters() for t in _quant_state_tensors(p)]
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if getattr(inner, "offloaded", False):
+            existing += inner.cpu_state_tensors()
+        elif optimizer is not None:
             for state in optimizer.state.values():
                 existing += [v for v in state.values() if isinstance(v, torch.Tensor)]
         existing += list(extra)
@@ -192,6 +212,8 @@ class MemoryMonitor:
             allocated, peak = self.tracker.live_bytes, self.tracker.peak_bytes
             reserved = peak_reserved = None  # no caching allocator on the CPU
         on_device = states["parameters"] + states["gradients"] + states["optimizer_device"]
+        if not self.is_cuda:
+            on_device += states["optimizer_cpu"]  # on a CPU run, "offloaded" state shares the same memory
         snap = Snapshot(step=step, phase=phase, activations=max(0, allocated - on_device), allocated=allocated,
                         peak_allocated=peak, reserved=reserved, peak_reserved=peak_reserved,
                         device=str(self.device), **states)

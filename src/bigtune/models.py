@@ -6,12 +6,14 @@ conversion to run), and remote code runs only when the recipe says ``trust_remot
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from bigtune.presets import PRESETS, preset_config, tiny_tokenizer
-from bigtune.recipe import ModelConfig
+from bigtune.recipe import ModelConfig, PeftConfig
 
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32,
           "16-mixed": torch.float32, "16-true": torch.float16}
@@ -64,11 +66,53 @@ def _load_hint(what: str, name: str, e: Exception) -> str:
             "local folder; for a gated model, log in with `huggingface-cli login`.")
 
 
-def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int) -> torch.nn.Module:
-    """The model in the dtype its precision stores weights in, in train mode."""
+def compute_dtype(cfg: ModelConfig, precision: str) -> torch.dtype:
+    if cfg.compute_dtype != "auto":
+        return getattr(torch, cfg.compute_dtype)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
+
+
+def quantization_config(cfg: ModelConfig, precision: str):
+    """The bitsandbytes loading config for model.quantize (None when not quantized)."""
+    if cfg.quantize == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize,
+                              bnb_4bit_use_double_quant=cfg.double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype(cfg, precision))
+
+
+def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = {}
+    if quant is not None and torch.cuda.is_available():
+        kwargs["device_map"] = {"": torch.cuda.current_device()}  # bitsandbytes quantizes while placing
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=True, attn_implementation=cfg.attn_implementation, quantization_config=quant, **kwargs)
+    except Exception as e:
+        raise ModelError(_load_hint("model", cfg.name, e)) from e
+
+
+def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
+                base_dir: Optional[Path] = None) -> torch.nn.Module:
+    """The model in the dtype its precision stores weights in (quantized if asked), in train mode.
+
+    Presets and random-init models have no folder to come back to: with ``base_dir`` their initial
+    weights are written there (a LoRA run's export merges into them), and a quantized one is loaded
+    back from there so bitsandbytes quantizes it exactly as it would a downloaded model.
+    """
     from transformers import AutoModelForCausalLM
 
     dtype = weights_dtype(precision)
+    quant = quantization_config(cfg, precision)
     if cfg.name in PRESETS or cfg.init == "random":
         if cfg.name in PRESETS:
             config = preset_config(cfg.name, tokenizer)
@@ -79,6 +123,14 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int) -> torch
         config._attn_implementation = cfg.attn_implementation
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if quant is not None and base_dir is None:
+            base_dir = Path(tempfile.mkdtemp(prefix="bigtune-base-"))
+        if base_dir is not None:
+            model.save_pretrained(base_dir, safe_serialization=True)
+            tokenizer.save_pretrained(base_dir)
+        if quant is not None:
+            del model
+            model = _from_pretrained(str(base_dir), cfg, dtype, quant)
     else:
         name = _local_or_id(cfg.name)
         local = Path(name).is_dir()
@@ -90,15 +142,41 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int) -> torch
                     "unpickling can run code. Convert once: `python -c \"from transformers import "
                     "AutoModelForCausalLM as M; M.from_pretrained('" + name + "').save_pretrained('" + name +
                     "-st')\"` and point model.name at the new folder.")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                name, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                use_safetensors=True, attn_implementation=cfg.attn_implementation)
-        except Exception as e:
-            raise ModelError(_load_hint("model", cfg.name, e)) from e
+        model = _from_pretrained(name, cfg, dtype, quant)
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     model.train()
     return model
+
+
+DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
+                   "t5": ["q", "v"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"]}
+
+
+def lora_targets(model: torch.nn.Module, wanted: list) -> list[str] | str:
+    if wanted == ["all-linear"]:
+        return "all-linear"
+    if wanted != ["auto"]:
+        return list(wanted)
+    kind = getattr(model.config, "model_type", "")
+    if kind not in DEFAULT_TARGETS:
+        raise ModelError(f"peft.target_modules: no default for model type {kind!r}; name the modules, e.g. "
+                         "peft.target_modules=[q_proj,v_proj], or use [all-linear]")
+    return DEFAULT_TARGETS[kind]
+
+
+def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, checkpointing: bool):
+    """Freeze the base, add LoRA/DoRA adapters (QLoRA: after peft's k-bit preparation)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        # Casts the remaining (non-quantized) weights to fp32 for stability, as QLoRA does, and turns
+        # on checkpointing itself when asked.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
+                        target_modules=lora_targets(model, peft_cfg.target_modules),
+                        use_dora=peft_cfg.method == "dora", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -121,9 +121,10 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from bigtune.engine import LoopState, make_optimizer, train_step
+    from bigtune.engine import LoopState, train_step
     from bigtune.memory import MemoryMonitor
-    from bigtune.models import enable_activation_checkpointing, weights_dtype
+    from bigtune.models import apply_peft, enable_activation_checkpointing, weights_dtype
+    from bigtune.optim import make_optimizer
     from bigtune.stepmath import target_token_count
 
     cfg = copy.deepcopy(config)
@@ -133,6 +134,11 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     r = copy.deepcopy(recipe)
     if cuda and r.optim.implementation == "auto":
         r.optim.implementation = "foreach"  # torch's default for CUDA tensors
+    eight_bit = r.optim.name in EIGHT_BIT
+    if eight_bit:
+        # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
+        # state analytically below (its update works in place, block by block).
+        r.optim.name, r.optim.momentum, r.optim.implementation = "sgd", 0.0, "for-loop"
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)  # no "Using bfloat16 AMP" per simulation
     fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
     # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
@@ -152,18 +158,26 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
     # sequences, which the real run (one sequence per row, checked on real values) drops.
     no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing:
+    # peft moves new adapters to the base layer's device with module.to(); torch cannot swap fake
+    # parameters, and everything here already lives on the one (fake) CPU: make it a no-op. No
+    # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
+    no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move:
         model = AutoModelForCausalLM.from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         model.train()
         if r.train.activation_checkpointing:
             enable_activation_checkpointing(model)
+        if r.peft.method != "none":
+            # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
+            model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing)
         numel = sum(p.numel() for p in model.parameters())
         matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         wrapped = fabric.setup_module(model)
-        opt = fabric.setup_optimizers(make_optimizer(r, wrapped))
+        opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
         for p in wrapped.parameters():
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # frozen (base) weights never get gradients
+                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -171,7 +185,32 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
         monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
         _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
-    return Sim(steady, max(s.peak_allocated for s in snaps), numel, matmul)
+    peak = max(s.peak_allocated for s in snaps)
+    if eight_bit:
+        shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
+        extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
+        for ph in steady.values():
+            for c in ("optimizer_device", "allocated", "peak_allocated"):
+                ph[c] += extra
+        peak += extra
+    return Sim(steady, peak, numel, matmul)
+
+
+EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
+
+
+def eight_bit_state_bytes(numels: list[int], min_8bit_size: int = 4096, block: int = 256) -> int:
+    """bitsandbytes 8-bit Adam state: two uint8 moments + one fp32 scale per 256-element block for
+    tensors of at least 4096 elements (plus the two 256-entry quantization maps, shared); smaller
+    tensors keep two fp32 moments."""
+    total, any8 = 0, False
+    for n in numels:
+        if n >= min_8bit_size:
+            total += 2 * n + 2 * 4 * (-(-n // block))
+            any8 = True
+        else:
+            total += 2 * 4 * n
+    return total + (2 * 256 * 4 if any8 else 0)
 
 
 def _extrapolate(a: int, b: int, n: int) -> int:

@@ -29,7 +29,8 @@ import yaml
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw",
+              "deepspeed_cpu_adam")
 SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("auto", "single")
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -57,6 +58,12 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager"] = _f(
         "sdpa", "Attention kernel: sdpa (PyTorch scaled_dot_product_attention: flash/mem-efficient on CUDA) or eager.")
     tokenizer: Optional[str] = _f(None, "Tokenizer folder or hub id when it differs from `name`.")
+    quantize: Literal["none", "nf4", "fp4", "int8"] = _f(
+        "none", "Load the base weights quantized with bitsandbytes (nf4/fp4: 4-bit, QLoRA; int8: LLM.int8). Needs "
+        "peft.method lora or dora: quantized weights cannot be trained directly. Lab: use_qlora.")
+    double_quant: bool = _f(True, "4-bit: also quantize the quantization constants (saves ~0.4 bit/parameter).")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
+        "auto", "4-bit: dtype the dequantized matmuls run in (auto: bfloat16 unless precision is 32-true or 16-*).")
 
 
 @dataclass
@@ -93,7 +100,11 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer. Lab: optim.")
+    name: Literal["adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw",
+                  "deepspeed_cpu_adam"] = _f(
+        "adamw", "Optimizer. 8-bit ones keep state in 1 byte/element (bitsandbytes); paged ones page it to CPU RAM "
+        "under pressure (CUDA); cpu_offload_adamw keeps fp32 master weights and moments in CPU RAM and steps there "
+        "(deepspeed_cpu_adam: the same with DeepSpeed's vectorised CPU Adam). Lab: optim.")
     lr: float = _f(3e-4, "Peak learning rate. Lab: lr.", min=0.0)
     weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW) or L2 (SGD).", min=0.0)
     betas: list = _f([0.9, 0.999], "AdamW betas.")
@@ -106,6 +117,18 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
     grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
+
+
+@dataclass
+class PeftConfig:
+    method: Literal["none", "lora", "dora"] = _f(
+        "none", "Parameter-efficient fine-tuning with the peft library: train low-rank adapters, freeze the base. "
+        "Lab: use_lora.")
+    r: int = _f(8, "Adapter rank. Lab: lora_r.", min=1)
+    alpha: float = _f(16.0, "Adapter scaling numerator (scale = alpha / r). Lab: lora_alpha.", min=0.0)
+    dropout: float = _f(0.05, "Dropout on the adapter input. Lab: lora_dropout.", min=0.0)
+    target_modules: list = _f(["auto"], "Modules that get adapters: [auto] (q_proj,v_proj for Llama/OPT; q,v for "
+                              "T5), [all-linear], or names.")
 
 
 @dataclass
@@ -135,6 +158,7 @@ class Recipe:
     data: DataConfig = _f(None, "What to train on.")
     train: TrainConfig = _f(None, "Batching, length of training, activation checkpointing.")
     optim: OptimConfig = _f(None, "Optimizer and learning-rate schedule.")
+    peft: PeftConfig = _f(None, "LoRA / DoRA adapters (with model.quantize: QLoRA).")
     checkpoint: CheckpointConfig = _f(None, "Checkpoints and the final model.")
     memory: MemoryConfig = _f(None, "Memory measurement.")
     precision: Literal["32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true"] = _f(
@@ -172,7 +196,7 @@ class Recipe:
 
 
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig, "peft": PeftConfig,
     "checkpoint": CheckpointConfig, "memory": MemoryConfig,
 }
 
@@ -401,6 +425,20 @@ def check_combinations(r: Recipe) -> list[str]:
             p.append("precision: 16-true on CPU gives NaN losses with fp16 optimizer state; use bf16-true on CPU")
         if r.optim.implementation == "fused":
             p.append("optim.implementation: fused kernels need CUDA; use auto or foreach on CPU")
+    if r.model.quantize != "none" and r.peft.method == "none":
+        p.append(f"model.quantize={r.model.quantize}: quantized base weights cannot be trained; set peft.method=lora "
+                 "(QLoRA) or model.quantize=none")
+    needs_bnb = r.model.quantize != "none" or r.optim.name in ("adam8bit", "adamw8bit", "paged_adamw8bit")
+    if needs_bnb and not _installed("bitsandbytes"):
+        what = f"model.quantize={r.model.quantize}" if r.model.quantize != "none" else f"optim.name={r.optim.name}"
+        p.append(f"{what} needs bitsandbytes: pip install 'bigtune[bnb]' (or pip install bitsandbytes); or use "
+                 "optim.name=adamw / model.quantize=none")
+    if r.optim.name == "deepspeed_cpu_adam" and not _installed("deepspeed"):
+        p.append("optim.name=deepspeed_cpu_adam needs DeepSpeed: pip install 'bigtune[deepspeed]'; or use "
+                 "optim.name=cpu_offload_adamw (same placement, torch's CPU Adam)")
+    if accel == "cpu" and r.optim.name == "paged_adamw8bit":
+        p.append("optim.name=paged_adamw8bit: paging moves optimizer state between GPU and CPU memory, so it needs "
+                 "CUDA; use adamw8bit on CPU")
     if r.memory.cap_gib is not None and r.memory.cap_gib <= 0:
         p.append("memory.cap_gib: must be positive")
     if r.model.family == "causal-lm" and not _is_preset(r.model.name) and _looks_local(r.model.name):
@@ -415,6 +453,12 @@ def check_combinations(r: Recipe) -> list[str]:
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
     return p
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _explicit(section: Any) -> set[str]:
