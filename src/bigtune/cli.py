@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    ex = sub.add_parser("export", help="write a run's result as a Hugging Face folder (--merge folds adapters in)")
+    ex.add_argument("run", help="run directory")
+    ex.add_argument("--merge", action="store_true", help="adapter runs: merge the adapters into the base weights")
+    ex.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="dtype of the written weights (auto: the run's precision)")
+    ex.add_argument("--out", help="output folder (default: <run>/merged, <run>/export-adapter or <run>/export-<dtype>)")
     r = sub.add_parser("recipe", help="validate and print the resolved recipe, or the schema reference")
     _add_recipe_args(r)
     r.add_argument("--docs", action="store_true", help="print the reference of every recipe key (Markdown)")
@@ -73,17 +79,24 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
+        if args.verb == "export":
+            from bigtune.export import export_run
+
+            print(export_run(args.run, merge=args.merge, dtype=args.dtype, out=args.out))
+            return EXIT_OK
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - map known input errors to exit 2 with one clear message
         from bigtune.data import DataError
+        from bigtune.export import ExportError
         from bigtune.gpus import UnknownGPUError
         from bigtune.models import ModelError
         from bigtune.planner import PlanError
         from bigtune.recipe import RecipeError
 
-        if isinstance(e, (RecipeError, DataError, ModelError, FileNotFoundError, PlanError, UnknownGPUError)):
+        if isinstance(e, (RecipeError, DataError, ModelError, FileNotFoundError, PlanError, UnknownGPUError,
+                          ExportError)):
             print(f"bigtune: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise

@@ -126,7 +126,10 @@ def build(recipe: Recipe, fabric) -> Built:
     loader = torch.utils.data.DataLoader(
         ListDataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
         collate_fn=Collator(tokenizer.pad_token_id), num_workers=recipe.data.num_workers,
-        pin_memory=fabric.device.type == "cuda", persistent_workers=False)
+        pin_memory=fabric.device.type == "cuda", persistent_workers=False,
+        # Its own generator: each new iterator draws a worker seed, which must not advance the global
+        # RNG that dropout uses (a resumed run creates its iterator at a different point).
+        generator=torch.Generator().manual_seed(recipe.seed))
     micro = math.ceil(len(examples) / recipe.train.micro_batch_size)
     if recipe.train.limit_train_batches is not None:
         micro = min(micro, recipe.train.limit_train_batches)

@@ -134,6 +134,8 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     r = copy.deepcopy(recipe)
     if cuda and r.optim.implementation == "auto":
         r.optim.implementation = "foreach"  # torch's default for CUDA tensors
+    quantize = r.model.quantize
+    r.model.quantize = "none"  # bitsandbytes cannot quantize fake tensors: simulate, then swap the bytes
     eight_bit = r.optim.name in EIGHT_BIT
     if eight_bit:
         # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
@@ -186,6 +188,12 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
         _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
+    if quantize != "none":
+        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant)
+        for ph in steady.values():
+            for c in ("parameters", "allocated", "peak_allocated"):
+                ph[c] += delta
+        peak += delta
     if eight_bit:
         shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
         extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
@@ -197,6 +205,38 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
 
 
 EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
+
+
+def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quant: bool) -> int:
+    """Bytes that loading the base with bitsandbytes changes, relative to the simulated model.
+
+    Every base nn.Linear but the output head becomes 4-bit (n/2 bytes + one scale per 64 weights:
+    fp32, or uint8 with an fp32 scale per 256 scales under double quantization) or int8 (n bytes +
+    an fp32 scale per row); peft's k-bit preparation then casts the remaining 16-bit weights
+    (embeddings, norms, head) to fp32. Activations are taken from the unquantized simulation: the
+    real k-bit path keeps hidden states in fp32 around the 4-bit matmuls, so with a 16-bit base
+    the plan under-counts QLoRA activations (seen on the CPU: up to ~20 %; noted in the plan).
+    """
+    delta = 0
+    quantized_ids = set()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or "lora_" in name or name.endswith("lm_head") \
+                or name.endswith("lm_head.base_layer"):
+            continue
+        w = mod.weight
+        n = w.numel()
+        quantized_ids.add(id(w))
+        if quantize == "int8":
+            new = n + w.shape[0] * 4
+        else:
+            blocks = -(-n // 64)
+            # + the 16-entry fp32 NF4/FP4 code per layer, and the 256-entry nested code with double quant
+            new = n // 2 + (blocks + 4 * -(-blocks // 256) + 1024 if double_quant else 4 * blocks) + 64
+        delta += new - n * w.element_size()
+    for name, p in model.named_parameters():
+        if id(p) not in quantized_ids and "lora_" not in name and p.dtype in (torch.float16, torch.bfloat16):
+            delta += p.numel() * (4 - p.element_size())
+    return delta
 
 
 def eight_bit_state_bytes(numels: list[int], min_8bit_size: int = 4096, block: int = 256) -> int:
@@ -362,6 +402,9 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     if sim is None:
         sim = simulate_full_depth(recipe, config, cuda, padded=padded)
     phases, peak, notes = _shard(sim, recipe, target, int(config.num_hidden_layers))
+    if recipe.model.quantize != "none":
+        notes.append(f"{recipe.model.quantize} base: weight bytes analytic; activations from the unquantized "
+                     "simulation (the k-bit path keeps fp32 hidden states: expect more)")
     if cuda:
         reserved = int(peak * RESERVED_OVER_ALLOCATED)
         overhead = CUDA_CONTEXT_BYTES

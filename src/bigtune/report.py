@@ -34,6 +34,7 @@ CAT_COLORS = {"parameters": "#4e79a7", "gradients": "#f28e2b", "optimizer_device
               "activations": "#edc948", "transient": "#bab0ac"}
 SERIES = ("#4e79a7", "#e15759", "#59a14f", "#f28e2b", "#76b7b2", "#b07aa1", "#edc948", "#ff9da7", "#9c755f",
           "#1f77b4", "#2ca02c", "#8c564b")
+DASHES = ("", "7 4", "2 3", "9 3 2 3", "4 4", "1 4")
 OOM_COLOR = "#d62728"
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 SVG_NS = "http://www.w3.org/2000/svg"
@@ -147,7 +148,7 @@ def collect(path: str | Path) -> dict:
     """Rows for a sweep folder (sweep.json) or a single run folder (summary.json)."""
     from bigtune.sweep import row_from_summary
 
-    path = Path(path)
+    path = Path(path).resolve()
     if not path.is_dir():
         raise ReportError(f"{path} is not a folder; give a sweep folder (with sweep.json) or a run folder "
                           "(with summary.json)")
@@ -203,6 +204,15 @@ def _num(x: Optional[float], fmt: str = "{:.4g}") -> str:
 
 def _gib(n: Optional[float]) -> str:
     return "" if n is None else f"{n / GIB:.6g}"
+
+
+def _val(v: Any) -> str:
+    """A recipe value as it would be written after --set (true, null, 1e-4)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
 
 
 def _oom_text(r: dict) -> str:
@@ -306,15 +316,18 @@ class Svg:
         return xml + head + body + "</svg>" + ("\n" if standalone else "")
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 × 10^k)."""
+def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 × 10^k; whole steps if ``integer``)."""
     if not math.isfinite(lo) or not math.isfinite(hi):
         return [0.0, 1.0]
     if hi <= lo:
         hi = lo + (abs(lo) or 1.0)
     raw = (hi - lo) / n
     mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if raw <= m * mag * 1.0000001)
+    mults = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
+    step = next(m * mag for m in mults if raw <= m * mag * 1.0000001)
+    if integer:
+        step = max(1.0, round(step))
     start = math.floor(lo / step + 1e-9) * step
     ticks, t = [], start
     while t < hi - 1e-9 * step:
@@ -348,15 +361,20 @@ def _variant_labels(svg: Svg, rows: list[dict], centers: list[float], y: float) 
         svg.text(cx, y, name, 11, "end", color, f' transform="rotate(-35 {_f(cx)} {_f(y)})"')
 
 
-def _legend(svg: Svg, x: float, y: float, items: list[tuple[str, str]], max_x: float, extra_for=None) -> float:
+def _label_depth(rows: list[dict]) -> float:
+    """Vertical room the rotated variant names need below the axis."""
+    longest = max(min(len(r["variant"]), 30) for r in rows)
+    return 6.4 * longest * math.sin(math.radians(35)) + 14
+
+
+def _legend(svg: Svg, x: float, y: float, items: list[tuple[str, str]], max_x: float) -> float:
     """Colour swatches left to right, wrapping at max_x; returns the y below the legend."""
     cx, cy = x, y
     for label, color in items:
         w = 18 + 6.3 * len(label) + 14
         if cx + w > max_x and cx > x:
             cx, cy = x, cy + 18
-        extra = extra_for(label) if extra_for else ""
-        svg.rect(cx, cy - 9, 12, 12, color, extra=extra)
+        svg.rect(cx, cy - 9, 12, 12, color)
         svg.text(cx + 17, cy + 1, label, 11)
         cx += w
     return cy + 18
@@ -365,8 +383,9 @@ def _legend(svg: Svg, x: float, y: float, items: list[tuple[str, str]], max_x: f
 def memory_svg(rows: list[dict], title: str) -> Svg:
     """(a) Stacked measured categories per variant beside the plan's prediction, capacity, OOM marks."""
     n = len(rows)
-    gw, bw, left, right = 104, 34, 76, 24
-    width = max(640, left + n * gw + right)
+    bw, left, right = 34, 76, 24
+    gw = min(180.0, max(104.0, (680 - left - right) / n))
+    width = left + n * gw + right
     svg = Svg(width, 0, f"Memory per variant: {title}", "plot memory")
     svg.text(left, 20, f"Peak memory per variant (measured | plan) — {title}", 14, extra=' font-weight="600"')
     items = [(CAT_LABELS[c], CAT_COLORS[c]) for c in DEVICE_CATS + ("transient",)]
@@ -431,7 +450,9 @@ def memory_svg(rows: list[dict], title: str) -> Svg:
             cap = r.get("capacity_bytes")
             reach = max(cap or 0, (r.get("predicted") or {}).get("peak_allocated") or 0)
             if reach and y(reach) < bar_top - 1:
-                svg.rect(gx, y(reach), bw, bar_top - y(reach), "none", f"{name}: needed more than this",
+                svg.rect(gx, y(reach), bw, bar_top - y(reach), "none",
+                         f"{name}: ran out of memory; capacity {fmt_bytes(cap)}, plan "
+                         f"{fmt_bytes((r.get('predicted') or {}).get('peak_allocated'))}",
                          f' stroke="{OOM_COLOR}" stroke-width="1.5" stroke-dasharray="4 3" class="oom-reach"')
                 bar_top = y(reach)
             if not b:
@@ -453,16 +474,18 @@ def memory_svg(rows: list[dict], title: str) -> Svg:
                     if v <= 0:
                         continue
                     y1, y0 = y(acc + v), y(acc)
-                    svg.rect(px, y1, bw, max(0.5, y0 - y1), CAT_COLORS[c], f"{name}: plan {CAT_LABELS[c]} {fmt_bytes(v)}",
+                    svg.rect(px, y1, bw, max(0.5, y0 - y1), CAT_COLORS[c],
+                             f"{name}: plan {CAT_LABELS[c]} {fmt_bytes(v)}",
                              f' opacity="0.45" class="predicted {c}"')
                     acc += v
             else:
                 svg.rect(px, y(p["peak_allocated"]), bw, y(0) - y(p["peak_allocated"]), "#9aa5b1",
-                         f"{name}: plan peak allocated {fmt_bytes(p['peak_allocated'])}", ' opacity="0.6" class="predicted"')
+                         f"{name}: plan peak allocated {fmt_bytes(p['peak_allocated'])}",
+                         ' opacity="0.6" class="predicted"')
             svg.rect(px, y(p["peak_allocated"]), bw, y(0) - y(p["peak_allocated"]), "none", None,
                      ' stroke="#555" stroke-width="0.8"')
             err = (r.get("plan") or {}).get("peak_error_pct")
-            label = f"{p['peak_allocated'] / size:.3g}" + ("" if err is None else f" ({err:+.0f}%)")
+            label = f"{p['peak_allocated'] / size:.3g}" + ("" if err is None else f" ({err:+.1f}%)")
             svg.text(px + bw / 2, y(p["peak_allocated"]) - 4, label, 8, "middle", "#555")
             if p.get("total") and p["total"] > p["peak_allocated"] * 1.001:
                 yt = y(p["total"])
@@ -473,10 +496,11 @@ def memory_svg(rows: list[dict], title: str) -> Svg:
         cap = r.get("capacity_bytes")
         if cap and not shared_cap:
             svg.line(gx - 6, y(cap), px + bw + 6, y(cap), OOM_COLOR,
-                     ' stroke-width="1.5" stroke-dasharray="6 4" class="capacity"', f"{name}: capacity {fmt_bytes(cap)}")
+                     ' stroke-width="1.5" stroke-dasharray="6 4" class="capacity"',
+                     f"{name}: capacity {fmt_bytes(cap)}")
         svg.add("</g>")
     _variant_labels(svg, rows, centers, top + ph + 34)
-    svg.h = top + ph + 34 + 8 + 6.5 * max(len(r["variant"][:30]) for r in rows) * 0.6 + 16
+    svg.h = top + ph + 34 + _label_depth(rows)
     return svg
 
 
@@ -506,8 +530,9 @@ def _bar_panel(svg: Svg, rows: list[dict], key: str, label: str, fmt: str, left:
 def throughput_svg(rows: list[dict], title: str) -> Svg:
     """(b) Tokens per second and seconds per optimizer step, one bar per variant."""
     n = len(rows)
-    gw, left, right = 84, 86, 24
-    width = max(560, left + n * gw + right)
+    left, right = 86, 24
+    gw = min(160.0, max(84.0, (600 - left - right) / n))
+    width = left + n * gw + right
     svg = Svg(width, 0, f"Throughput per variant: {title}", "plot throughput")
     svg.text(left, 20, f"Throughput — {title}", 14, extra=' font-weight="600"')
     ph = 150
@@ -518,7 +543,7 @@ def throughput_svg(rows: list[dict], title: str) -> Svg:
     _bar_panel(svg, rows, "step_time_s", "s / step", "{:.3g}", left, top2, ph, gw, "#f28e2b")
     centers = [left + i * gw + gw / 2 for i in range(n)]
     _variant_labels(svg, rows, centers, top2 + ph + 18)
-    svg.h = top2 + ph + 18 + 8 + 6.5 * max(len(r["variant"][:30]) for r in rows) * 0.6 + 16
+    svg.h = top2 + ph + 18 + _label_depth(rows)
     return svg
 
 
@@ -530,7 +555,7 @@ def loss_svg(rows: list[dict], title: str) -> Svg:
     pts = [p for r in rows for p in r.get("loss_curve") or []]
     if pts:
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        xt = nice_ticks(min(0, min(xs)), max(xs) if max(xs) > min(0, min(xs)) else 1, 6)
+        xt = nice_ticks(min(0, min(xs)), max(xs) if max(xs) > min(0, min(xs)) else 1, 6, integer=True)
         lo, hi = min(ys), max(ys)
         pad = (hi - lo) * 0.05 or abs(hi) * 0.05 or 0.5
         yt = nice_ticks(lo - pad, hi + pad)
@@ -552,19 +577,24 @@ def loss_svg(rows: list[dict], title: str) -> Svg:
     ly = top + 4
     for i, r in enumerate(rows):
         color = SERIES[i % len(SERIES)]
+        # Curves often coincide (e.g. activation checkpointing does not change the maths): later ones are
+        # thinner and dashed so the earlier ones stay visible underneath.
+        width = max(1.4, 3.2 - 0.45 * i)
+        dash = DASHES[i % len(DASHES)]
+        style = f' stroke-width="{width:.2f}"' + (f' stroke-dasharray="{dash}"' if dash else "")
         curve = r.get("loss_curve") or []
         name = r["variant"] if len(r["variant"]) <= 28 else r["variant"][:27] + "…"
         if curve:
             points = " ".join(f"{_f(X(s))},{_f(Y(v))}" for s, v in curve)
             svg.add(f'<g class="variant" data-variant="{_e(r["variant"])}">')
-            svg.add(f'<polyline class="curve" points="{points}" fill="none" stroke="{color}" stroke-width="2" '
+            svg.add(f'<polyline class="curve" points="{points}" fill="none" stroke="{color}"{style} '
                     f'stroke-linejoin="round"><title>{_e(r["variant"])}: loss {curve[0][1]:.4f} → '
                     f'{curve[-1][1]:.4f}</title></polyline>')
             if len(curve) <= 40:
                 for s, v in curve:
                     svg.add(f'<circle cx="{_f(X(s))}" cy="{_f(Y(v))}" r="2.5" fill="{color}"/>')
             svg.add("</g>")
-            svg.line(left + pw + 20, ly, left + pw + 40, ly, color, ' stroke-width="3"')
+            svg.line(left + pw + 14, ly, left + pw + 40, ly, color, style)
             svg.text(left + pw + 46, ly + 4, name, 11)
         else:
             st = r.get("status")
@@ -636,10 +666,10 @@ def text_summary(data: dict) -> str:
     if pt:
         step, trows, unit = pt
         lines.append(f"memory at step {step} ({unit}):")
-        widths = [16] + [10] * (len(PHASE_HEAD) - 1)
-        lines.append("".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(zip(PHASE_HEAD, widths))))
-        for cells in trows:
-            lines.append("".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths))))
+        widths = [16] + [11] * (len(PHASE_HEAD) - 1)
+        for cells in [PHASE_HEAD] + trows:
+            lines.append("".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))))
     return "\n".join(lines)
 
 
@@ -676,7 +706,7 @@ def markdown(data: dict, svg_names: dict[str, str]) -> str:
         if r.get("overrides"):
             shown = {k: v for k, v in r["overrides"].items() if k != "name"}
             if shown:
-                bits.append("overrides: " + ", ".join(f"`{k}={v}`" for k, v in shown.items()))
+                bits.append("overrides: " + ", ".join(f"`{k}={_val(v)}`" for k, v in shown.items()))
         if r.get("status") == "oom" and r.get("oom"):
             o = r["oom"]
             bits.append(f"out of memory in {o.get('phase')} at step {o.get('step')}: {o.get('message')}")
@@ -703,7 +733,8 @@ CSS = """
 body{font-family:%s;margin:24px auto;max-width:1280px;padding:0 16px;color:#222;background:#fff}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
 .meta{color:#555;font-size:13px;margin:2px 0} code{background:#f3f3f3;padding:1px 4px;border-radius:3px;font-size:12px}
-table{border-collapse:collapse;font-size:12.5px;margin:8px 0} th,td{border:1px solid #ddd;padding:3px 7px;text-align:right;white-space:nowrap}
+table{border-collapse:collapse;font-size:12.5px;margin:8px 0}
+th,td{border:1px solid #ddd;padding:3px 7px;text-align:right;white-space:nowrap}
 th{background:#f5f5f5} td:first-child,th:first-child{text-align:left} td.l{text-align:left;white-space:normal}
 .st{font-weight:600;border-radius:3px;padding:0 5px} .st-ok{background:#e3f4e3;color:#1e6b1e}
 .st-oom{background:#fde2e2;color:#a31515} .st-bad{background:#fff0c2;color:#7a5600}
@@ -766,7 +797,7 @@ def html_report(data: dict, svgs: dict[str, Svg]) -> str:
             items.append(_e(r["note"]))
         shown = {k: v for k, v in (r.get("overrides") or {}).items() if k != "name"}
         if shown:
-            items.append("overrides " + " ".join(f"<code>{_e(k)}={_e(v)}</code>" for k, v in shown.items()))
+            items.append("overrides " + " ".join(f"<code>{_e(k)}={_e(_val(v))}</code>" for k, v in shown.items()))
         if r.get("status") == "oom" and r.get("oom"):
             o = r["oom"]
             items.append(f"<strong>out of memory</strong> in {_e(o.get('phase'))} at step {_e(o.get('step'))}: "

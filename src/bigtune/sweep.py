@@ -55,11 +55,11 @@ GIB = 1024**3
 class SweepError(ValueError):
     """A sweep file (or a sweep request) that cannot be run; one line per problem: where, what, fix."""
 
-    def __init__(self, problems: list[str], source: str | Path | None = None):
+    def __init__(self, problems: list[str], source: str | Path | None = None, what: str = "invalid sweep file"):
         self.problems = list(problems)
         self.source = str(source) if source is not None else None
         where = f" {self.source}" if self.source else ""
-        super().__init__(f"invalid sweep file{where}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+        super().__init__(f"{what}{where}:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 @dataclass
@@ -492,7 +492,8 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
             for n in unknown:
                 close = difflib.get_close_matches(n, names, n=1)
                 hints.append(f"--only {n}: no such variant" + (f"; did you mean {close[0]}?" if close else ""))
-            raise SweepError(hints + [f"variants in this sweep: {', '.join(names)}"], sweep.path)
+            raise SweepError(hints + [f"variants in this sweep: {', '.join(names)}"], sweep.path,
+                             what="cannot run the sweep")
         chosen = [v for v in sweep.variants if v.name in only]
     validate(sweep, tiny, out_dir=out.resolve())
 
@@ -639,8 +640,6 @@ def format_rows(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         st = r.get("status", "?")
-        if st == "oom" and r.get("oom"):
-            st = "oom"
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
         stp = f"{r['step_time_s']:.3f}" if r.get("step_time_s") else "-"
         loss = f"{r['final_loss']:.4f}" if r.get("final_loss") is not None else "-"
@@ -691,6 +690,10 @@ def main_sweep(args) -> int:
     except (SweepError, RecipeError) as e:
         print(f"bigtune: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("bigtune: sweep interrupted; the running variant was stopped and recorded as interrupted. Run the "
+              "same command again to continue (finished variants are skipped).", file=sys.stderr)
+        return 130
     print(format_rows(rows))
     if not getattr(args, "no_report", False) and rows:
         out = Path(rows[0]["run_dir"]).parent

@@ -1,0 +1,269 @@
+"""Sweeps (ladders) and the comparison report, end to end on the tiny preset on the CPU.
+
+One small sweep runs once for the module (each variant in its own process): two that train, one that
+must run out of memory under ``memory.cap_gib``, one whose data is broken (a crash without a summary)
+and one killed by its timeout. The other tests reuse its folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bigtune.report import ReportError, write_report
+from bigtune.sweep import SweepError, expand_grid, load_sweep, main as sweep_cli, read_sweep, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+LADDER = ROOT / "ladders" / "llm-single.yaml"
+CHROMIUM = Path("/usr/bin/chromium")
+
+BASE = {
+    "model": {"name": "tiny-llama"},
+    "data": {"source": "demo", "max_seq_length": 64},
+    "train": {"micro_batch_size": 4, "max_steps": 3, "max_epochs": None, "log_every_steps": 1},
+    "checkpoint": {"save_model": False},
+    "accelerator": "cpu",
+}
+
+
+def write_sweep(folder: Path, variants: list, name: str = "tiny-check", **top) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "base": BASE, "variants": variants, **top}, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sweep")
+    bad = d / "broken.jsonl"
+    bad.write_text('{"instruction": "Name a fruit.", "output": "Apple."}\n{this is not json\n')
+    path = write_sweep(d, [
+        {"name": "base", "expect": "ok"},
+        {"name": "act-ckpt", "overrides": {"train.activation_checkpointing": True},
+         "note": "recompute activations in backward"},
+        {"name": "capped", "overrides": {"memory.cap_gib": 0.004}, "expect": "oom", "note": "a 4 MiB device"},
+        {"name": "broken-data", "overrides": {"data.source": str(bad)}},
+        {"name": "slow", "timeout_s": 1},
+    ])
+    out = d / "out"
+    rows = run_sweep(path, out_dir=out, quiet=True)
+    return path, out, rows
+
+
+def by_name(rows: list[dict]) -> dict[str, dict]:
+    return {r["variant"]: r for r in rows}
+
+
+def test_sweep_runs_every_variant_and_records_failures(swept):
+    path, out, rows = swept
+    r = by_name(rows)
+    assert [x["variant"] for x in rows] == ["base", "act-ckpt", "capped", "broken-data", "slow"]
+    assert r["base"]["status"] == "ok" and r["base"]["expect_met"] is True
+    assert r["act-ckpt"]["status"] == "ok"
+    for name in ("base", "act-ckpt"):
+        assert r[name]["peak_allocated_bytes"] > 0 and r[name]["tokens_per_s"] > 0
+        assert r[name]["final_loss"] is not None and r[name]["steps"] == 3
+        assert r[name]["plan"]["predicted_peak_allocated"] > 0
+    # activation checkpointing must show up in the measurement
+    assert r["act-ckpt"]["peak_allocated_bytes"] < r["base"]["peak_allocated_bytes"]
+
+    # the OOM is a result with its phase, and the sweep went on to the next variants
+    capped = r["capped"]
+    assert capped["status"] == "oom" and capped["expect_met"] is True and capped["exit_code"] == 3
+    assert capped["oom"]["phase"] in ("forward", "backward", "optimizer") and capped["oom"]["step"] == 0
+    assert capped["capacity_bytes"] == int(0.004 * 1024**3)
+
+    crashed = r["broken-data"]
+    assert crashed["status"] == "crashed" and crashed["exit_code"] == 2
+    assert "broken.jsonl" in crashed["log_tail"]
+    assert r["slow"]["status"] == "timeout" and r["slow"]["exit_code"] != 0
+
+    for name in r:
+        assert (out / name / "sweep.log").is_file(), name
+        assert not (out / f".{name}.running.log").exists()
+    assert "--set" in r["base"]["command"] and f"output_dir={out / 'base'}" in r["base"]["command"]
+
+    doc = json.loads((out / "sweep.json").read_text())
+    assert [x["variant"] for x in doc["rows"]] == list(r)
+    assert doc["definition"]["name"] == "tiny-check" and doc["command"][:2] == ["bigtune", "sweep"]
+    assert {x["status"] for x in doc["rows"]} == {"ok", "oom", "crashed", "timeout"}
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_report_writes_markdown_csv_and_self_contained_html(swept):
+    _, out, _ = swept
+    res = write_report(out)
+    for key in ("markdown", "csv", "html"):
+        assert Path(res[key]).is_file()
+    assert sorted(Path(p).name for p in res["svgs"]) == ["loss.svg", "memory.svg", "throughput.svg"]
+
+    rows = {r["variant"]: r for r in csv.DictReader((out / "results.csv").open())}
+    assert list(rows) == ["base", "act-ckpt", "capped", "broken-data", "slow"]
+    assert rows["capped"]["status"] == "oom" and rows["capped"]["oom_phase"] in ("forward", "backward", "optimizer")
+    base = rows["base"]
+    assert float(base["peak_allocated_gib"]) > 0 and float(base["parameters_gib"]) > 0
+    assert float(base["activations_gib"]) > 0 and float(base["predicted_peak_gib"]) > 0
+    assert base["prediction_error_pct"] != "" and float(base["tokens_per_s"]) > 0
+    assert rows["broken-data"]["status"] == "crashed"
+
+    md = (out / "report.md").read_text()
+    assert "| capped | oom" in md and "(memory.svg)" in md and "out of memory in" in md
+
+    page = (out / "report.html").read_text()
+    assert page.count("<svg") == 3 and page.count("</svg>") == 3
+    assert not re.search(r"https?://", page), "the report must not refer to anything on the network"
+    assert not re.search(r"(src|href)\s*=|url\(|@import", page, re.I)
+
+    # (a) memory: every variant that measured something has a stacked bar of positive height
+    mem = ET.parse(out / "memory.svg").getroot()
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    groups = {g.get("data-variant"): g for g in mem.iterfind(".//s:g[@data-variant]", ns)}
+    assert set(groups) == {"base", "act-ckpt", "capped", "broken-data", "slow"}
+    for name in ("base", "act-ckpt", "capped"):
+        heights = [float(x.get("height")) for x in groups[name].iterfind("s:rect", ns) if x.get("fill") != "none"]
+        assert any(h > 0 for h in heights), name
+    assert "OOM" in "".join(groups["capped"].itertext())
+    assert groups["capped"].find("s:line[@class='capacity']", ns) is not None
+    # (b) throughput bars for the variants that trained
+    tp = ET.parse(out / "throughput.svg").getroot()
+    bars = [x for x in tp.iterfind(".//s:rect", ns) if "tokens_per_s" in (x.get("class") or "")]
+    assert len(bars) == 2 and all(float(b.get("height")) > 0 for b in bars)
+    # (c) one curve per variant that logged a loss
+    loss = ET.parse(out / "loss.svg").getroot()
+    curves = {g.get("data-variant"): g.find("s:polyline", ns) for g in loss.iterfind(".//s:g[@data-variant]", ns)}
+    assert set(curves) == {"base", "act-ckpt"}
+    for c in curves.values():
+        assert len(c.get("points").split()) == 3
+    # the inline copies carry the same content
+    inline = page[page.index("<svg"):page.index("</svg>")]
+    assert inline.count('data-variant="base"') == 1 and "<rect" in inline
+
+
+def test_rerun_skips_finished_variants_and_rerun_runs_them(swept, capsys):
+    path, out, _ = swept
+    before = {n: (out / n / "summary.json").stat().st_mtime_ns for n in ("base", "act-ckpt", "capped")}
+    rows = by_name(run_sweep(path, out_dir=out, only=["base", "act-ckpt", "capped", "slow"], quiet=True))
+    for n in before:
+        assert rows[n]["reused"] is True
+        assert (out / n / "summary.json").stat().st_mtime_ns == before[n], f"{n} ran again"
+    assert rows["slow"]["status"] == "timeout" and rows["slow"]["reused"] is False  # unfinished: runs again
+    assert rows["broken-data"]["status"] == "crashed"  # not selected: its earlier row is kept
+
+    log_before = (out / "base" / "sweep.log").stat().st_mtime_ns
+    rc = sweep_cli(["sweep", str(path), "--out", str(out), "--rerun", "--only", "base", "--no-report"])
+    assert rc == 0
+    assert (out / "base" / "summary.json").stat().st_mtime_ns > before["base"]
+    assert (out / "base" / "sweep.log").stat().st_mtime_ns > log_before
+    assert (out / "capped" / "summary.json").stat().st_mtime_ns == before["capped"]
+    assert not (out / "base-2").exists()
+    doc = by_name(json.loads((out / "sweep.json").read_text())["rows"])
+    assert doc["base"]["status"] == "ok" and doc["base"]["reused"] is False
+    assert doc["capped"]["status"] == "oom"
+    assert "base" in capsys.readouterr().out
+
+
+def test_misspelled_key_is_rejected_before_anything_runs(tmp_path, capsys):
+    path = write_sweep(tmp_path, [
+        {"name": "fine", "overrides": {"precision": "bf16-true"}},
+        {"name": "typo", "overrides": {"train.micro_bach_size": 2}},
+    ])
+    out = tmp_path / "out"
+    with pytest.raises(SweepError) as e:
+        run_sweep(path, out_dir=out, quiet=True)
+    msg = str(e.value)
+    assert str(path) in msg and "variant 'typo'" in msg and "train.micro_bach_size" in msg
+    assert "did you mean train.micro_batch_size" in msg and "variants[1].overrides" in msg
+    assert "'fine'" not in msg
+    assert not out.exists()
+    assert sweep_cli(["sweep", str(path), "--out", str(out)]) == 2
+    assert "train.micro_bach_size" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bad_sweep_file_lists_every_problem_at_once(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "bad", "base": "missing-recipe.yaml", "varients": [],
+        "variants": [{"name": "a", "expect": "maybe"}, {"name": "a"}, {"name": "b", "overides": {}}],
+    }))
+    with pytest.raises(SweepError) as e:
+        read_sweep(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "varients: unknown top-level key; did you mean variants?" in msg
+    assert "missing-recipe.yaml not found" in msg
+    assert "expect: 'maybe' is not allowed; use ok or oom" in msg
+    assert "'a' is used 2 times" in msg
+    assert "overides: unknown variant key; did you mean overrides?" in msg
+    with pytest.raises(SweepError, match="no tiny: block"):
+        load_sweep(write_sweep(tmp_path, [{"name": "x"}], name="no-tiny"), tiny=True)
+
+
+def test_grid_expands_into_named_variants(tmp_path):
+    grid = {"precision": ["32-true", "bf16-true"], "train.micro_batch_size": [1, 2]}
+    names = [n for n, _ in expand_grid(grid)]
+    assert names == ["precision-32-true_micro_batch_size-1", "precision-32-true_micro_batch_size-2",
+                     "precision-bf16-true_micro_batch_size-1", "precision-bf16-true_micro_batch_size-2"]
+    path = write_sweep(tmp_path, [{"name": "first"}], grid=grid,
+                       common={"train": {"max_steps": 2}}, tiny={"data.max_seq_length": 32})
+    s = load_sweep(path, tiny=True)
+    assert [v.name for v in s.variants] == ["first"] + names
+    over = s.overrides_for(s.variants[-1], tiny=True)
+    assert over["precision"] == "bf16-true" and over["train.micro_batch_size"] == 2
+    assert over["train.max_steps"] == 2 and over["data.max_seq_length"] == 32
+
+
+def test_report_on_a_single_run(swept, tmp_path, capsys):
+    _, out, _ = swept
+    dest = tmp_path / "single"
+    assert sweep_cli(["report", str(out / "act-ckpt"), "--out", str(dest), "--open"]) == 0
+    text = capsys.readouterr().out
+    assert "status ok" in text and "tokens/s" in text and "loss" in text
+    assert "memory at step" in text and "after_backward" in text
+    assert (dest / "report.html").resolve().as_uri() in text
+    for f in ("report.md", "results.csv", "report.html", "memory.svg", "throughput.svg", "loss.svg"):
+        assert (dest / f).stat().st_size > 0
+    assert "## Memory per phase" in (dest / "report.md").read_text()
+
+    assert sweep_cli(["report", str(out / "capped"), "--out", str(tmp_path / "oom")]) == 0
+    assert "OUT OF MEMORY in" in capsys.readouterr().out
+
+    with pytest.raises(ReportError, match="neither sweep.json"):
+        write_report(tmp_path / "single")
+    assert sweep_cli(["report", str(tmp_path / "nowhere")]) == 2
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_llm_single_ladder_validates(tiny):
+    s = load_sweep(LADDER, tiny=tiny)
+    names = [v.name for v in s.variants]
+    assert len(names) == 9 and names[0] == "tinyllama-32-true"
+    assert {"tinyllama-act-ckpt", "tinyllama-sgd", "open-llama-7b-bf16-true", "open-llama-13b-sgd"} <= set(names)
+    for v in s.variants:
+        over = s.overrides_for(v, tiny)
+        if tiny:
+            assert over["model.name"] == "tiny-llama" and over["accelerator"] == "cpu"
+        else:
+            assert over["model.init"] == "random" and "/" in over.get("model.name", "TinyLlama/")
+    header = LADDER.read_text().split("\nname:")[0]
+    for missing in ("LoRA", "QLoRA", "8-bit Adam", "DeepSpeed"):
+        assert missing in header
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium on this machine to render report.html")
+def test_report_renders_in_headless_chromium(swept, tmp_path):
+    _, out, _ = swept
+    res = write_report(out, out_dir=tmp_path / "r")
+    png = tmp_path / "report.png"
+    subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={png}",
+                    "--window-size=1400,2400", Path(res["html"]).resolve().as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
