@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipe", help="validate and print the resolved recipe, or the schema reference")
     _add_recipe_args(r)
     r.add_argument("--docs", action="store_true", help="print the reference of every recipe key (Markdown)")
+    from bigtune.sweep import add_cli as add_sweep_cli
+
+    add_sweep_cli(sub)  # `sweep` (a ladder of variants, one process each) and `report`
     return ap
 
 
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
+        if args.verb in ("sweep", "report"):
+            return args.func(args)
         if args.verb == "export":
             from bigtune.export import export_run
 
