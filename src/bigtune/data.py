@@ -37,15 +37,18 @@ class DataReport:
     used: int = 0
     skipped: list[tuple[int, str]] = field(default_factory=list)
     truncated: int = 0
+    validation: int = 0
+    val_examples: list = field(default_factory=list, repr=False)
 
     def summary(self) -> dict:
         return {"source": self.source, "format": self.format, "records": self.records, "used": self.used,
+                "validation": self.validation,
                 "skipped": len(self.skipped), "truncated": self.truncated,
                 "skipped_examples": [{"index": i, "reason": r} for i, r in self.skipped[:20]]}
 
     def lines(self) -> list[str]:
-        out = [f"data: {self.source} ({self.format}): {self.records} records, {self.used} used, "
-               f"{len(self.skipped)} skipped, {self.truncated} truncated"]
+        out = [f"data: {self.source} ({self.format}): {self.records} records, {self.used} used for training, "
+               f"{self.validation} for validation, {len(self.skipped)} skipped, {self.truncated} truncated"]
         for i, r in self.skipped[:10]:
             out.append(f"  skipped record {i}: {r}")
         if len(self.skipped) > 10:
@@ -258,6 +261,18 @@ def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], Data
         raise DataError(f"{source}: no usable samples ({report.records} records, {len(report.skipped)} skipped"
                         + (f"; first problem: record {report.skipped[0][0]}: {report.skipped[0][1]}"
                            if report.skipped else "") + ")")
+    report.validation = 0
+    if cfg.val_fraction and not cfg.val_source:
+        # Held out before anything else, by a seeded shuffle: the split is the same on every resume.
+        order = list(range(len(examples)))
+        random.Random(seed + 7).shuffle(order)
+        n_val = max(1, int(round(cfg.val_fraction * len(examples))))
+        if n_val >= len(examples):
+            raise DataError(f"data.val_fraction={cfg.val_fraction} leaves no training samples out of {len(examples)}")
+        val_idx = set(order[:n_val])
+        report.val_examples = [e for i, e in enumerate(examples) if i in val_idx]
+        examples = [e for i, e in enumerate(examples) if i not in val_idx]
+        report.validation = n_val
     if cfg.num_train_samples is not None and cfg.num_train_samples < len(examples):
         order = list(range(len(examples)))
         random.Random(seed).shuffle(order)

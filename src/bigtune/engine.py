@@ -8,6 +8,7 @@ and phase where it happened, the last memory snapshot and what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -31,7 +32,7 @@ from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
 from bigtune.stepmath import GIB, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
-    throughput
+    target_token_count, throughput
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
 
@@ -96,6 +97,7 @@ class Built:
     micro_batches_per_epoch: int
     params: dict = field(default_factory=dict)
     base_dir: Optional[Path] = None      # initial weights of a preset/random model under adapters
+    val_loader: Any = None               # the held-out split, when there is one
 
 
 def build(recipe: Recipe, fabric) -> Built:
@@ -137,11 +139,22 @@ def build(recipe: Recipe, fabric) -> Built:
     total = steps_per_epoch * recipe.train.max_epochs if recipe.train.max_epochs else recipe.train.max_steps
     if recipe.train.max_steps is not None:
         total = min(total, recipe.train.max_steps)
+    val_loader = None
+    val_examples = report.val_examples
+    if recipe.data.val_source:
+        vcfg = dataclasses.replace(recipe.data, source=recipe.data.val_source, val_fraction=0.0, val_source=None,
+                                   num_train_samples=None)
+        val_examples, vrep = build_examples(vcfg, tokenizer, recipe.seed)
+        report.validation = len(val_examples)
+    if val_examples:
+        val_loader = torch.utils.data.DataLoader(
+            ListDataset(val_examples), batch_size=recipe.eval.batch_size or recipe.train.micro_batch_size,
+            shuffle=False, collate_fn=Collator(tokenizer.pad_token_id), num_workers=recipe.data.num_workers)
     o = recipe.optim
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
     return Built(recipe, fabric, tokenizer, model, optimizer, scheduler, loader, sampler, report,
-                 steps_per_epoch, total, micro, params, base_dir)
+                 steps_per_epoch, total, micro, params, base_dir, val_loader)
 
 
 # -- the loop ---------------------------------------------------------------------------------------
@@ -175,6 +188,8 @@ class LoopState:
     losses: list = field(default_factory=list)
     epoch_loss_sum: float = 0.0
     epoch_loss_steps: int = 0
+    best_val_loss: Optional[float] = None
+    last_eval_step: Optional[int] = None
 
 
 def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonitor], measure: bool,
@@ -294,6 +309,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 window_t0 = time.perf_counter()
             elif progress.tty:
                 progress.update(state.step, "", newline=False)
+            if b.val_loader is not None and r.eval.every_steps and state.step % r.eval.every_steps == 0:
+                run_eval(b, run, state, monitor, epoch)
             if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
                 save_checkpoint(b, run, state)
             if state.step >= b.total_steps:
@@ -303,6 +320,59 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
         state.epoch_loss_sum, state.epoch_loss_steps = 0.0, 0
         if state.step >= b.total_steps:
             break
+
+
+@torch.no_grad()
+def evaluate(b: Built, monitor: Optional[mem.MemoryMonitor]) -> dict:
+    """Token-weighted mean loss over the validation split, under the training precision.
+
+    Its memory peak is measured on its own (not mixed into the training step's figures).
+    """
+    model, fabric = b.model, b.fabric
+    was_training = model.training
+    model.eval()
+    if monitor is not None:
+        monitor.begin_step(model, b.optimizer)
+    loss_sum = torch.zeros((), device=fabric.device, dtype=torch.float64)
+    tokens = 0
+    try:
+        for i, batch in enumerate(b.val_loader):
+            if b.recipe.eval.max_batches is not None and i >= b.recipe.eval.max_batches:
+                break
+            padded = batch.get("padded", True)
+            batch = {k: v.to(fabric.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            logits = model(input_ids=batch["input_ids"],
+                           attention_mask=batch["attention_mask"] if padded else None).logits
+            loss_sum += causal_lm_loss_sum(logits, batch["labels"]).double()
+            tokens += int(target_token_count(batch["labels"]))
+            del logits
+        peak = None
+        if monitor is not None:
+            peak = monitor.snapshot(-1, "eval", model, b.optimizer).peak_allocated
+    finally:
+        if monitor is not None:
+            monitor.end_step()
+        model.train(was_training)
+    loss = float(loss_sum) / max(tokens, 1)
+    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_tokens": tokens,
+            "eval_peak_allocated": peak}
+
+
+def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int) -> dict:
+    res = evaluate(b, monitor)
+    state.last_eval_step = state.step
+    rec = {"step": state.step, "epoch": epoch, "split": "val", **res}
+    run.append_jsonl("eval.jsonl", rec)
+    _tensorboard(run, {"step": state.step, **{k: v for k, v in res.items() if k.startswith("val_")}})
+    best = state.best_val_loss is None or res["val_loss"] < state.best_val_loss
+    print(f"eval at step {state.step}: val_loss {res['val_loss']:.4f} perplexity {res['val_perplexity']:.2f}"
+          + (" (best)" if best else ""), flush=True)
+    if best:
+        state.best_val_loss = res["val_loss"]
+        if b.recipe.eval.keep_best and b.recipe.checkpoint.save_model:
+            save_hf_model(b, run, dest_name="best", keep_base=False)
+            run.write_json("best.json", {"step": state.step, **res})
+    return res
 
 
 _TB: dict[str, Any] = {}
@@ -341,7 +411,8 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler,
                "loop": {"step": state.step, "tokens": state.tokens, "samples": state.samples,
-                        "train_seconds": state.train_seconds, "losses": list(state.losses)},
+                        "train_seconds": state.train_seconds, "losses": list(state.losses),
+                        "best_val_loss": state.best_val_loss},
                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
     trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
@@ -359,6 +430,7 @@ def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
     loop = rest["loop"]
     state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
     state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
+    state.best_val_loss = loop.get("best_val_loss")
     torch.set_rng_state(rest["rng"]["torch"])
     random.setstate(_as_tuple(rest["rng"]["python"]))
     if rest["rng"]["cuda"] and torch.cuda.is_available():
@@ -471,6 +543,7 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
         # Records past the checkpoint belong to the interrupted attempt; this run writes them again.
         run.truncate_jsonl("metrics.jsonl", lambda rec: rec["step"] <= state.step)
         run.truncate_jsonl("memory.jsonl", lambda rec: rec["step"] < state.step)
+        run.truncate_jsonl("eval.jsonl", lambda rec: rec["step"] <= state.step)
         print(f"resumed from {resume_ckpt} at step {state.step}", flush=True)
     print(f"run dir: {run.path}", flush=True)
 
@@ -483,6 +556,8 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
     status, error = "ok", None
     try:
         fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision))
+        if b.val_loader is not None and state.last_eval_step != state.step:
+            run_eval(b, run, state, monitor, -1)
         if r.checkpoint.enabled and (not run.list_checkpoints() or
                                      run.list_checkpoints()[-1] != run.checkpoint_path(state.step)):
             save_checkpoint(b, run, state)
@@ -513,6 +588,11 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
     finally:
         _close_tensorboard(run)
     summary.update(_results(run, state, status, time.perf_counter() - t_start))
+    evals = run.read_jsonl("eval.jsonl")
+    if evals:
+        summary["eval"] = {"final": evals[-1], "best_val_loss": state.best_val_loss,
+                           "best_step": min(evals, key=lambda e: e["val_loss"])["step"],
+                           "eval_peak_allocated_bytes": max((e["eval_peak_allocated"] or 0) for e in evals) or None}
     if prediction is not None:
         summary["plan"] = compare_with_plan(prediction, r, fabric.device, run.read_jsonl("memory.jsonl"))
         print(format_comparison(summary["plan"]), flush=True)
@@ -649,7 +729,7 @@ def _close_tensorboard(run: RunDir) -> None:
         w.close()
 
 
-def save_hf_model(b: Built, run: RunDir) -> Path:
+def save_hf_model(b: Built, run: RunDir, dest_name: Optional[str] = None, keep_base: bool = True) -> Path:
     """The trained model in Hugging Face format (safetensors), written atomically.
 
     Full fine-tuning: <run>/model. Adapters: <run>/adapter (peft format), plus <run>/base with the
@@ -657,7 +737,7 @@ def save_hf_model(b: Built, run: RunDir) -> Path:
     `bigtune export --merge` folds them into one model.
     """
     model = b.model.module if hasattr(b.model, "module") else b.model
-    dest = run.path / ("adapter" if b.recipe.peft.method != "none" else "model")
+    dest = run.path / (dest_name or ("adapter" if b.recipe.peft.method != "none" else "model"))
     tmp = run.path / f".{dest.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -666,7 +746,7 @@ def save_hf_model(b: Built, run: RunDir) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
     os.replace(tmp, dest)
-    if b.base_dir is not None and b.base_dir.exists():
+    if keep_base and b.base_dir is not None and b.base_dir.exists():
         if (run.path / "base").exists():
             shutil.rmtree(run.path / "base")
         shutil.move(str(b.base_dir), run.path / "base")

@@ -79,6 +79,10 @@ class DataConfig:
     num_train_samples: Optional[int] = _f(None, "Keep only this many samples after a seeded shuffle. Lab: "
                                           "num_train_samples.", min=1)
     num_workers: int = _f(0, "DataLoader worker processes. Lab: num_workers.", min=0)
+    val_fraction: float = _f(0.0, "Hold out this fraction of the samples (seeded) for validation; they never "
+                             "appear in training batches.", min=0.0)
+    val_source: Optional[str] = _f(None, "A separate validation source (same formats as `source`); overrides "
+                                   "val_fraction.")
     skip_bad_records: bool = _f(True, "Skip records with missing/empty fields (each one counted and reported by "
                                 "index). False makes the first bad record an error. Unparseable JSON is always an error.")
 
@@ -132,6 +136,15 @@ class PeftConfig:
 
 
 @dataclass
+class EvalConfig:
+    every_steps: Optional[int] = _f(None, "Evaluate on the validation split every N optimizer steps (and always "
+                                    "at the end when there is a validation split).", min=1)
+    max_batches: Optional[int] = _f(None, "Evaluate on at most this many batches (None: the whole split).", min=1)
+    batch_size: Optional[int] = _f(None, "Eval batch size (default: train.micro_batch_size).", min=1)
+    keep_best: bool = _f(True, "Save the model with the lowest validation loss to <output_dir>/best.")
+
+
+@dataclass
 class CheckpointConfig:
     enabled: bool = _f(False, "Save a resumable checkpoint (atomically). Lab: enable_checkpointing.")
     every_steps: Optional[int] = _f(None, "Checkpoint every N optimizer steps (and at the end when enabled).", min=1)
@@ -159,6 +172,7 @@ class Recipe:
     train: TrainConfig = _f(None, "Batching, length of training, activation checkpointing.")
     optim: OptimConfig = _f(None, "Optimizer and learning-rate schedule.")
     peft: PeftConfig = _f(None, "LoRA / DoRA adapters (with model.quantize: QLoRA).")
+    eval: EvalConfig = _f(None, "Validation during training.")
     checkpoint: CheckpointConfig = _f(None, "Checkpoints and the final model.")
     memory: MemoryConfig = _f(None, "Memory measurement.")
     precision: Literal["32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true"] = _f(
@@ -197,7 +211,7 @@ class Recipe:
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig, "peft": PeftConfig,
-    "checkpoint": CheckpointConfig, "memory": MemoryConfig,
+    "eval": EvalConfig, "checkpoint": CheckpointConfig, "memory": MemoryConfig,
 }
 
 
@@ -449,6 +463,12 @@ def check_combinations(r: Recipe) -> list[str]:
         elif not (path / "config.json").is_file():
             p.append(f"model.name: folder {path} has no config.json; point at a Hugging Face model folder "
                      "(save_pretrained output)")
+    if not 0.0 <= r.data.val_fraction < 1.0:
+        p.append(f"data.val_fraction: {r.data.val_fraction} must be in [0, 1), e.g. 0.1")
+    if r.data.val_source and not r.data.val_source.startswith("hf:") and not Path(r.data.val_source).expanduser().exists():
+        p.append(f"data.val_source: {r.data.val_source} does not exist")
+    if r.eval.every_steps and not (r.data.val_fraction or r.data.val_source):
+        p.append("eval.every_steps: there is no validation split; set data.val_fraction (e.g. 0.1) or data.val_source")
     src = r.data.source
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
