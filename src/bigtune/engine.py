@@ -26,7 +26,7 @@ import torch
 from bigtune import memory as mem
 from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
 from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
-    load_tokenizer
+    forward_inputs, load_tokenizer, shifts_labels
 from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
@@ -200,7 +200,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     ranks, or outside the planner's fake tensors); otherwise it is counted here.
     """
     fabric, model, opt = b.fabric, b.model, b.optimizer
-    scale = loss_normaliser([x["labels"] for x in batches], global_token_count=token_count)
+    shift = shifts_labels(model)
+    scale = loss_normaliser([x["labels"] for x in batches], global_token_count=token_count, shift=shift)
     snaps: list[mem.Snapshot] = []
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
@@ -214,8 +215,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
             snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
         with fabric.no_backward_sync(model, enabled=not last):
             state.phase = "forward"
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"] if padded else None).logits
-            loss = causal_lm_loss_sum(logits, batch["labels"]) * scale
+            logits = model(**forward_inputs(batch, padded)).logits
+            loss = causal_lm_loss_sum(logits, batch["labels"], shift) * scale
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             state.phase = "backward"
@@ -341,10 +342,10 @@ def evaluate(b: Built, monitor: Optional[mem.MemoryMonitor]) -> dict:
                 break
             padded = batch.get("padded", True)
             batch = {k: v.to(fabric.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-            logits = model(input_ids=batch["input_ids"],
-                           attention_mask=batch["attention_mask"] if padded else None).logits
-            loss_sum += causal_lm_loss_sum(logits, batch["labels"]).double()
-            tokens += int(target_token_count(batch["labels"]))
+            shift = shifts_labels(model)
+            logits = model(**forward_inputs(batch, padded)).logits
+            loss_sum += causal_lm_loss_sum(logits, batch["labels"], shift).double()
+            tokens += int(target_token_count(batch["labels"], shift))
             del logits
         peak = None
         if monitor is not None:

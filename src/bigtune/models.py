@@ -199,3 +199,29 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
         total += p.numel()
         trainable += p.numel() if p.requires_grad else 0
     return {"total": total, "trainable": trainable}
+
+
+def shifts_labels(model: torch.nn.Module) -> bool:
+    """True when the loss compares position t's logits with label t+1 (decoder-only models).
+
+    Encoder-decoder models (T5, BLIP-2 with a Flan-T5 language model) produce decoder logits already
+    aligned with their labels.
+    """
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "config"):
+        m = m.module
+    cfg = getattr(m, "config", None)
+    if cfg is None:
+        return True
+    if getattr(cfg, "is_encoder_decoder", False):
+        return False
+    if hasattr(cfg, "use_decoder_only_language_model"):
+        return bool(cfg.use_decoder_only_language_model)
+    return True
+
+
+def forward_inputs(batch: dict, padded: bool) -> dict:
+    """The model's keyword arguments from a collated batch: everything but the labels; the attention
+    mask only when some row is padded (then HF can call SDPA with is_causal and no mask tensor)."""
+    return {k: v for k, v in batch.items()
+            if k != "labels" and (k != "attention_mask" or padded) and isinstance(v, torch.Tensor)}

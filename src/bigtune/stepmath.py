@@ -14,27 +14,28 @@ IGNORE_INDEX = -100
 GIB = 1024**3
 
 
-def target_token_count(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens that contribute to a causal-LM loss: labels are shifted by one, -100 is ignored."""
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
+def target_token_count(labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
+    """Tokens that contribute to the loss: -100 is ignored; a causal LM's labels are shifted by one
+    (``shift=False`` for encoder-decoder models, whose decoder labels are already aligned)."""
+    return ((labels[..., 1:] if shift else labels) != IGNORE_INDEX).sum()
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over all target tokens, computed in fp32.
 
     Summing lets the caller divide by the token count of the *whole* accumulated batch, so k
     micro-batches of b samples give exactly the loss and gradients of one batch of k·b samples,
     whatever the padding (a per-micro-batch mean would weight short micro-batches more).
     """
-    shift_logits = logits[..., :-1, :].float()
-    shift_labels = labels[..., 1:]
+    shift_logits = (logits[..., :-1, :] if shift else logits).float()
+    shift_labels = labels[..., 1:] if shift else labels
     return torch.nn.functional.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def loss_normaliser(micro_batch_labels: Iterable[torch.Tensor], world_size: int = 1,
-                    global_token_count: int | None = None) -> float:
+                    global_token_count: int | None = None, shift: bool = True) -> float:
     """Factor to multiply each micro-batch's summed loss by before backward.
 
     One optimizer step sees the target tokens of every micro-batch on every rank; the mean over
@@ -44,7 +45,7 @@ def loss_normaliser(micro_batch_labels: Iterable[torch.Tensor], world_size: int 
     """
     n = global_token_count
     if n is None:
-        n = int(sum(int(target_token_count(lb)) for lb in micro_batch_labels))
+        n = int(sum(int(target_token_count(lb, shift)) for lb in micro_batch_labels))
     return world_size / max(n, 1)
 
 
