@@ -310,10 +310,15 @@ class Collator:
 class EpochSampler(torch.utils.data.Sampler[int]):
     """Seeded permutation per epoch that can start mid-epoch, so a resumed run sees the same data."""
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
+    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
         self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.rank, self.world = rank, world
         self.epoch = 0
-        self.start = 0  # first sample position to yield (set on resume)
+        self.start = 0  # first position (in this rank's share) to yield, set on resume
+
+    @property
+    def per_rank(self) -> int:
+        return -(-self.n // self.world)
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         self.epoch, self.start = epoch, start_sample
@@ -325,11 +330,19 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
         return torch.randperm(self.n, generator=g).tolist()
 
+    def rank_order(self) -> list[int]:
+        """This rank's share: every world-th sample of the epoch's permutation, starting at its rank.
+        The permutation is padded by wrapping so every rank gets the same count (no rank waits for
+        a step the others never take); one optimizer step then covers consecutive samples."""
+        order = self.order()
+        order += order[: self.per_rank * self.world - len(order)]
+        return order[self.rank::self.world]
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start:])
+        return iter(self.rank_order()[self.start:])
 
     def __len__(self) -> int:
-        return self.n - self.start
+        return self.per_rank - self.start
 
 
 class ListDataset(torch.utils.data.Dataset):

@@ -8,7 +8,9 @@ and phase where it happened, the last memory snapshot and what to change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
 import os
 import platform
@@ -51,12 +53,17 @@ class TrainingOOM(RuntimeError):
 def setup_fabric(recipe: Recipe):
     from lightning.fabric import Fabric
 
+    from bigtune.dist import make_strategy
+
     accel = resolve_accelerator(recipe)
-    fabric = Fabric(accelerator=accel, devices=recipe.devices, precision=recipe.precision, strategy="auto")
+    fabric = Fabric(accelerator=accel, devices=recipe.devices, num_nodes=recipe.num_nodes,
+                    precision=recipe.precision, strategy=make_strategy(recipe, accel))
     # Models are built in the dtype their precision stores weights in, and PEFT / bitsandbytes pick
     # their own dtypes on purpose (fp32 adapters and norms, uint8 4-bit weights): Fabric's blanket
     # module.to(dtype) would undo that (and bitsandbytes models refuse .to), so it is skipped.
     fabric._precision.convert_module = lambda module: module
+    if recipe.world_size > 1:
+        fabric.launch()  # spawns the other ranks (a no-op under torchrun / Slurm, which started them)
     return fabric
 
 
@@ -124,7 +131,7 @@ def build(recipe: Recipe, fabric) -> Built:
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model))
 
-    sampler = EpochSampler(len(examples), recipe.seed)
+    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size)
     loader = torch.utils.data.DataLoader(
         ListDataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
         collate_fn=Collator(tokenizer.pad_token_id), num_workers=recipe.data.num_workers,
@@ -132,7 +139,7 @@ def build(recipe: Recipe, fabric) -> Built:
         # Its own generator: each new iterator draws a worker seed, which must not advance the global
         # RNG that dropout uses (a resumed run creates its iterator at a different point).
         generator=torch.Generator().manual_seed(recipe.seed))
-    micro = math.ceil(len(examples) / recipe.train.micro_batch_size)
+    micro = math.ceil(sampler.per_rank / recipe.train.micro_batch_size)
     if recipe.train.limit_train_batches is not None:
         micro = min(micro, recipe.train.limit_train_batches)
     steps_per_epoch = math.ceil(micro / recipe.accumulate)
@@ -201,7 +208,13 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     """
     fabric, model, opt = b.fabric, b.model, b.optimizer
     shift = shifts_labels(model)
-    scale = loss_normaliser([x["labels"] for x in batches], global_token_count=token_count, shift=shift)
+    if token_count is None and fabric.world_size > 1:
+        from bigtune.dist import all_sum
+
+        # Every rank divides by the token count of the whole global batch (DDP/FSDP then average).
+        token_count = int(all_sum(fabric, sum(int(target_token_count(x["labels"], shift)) for x in batches)))
+    scale = loss_normaliser([x["labels"] for x in batches], world_size=fabric.world_size,
+                            global_token_count=token_count, shift=shift)
     snaps: list[mem.Snapshot] = []
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
@@ -269,12 +282,17 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             loss, snaps = train_step(b, batches, monitor, measure, state)
             shape = list(batches[0]["input_ids"].shape)
             padded = any(x.get("padded", True) for x in batches)
-            for s in snaps:
-                run.append_jsonl("memory.jsonl", {**s.to_dict(), "batch_shape": shape, "padded": padded})
             if snaps:
+                per_rank = mem.gather_snapshots(b.fabric, snaps)
+                for rank, rank_snaps in enumerate(per_rank):
+                    for s in rank_snaps:
+                        run.append_jsonl("memory.jsonl", {**s.to_dict(), "rank": rank, "batch_shape": shape,
+                                                          "padded": padded})
                 print(mem.format_table(snaps, _capacity(b.fabric.device, r)), flush=True)
-            tokens = sum(int(x["attention_mask"].sum()) for x in batches)
-            samples = sum(x["input_ids"].shape[0] for x in batches)
+                if len(per_rank) > 1:
+                    print(mem.format_rank_spread(per_rank), flush=True)
+            tokens = sum(int(x["attention_mask"].sum()) for x in batches)  # this rank's; summed at logging
+            samples = sum(x["input_ids"].shape[0] for x in batches) * b.fabric.world_size  # equal shares
             if flops_per_token is None:
                 seq = max(x["input_ids"].shape[1] for x in batches)
                 flops_per_token = model_flops_per_token(b.model.module, seq) or 0.0
@@ -287,6 +305,13 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             window_steps += 1
             if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
                 mean_loss = (loss_acc / window_steps).item()  # the only host sync, once per log window
+                if b.fabric.world_size > 1:
+                    from bigtune.dist import all_sum
+
+                    mean_loss = all_sum(b.fabric, mean_loss) / b.fabric.world_size
+                    global_tokens = int(all_sum(b.fabric, window_tokens))
+                    state.tokens += global_tokens - window_tokens
+                    window_tokens = global_tokens
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(
                         f"loss became {mean_loss} by step {state.step}: lower optim.lr, set optim.grad_clip, or use "
@@ -419,8 +444,10 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
     trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
     # Adapter runs checkpoint only what trains: the frozen base is reloaded from its source on resume.
     only_trainable = {"model": lambda name, _: name in trainable} if b.recipe.peft.method != "none" else None
-    b.fabric.save(tmp, payload, filter=only_trainable)
-    os.replace(tmp, path)
+    b.fabric.save(tmp, payload, filter=only_trainable)  # every rank takes part (FSDP writes shards)
+    if b.fabric.global_rank == 0:
+        os.replace(tmp, path)
+    b.fabric.barrier()
     run.prune_checkpoints(b.recipe.checkpoint.keep_last)
     return path
 
@@ -523,9 +550,19 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
         run_path, resume_ckpt = find_resume_checkpoint(resume)
     else:
         run_path = pick_run_dir(r.output_dir, r.name)
+    fabric = setup_fabric(r)
+    if fabric.world_size > 1:
+        run_path = Path(fabric.broadcast(str(run_path), src=0))  # every rank uses rank 0's choice
+    # Only rank 0 talks; the other ranks' prints would repeat it.
+    quiet = contextlib.redirect_stdout(io.StringIO()) if fabric.global_rank != 0 else contextlib.nullcontext()
+    with quiet:
+        return _train(r, fabric, run_path, resume_ckpt, t_start, raise_on_oom, quiet_recipe)
+
+
+def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_start: float, raise_on_oom: bool,
+           quiet_recipe: bool) -> dict:
     if not quiet_recipe:
         print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
-    fabric = setup_fabric(r)
     b = build(r, fabric)  # raises on bad data/model before the run dir exists
     for line in b.data_report.lines():
         print(line, flush=True)
@@ -533,9 +570,10 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
           f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
           f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)", flush=True)
 
-    prediction = predict_for_device(r, fabric.device) if r.memory.plan else None
+    rank0 = fabric.global_rank == 0
+    prediction = predict_for_device(r, fabric.device, fabric.world_size) if r.memory.plan and rank0 else None
 
-    run = RunDir(run_path)
+    run = RunDir(run_path, writer=rank0)
     run.create()
     run.write_text("recipe.yaml", r.to_yaml())
     state = LoopState()
@@ -575,7 +613,7 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
             print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
             for a in summary["oom"]["advice"]:
                 print(f"  try: {a}", flush=True)
-            fitting = alternatives_for_device(r, fabric.device, cap)
+            fitting = alternatives_for_device(r, fabric.device, cap) if rank0 else []
             if fitting:
                 summary["oom"]["alternatives"] = fitting
                 print("  variants the planner predicts to fit, fastest first:", flush=True)
@@ -595,7 +633,8 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
                            "best_step": min(evals, key=lambda e: e["val_loss"])["step"],
                            "eval_peak_allocated_bytes": max((e["eval_peak_allocated"] or 0) for e in evals) or None}
     if prediction is not None:
-        summary["plan"] = compare_with_plan(prediction, r, fabric.device, run.read_jsonl("memory.jsonl"))
+        summary["plan"] = compare_with_plan(prediction, r, fabric.device, run.read_jsonl("memory.jsonl"),
+                                            fabric.world_size)
         print(format_comparison(summary["plan"]), flush=True)
     run.write_json("summary.json", summary)
     print(f"status {status}; final loss {summary['final_loss']}; peak allocated "
@@ -623,12 +662,19 @@ def _target_for(device: torch.device, cap_bytes: Optional[int] = None):
     return Target("cuda", gpu)
 
 
-def predict_for_device(r: Recipe, device: torch.device):
+def _plan_target(r: Recipe, device: torch.device, world: int):
+    target = _target_for(device)
+    if world > 1:
+        target = dataclasses.replace(target, gpus=world, strategy="fsdp" if r.strategy == "fsdp" else "ddp")
+    return target
+
+
+def predict_for_device(r: Recipe, device: torch.device, world: int = 1):
     """The planner's prediction for this run's device, printed before step 0 (None if it cannot plan)."""
     from bigtune.planner import format_plan, plan
 
     try:
-        p = plan(r, _target_for(device))
+        p = plan(r, _plan_target(r, device, world))
     except Exception as e:  # noqa: BLE001 - a planning problem must never stop training
         print(f"plan: unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
         return None
@@ -648,7 +694,7 @@ def alternatives_for_device(r: Recipe, device: torch.device, cap_bytes: Optional
     return [f"{a.variant}: predicted peak {human_bytes(a.peak_total)}" for a in alts]
 
 
-def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict]) -> dict:
+def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], world: int = 1) -> dict:
     """Measured vs predicted per category and phase, at the last measured step (steady state).
 
     The plan before training assumes full max_seq_length micro-batches (the worst case). When the
@@ -657,6 +703,7 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict]) -> 
     """
     out: dict[str, Any] = {"target": p.target, "predicted_peak_allocated": p.peak_allocated,
                            "predicted_peak_total": p.peak_total, "notes": p.notes, "phases": {}}
+    snaps = [s for s in snaps if s.get("rank", 0) == 0]  # the plan is per device; compare rank 0's
     if not snaps:
         return out
     last = max(s["step"] for s in snaps)
@@ -669,7 +716,7 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict]) -> 
 
         try:
             like = plan(load_recipe(r.to_dict(), {"train.micro_batch_size": shape[0],
-                                                  "data.max_seq_length": shape[1]}), _target_for(device),
+                                                  "data.max_seq_length": shape[1]}), _plan_target(r, device, world),
                         padded=padded)
             out["replanned_at_batch_shape"] = shape
         except Exception as e:  # noqa: BLE001
@@ -737,12 +784,20 @@ def save_hf_model(b: Built, run: RunDir, dest_name: Optional[str] = None, keep_b
     initial weights when the base has no folder of its own (presets, random init);
     `bigtune export --merge` folds them into one model.
     """
+    from bigtune.dist import full_state_dict
+
     model = b.model.module if hasattr(b.model, "module") else b.model
     dest = run.path / (dest_name or ("adapter" if b.recipe.peft.method != "none" else "model"))
+    state = full_state_dict(b.fabric, model)  # FSDP: every rank joins the gather; rank 0 gets it
+    if b.fabric.global_rank != 0:
+        return dest
     tmp = run.path / f".{dest.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    if state is not None:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     b.tokenizer.save_pretrained(tmp)
     if dest.exists():
         shutil.rmtree(dest)

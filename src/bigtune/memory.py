@@ -63,6 +63,9 @@ class LiveTensorTracker(TorchDispatchMode):
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 continue
+            local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2): the memory is its local shard
+            if local is not None:
+                t = local
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
@@ -244,3 +247,36 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+_FIELDS = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
+           "peak_allocated", "reserved", "peak_reserved")
+
+
+def gather_snapshots(fabric, snaps: list[Snapshot]) -> list[list[Snapshot]]:
+    """Every rank's snapshots of this step, on every rank (one collective); [snaps] on one device."""
+    if fabric.world_size == 1:
+        return [snaps]
+    rows = [[float(-1 if getattr(s, f) is None else getattr(s, f)) for f in _FIELDS] for s in snaps]
+    t = torch.tensor(rows, dtype=torch.float64, device=fabric.device)
+    gathered = fabric.all_gather(t).cpu()
+    out = []
+    for rank in range(gathered.shape[0]):
+        rank_snaps = []
+        for s, row in zip(snaps, gathered[rank].tolist()):
+            vals = {f: (None if v < 0 else int(v)) for f, v in zip(_FIELDS, row)}
+            rank_snaps.append(Snapshot(step=s.step, phase=s.phase, device=s.device, **vals))
+        out.append(rank_snaps)
+    return out
+
+
+def format_rank_spread(per_rank: list[list[Snapshot]]) -> str:
+    """Min / max across ranks of allocated and peak per phase (the lab calls acts 'Other' here)."""
+    lines = [f"{'across ' + str(len(per_rank)) + ' ranks':<22}{'alloc min':>12}{'alloc max':>12}{'peak min':>12}"
+             f"{'peak max':>12}  (MiB)"]
+    for i, s in enumerate(per_rank[0]):
+        alloc = [r[i].allocated for r in per_rank]
+        peak = [r[i].peak_allocated for r in per_rank]
+        lines.append(f"{s.phase:<22}{min(alloc) / 2**20:>12.2f}{max(alloc) / 2**20:>12.2f}"
+                     f"{min(peak) / 2**20:>12.2f}{max(peak) / 2**20:>12.2f}")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true")
 OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw",
               "deepspeed_cpu_adam")
 SCHEDULES = ("constant", "cosine", "linear")
-STRATEGIES = ("auto", "single")
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "cuda")
 DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text")
 FAMILIES = ("causal-lm",)
@@ -121,6 +121,8 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
     grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
+    scale_lr_with_world_size: bool = _f(False, "Multiply lr by the data-parallel size (the lab's 'lr × 4' with 4 "
+                                        "GPUs), for a global batch that grows with the GPU count.")
 
 
 @dataclass
@@ -178,8 +180,19 @@ class Recipe:
     precision: Literal["32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true"] = _f(
         "32-true", "Numeric precision (Lightning Fabric names). Lab: precision.")
     accelerator: Literal["auto", "cpu", "cuda"] = _f("auto", "Device type; auto picks cuda when available.")
-    devices: int = _f(1, "Devices per node (this release: 1).", min=1)
-    strategy: Literal["auto", "single"] = _f("auto", "Parallel strategy (this release: single device).")
+    devices: int = _f(1, "Devices (processes) per node; > 1 spawns one process per device unless already "
+                      "launched by torchrun or Slurm. Lab: devices.", min=1)
+    num_nodes: int = _f(1, "Nodes (machines) taking part; launch with torchrun or `bigtune launch slurm`.", min=1)
+    strategy: Literal["auto", "single", "ddp", "fsdp"] = _f(
+        "auto", "auto: single device, or DDP when devices × num_nodes > 1. ddp: replicated model, gradients "
+        "all-reduced. fsdp: FSDP2 (fully_shard per decoder layer): parameters, gradients and optimizer state "
+        "sharded across ranks. Lab: strategy.")
+    fsdp_sharding: Literal["full", "grad_op", "hybrid"] = _f(
+        "full", "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
+        "backward (less communication); hybrid shards within a node and replicates across nodes.")
+    fsdp_cpu_offload: bool = _f(False, "FSDP: keep sharded parameters, gradients and optimizer state in CPU RAM.")
+    dist_timeout_s: int = _f(600, "Seconds a rank waits in a collective before giving up, so a crashed or hung "
+                             "rank makes the others exit instead of hanging forever.", min=10)
     seed: int = _f(42, "Seeds data order, initialisation and dropout.")
     output_dir: Optional[str] = _f(None, "Run directory (default runs/<name>; a suffix is added if it exists).")
 
@@ -195,12 +208,16 @@ class Recipe:
         """Micro-batches per optimizer step, derived from global_batch_size when that is set."""
         t = self.train
         if t.global_batch_size is not None:
-            return max(1, t.global_batch_size // (t.micro_batch_size * self.devices))
+            return max(1, t.global_batch_size // (t.micro_batch_size * self.world_size))
         return t.accumulate_grad_batches
 
     @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
     def global_batch_size(self) -> int:
-        return self.train.micro_batch_size * self.accumulate * self.devices
+        return self.train.micro_batch_size * self.accumulate * self.world_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -413,7 +430,7 @@ def check_combinations(r: Recipe) -> list[str]:
     if t.max_epochs is None and t.max_steps is None:
         p.append("train.max_epochs / train.max_steps: both are null, so training would never stop; set one")
     if t.global_batch_size is not None:
-        per = t.micro_batch_size * r.devices
+        per = t.micro_batch_size * r.world_size
         if t.global_batch_size % per:
             p.append(f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size × devices "
                      f"= {per}; pick a multiple, or set train.accumulate_grad_batches instead")
@@ -423,8 +440,16 @@ def check_combinations(r: Recipe) -> list[str]:
         p.append(f"optim.betas: {r.optim.betas!r} must be two numbers, e.g. [0.9, 0.999]")
     if r.optim.momentum and r.optim.name != "sgd":
         p.append("optim.momentum: only SGD uses momentum; remove it or set optim.name=sgd")
-    if r.devices > 1 or r.strategy not in ("auto", "single"):
-        p.append(f"devices={r.devices}: this release trains on one device; set devices=1")
+    world = r.devices * r.num_nodes
+    if r.strategy == "single" and world > 1:
+        p.append(f"strategy=single with {world} devices: use strategy=ddp or fsdp, or devices=1")
+    if r.strategy == "fsdp" and r.model.quantize != "none":
+        p.append("strategy=fsdp with model.quantize: bitsandbytes weights cannot be sharded by FSDP here; use "
+                 "strategy=ddp (each rank holds the quantized base) or model.quantize=none")
+    if r.strategy == "fsdp" and r.optim.name in ("cpu_offload_adamw", "deepspeed_cpu_adam"):
+        p.append("strategy=fsdp with an offloaded optimizer: use fsdp_cpu_offload=true with optim.name=adamw")
+    if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
+        p.append("fsdp_sharding=hybrid needs num_nodes > 1 (it replicates across nodes); use full on one node")
     accel = resolve_accelerator(r)
     if accel == "cuda":
         import torch

@@ -36,28 +36,40 @@ def pick_run_dir(requested: str | None, name: str) -> Path:
 
 
 class RunDir:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, writer: bool = True):
         self.path = Path(path)
+        # With several ranks only rank 0 writes files; the others read (and call the same methods).
+        self.writer = writer
         self.checkpoints = self.path / "checkpoints"
         self.model = self.path / "model"
         self._csv_fields: list[str] | None = None
 
     def create(self) -> None:
+        if not self.writer:
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
 
     def write_json(self, name: str, obj: Any) -> None:
+        if not self.writer:
+            return
         atomic_write_text(self.path / name, json.dumps(obj, indent=2, default=str) + "\n")
 
     def write_text(self, name: str, text: str) -> None:
+        if not self.writer:
+            return
         atomic_write_text(self.path / name, text)
 
     def append_jsonl(self, name: str, record: dict) -> None:
+        if not self.writer:
+            return
         # One complete line per write: a killed process loses at most the record in flight.
         with (self.path / name).open("a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
 
     def append_csv(self, name: str, record: dict) -> None:
+        if not self.writer:
+            return
         path = self.path / name
         if self._csv_fields is None:
             self._csv_fields = list(record)
@@ -77,6 +89,8 @@ class RunDir:
 
     def truncate_jsonl(self, name: str, keep) -> None:
         """Drop records a resumed run will write again (e.g. steps after the checkpoint)."""
+        if not self.writer:
+            return
         rows = [r for r in self.read_jsonl(name) if keep(r)]
         atomic_write_text(self.path / name, "".join(json.dumps(r, default=str) + "\n" for r in rows))
 
@@ -88,5 +102,7 @@ class RunDir:
         return sorted(p for p in self.checkpoints.glob("step-*.ckpt")) if self.checkpoints.is_dir() else []
 
     def prune_checkpoints(self, keep_last: int) -> None:
+        if not self.writer:
+            return
         for old in self.list_checkpoints()[:-keep_last]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -95,6 +95,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if t is None:
             continue
+        local = getattr(t, "_local_tensor", None)  # a DTensor (FSDP2 shard): count this rank's piece
+        if local is not None:
+            t = local
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
