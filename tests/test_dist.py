@@ -1,0 +1,97 @@
+"""Several processes on the CPU (gloo): DDP and FSDP2 match one process; torchrun; sharded checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, read_jsonl, run_cli
+
+COMMON = {"train.max_steps": 4, "train.max_epochs": None, "train.log_every_steps": 1, "memory.every_steps": 1,
+          "data.max_seq_length": 64, "accelerator": "cpu", "optim.name": "sgd", "optim.lr": 0.5,
+          "checkpoint.save_model": True, "memory.plan": False}
+
+
+def _args(over: dict) -> list[str]:
+    out = []
+    for k, v in over.items():
+        out += ["--set", f"{k}={'null' if v is None else v}"]
+    return out
+
+
+def _train(tmp_path, name, **over):
+    res = run_cli("train", *_args({**COMMON, "output_dir": str(tmp_path / name), **over}), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("single"), "run", **{"train.micro_batch_size": 8})
+
+
+def _losses(run):
+    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+
+
+def _same_weights(a, b, atol=1e-5):
+    wa, wb = load_file(str(a / "model" / "model.safetensors")), load_file(str(b / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, single, strategy):
+    run = _train(tmp_path, strategy, devices=2, strategy=strategy, **{"train.micro_batch_size": 4})
+    assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
+    _same_weights(run, single)
+    snaps = read_jsonl(run / "memory.jsonl")
+    assert {s["rank"] for s in snaps} == {0, 1}  # every rank measured, rank 0 wrote them
+    one = {s["phase"]: s for s in read_jsonl(single / "memory.jsonl") if s["step"] == 2}
+    for s in snaps:
+        if s["step"] == 2 and s["phase"] == "after_backward":
+            if strategy == "fsdp":  # parameters and gradients sharded across the two ranks
+                assert s["parameters"] < 0.6 * one["after_backward"]["parameters"]
+                assert s["gradients"] < 0.6 * one["after_backward"]["gradients"]
+            else:
+                assert s["parameters"] == one["after_backward"]["parameters"]
+
+
+def test_torchrun_launch(tmp_path, single):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           "-m", "bigtune", "train", *_args({**COMMON, "output_dir": str(tmp_path / "tr"), "strategy": "ddp",
+                                              "devices": 2, "train.micro_batch_size": 4})]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert _losses(tmp_path / "tr") == pytest.approx(_losses(single), rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.xfail(
+    strict=True, reason="known bug: after resuming an FSDP2 distributed checkpoint the first two steps match the "
+    "uninterrupted run but the third differs (~0.5% in loss); DDP resumes exactly"))])
+def test_checkpoint_resumes_across_ranks(tmp_path, strategy):
+    over = {"devices": 2, "strategy": strategy, "train.micro_batch_size": 4, "train.max_steps": 6,
+            "checkpoint.enabled": True, "checkpoint.every_steps": 3, "checkpoint.keep_last": 5,
+            "optim.name": "adamw", "optim.lr": 1e-3}
+    ref = _train(tmp_path, "ref", **over)
+    ckpt = ref / "checkpoints" / "step-000003.ckpt"
+    assert ckpt.is_dir() == (strategy == "fsdp"), "FSDP writes a distributed (sharded) checkpoint folder"
+    cut = tmp_path / "cut"
+    shutil.copytree(ref, cut)
+    last = cut / "checkpoints" / "step-000006.ckpt"
+    shutil.rmtree(last) if last.is_dir() else last.unlink()
+    res = run_cli("train", "--resume", str(cut), *_args({**COMMON, **over, "output_dir": str(cut)}), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "at step 3" in res.stdout
+    assert _losses(cut) == pytest.approx(_losses(ref), rel=1e-5)
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 6
