@@ -95,3 +95,46 @@ def test_checkpoint_resumes_across_ranks(tmp_path, strategy):
     assert _losses(cut) == pytest.approx(_losses(ref), rel=1e-5)
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 6
+
+
+def test_slurm_script(tmp_path):
+    res = run_cli("launch", "slurm", str(ROOT / "recipes" / "open-llama-7b-full.yaml"), "--nodes", "2",
+                  "--gpus-per-node", "4", "--partition", "gpu", "--time", "02:00:00", "--out",
+                  str(tmp_path / "job.sbatch"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "job.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00", "#SBATCH --requeue", "--signal=TERM@120"):
+        assert line in text, line
+    srun = next(x for x in text.splitlines() if x.startswith("srun "))
+    assert "devices=4" in srun and "num_nodes=2" in srun and "--auto-resume" in srun
+    # a bad recipe is refused when the script is written, not hours later in the queue
+    res = run_cli("launch", "slurm", "--set", "train.micro_bach_size=2", cwd=tmp_path)
+    assert res.returncode == 2 and "micro_batch_size" in res.stderr
+
+
+def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
+    import signal
+    import time
+
+    over = {**COMMON, "train.max_steps": 80, "optim.name": "adamw", "optim.lr": 1e-3, "memory.every_steps": 1000,
+            "checkpoint.enabled": True, "checkpoint.every_steps": 1000, "output_dir": str(tmp_path / "run"),
+            "checkpoint.save_model": False}
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "bigtune", "train", *_args(over)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    stopped = summary["preempted_at_step"]
+    assert summary["status"] == "preempted" and 5 <= stopped < 80
+    assert (tmp_path / "run" / "checkpoints" / f"step-{stopped:06d}.ckpt").exists()
+    res = run_cli("train", *_args(over), "--auto-resume", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:]
+    assert f"at step {stopped}" in res.stdout
+    assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, 81))

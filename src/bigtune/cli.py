@@ -1,6 +1,7 @@
 """The command line: ``bigtune <verb> ...``. Libraries raise; only this module exits.
 
-Exit codes: 0 ok · 1 unexpected error · 2 bad input (recipe, data, model, arguments) · 3 out of memory.
+Exit codes: 0 ok · 1 unexpected error · 2 bad input (recipe, data, model, arguments) · 3 out of memory ·
+143 stopped by SIGTERM after writing a checkpoint (resume with --resume / --auto-resume).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM, EXIT_PREEMPTED = 0, 1, 2, 3, 143
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", nargs="?", const="", metavar="RUN_OR_CKPT",
                    help="continue from a run directory's newest checkpoint (or a .ckpt file); without a value, "
                         "the recipe's output_dir")
+    t.add_argument("--auto-resume", action="store_true",
+                   help="resume from output_dir's newest checkpoint if there is one, else start there (for "
+                        "requeued Slurm jobs)")
     pl = sub.add_parser("plan", help="predict per-device memory and step time (no GPU, no weights needed)")
     _add_recipe_args(pl)
     pl.add_argument("--gpu", help="GPU model from the catalog, e.g. h100-80gb, a100-80gb, rtx-4090 "
@@ -65,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     from bigtune.infer import add_cli as add_infer_cli
 
     add_infer_cli(sub)  # `generate` and `eval`
+    from bigtune.launch import add_cli as add_launch_cli
+
+    add_launch_cli(sub)  # `launch slurm`
     return ap
 
 
@@ -85,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
-        if args.verb in ("sweep", "report", "generate", "eval"):
+        if args.verb in ("sweep", "report", "generate", "eval", "launch"):
             return args.func(args)
         if args.verb == "export":
             from bigtune.export import export_run
@@ -127,11 +134,13 @@ def _cmd_train(args) -> int:
     from bigtune.recipe import load_recipe
 
     resume = args.resume
-    if resume == "":
+    if resume == "" or args.auto_resume:
         r = load_recipe(args.recipe, _overrides(args))
-        resume = r.output_dir or str(Path("runs") / r.name)
-    summary = train(args.recipe, _overrides(args), resume=resume)
-    return {"ok": EXIT_OK, "oom": EXIT_OOM}.get(summary["status"], EXIT_ERROR)
+        out = r.output_dir or str(Path("runs") / r.name)
+        has_ckpt = any((Path(out) / "checkpoints").glob("step-*.ckpt"))
+        resume = out if (resume == "" or has_ckpt) else None
+    summary = train(args.recipe, _overrides(args), resume=resume, reuse_dir=args.auto_resume)
+    return {"ok": EXIT_OK, "oom": EXIT_OOM, "preempted": EXIT_PREEMPTED}.get(summary["status"], EXIT_ERROR)
 
 
 def _cmd_plan(args) -> int:

@@ -339,6 +339,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 run_eval(b, run, state, monitor, epoch)
             if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
                 save_checkpoint(b, run, state)
+            if _stop_requested(b.fabric):
+                raise Preempted(state.step)
             if state.step >= b.total_steps:
                 break
         if state.epoch_loss_steps:
@@ -399,6 +401,30 @@ def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int) -> di
             save_hf_model(b, run, dest_name="best", keep_base=False)
             run.write_json("best.json", {"step": state.step, **res})
     return res
+
+
+class Preempted(Exception):
+    """SIGTERM arrived (Slurm preemption or time limit): checkpoint written, run can be resumed."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"stopped by SIGTERM after step {step}")
+
+
+_STOP = {"requested": False}
+
+
+def _on_sigterm(signum, frame) -> None:
+    _STOP["requested"] = True  # acted on between steps, where a checkpoint is consistent
+
+
+def _stop_requested(fabric) -> bool:
+    flag = _STOP["requested"]
+    if fabric.world_size > 1:
+        from bigtune.dist import all_sum
+
+        flag = all_sum(fabric, float(flag)) > 0  # every rank stops at the same step
+    return flag
 
 
 _TB: dict[str, Any] = {}
@@ -536,7 +562,8 @@ def oom_advice(r: Recipe) -> list[str]:
 
 
 def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str] | dict | None = None,
-          resume: str | Path | None = None, raise_on_oom: bool = False, quiet_recipe: bool = False) -> dict:
+          resume: str | Path | None = None, raise_on_oom: bool = False, quiet_recipe: bool = False,
+          reuse_dir: bool = False) -> dict:
     """Train one recipe; return the summary dict (also in <run>/summary.json).
 
     ``recipe`` is a Recipe, a dict, a YAML path or None (the built-in demo). ``resume`` is a run
@@ -548,6 +575,8 @@ def train(recipe: Recipe | dict | str | Path | None = None, overrides: list[str]
     resume_ckpt = None
     if resume is not None:
         run_path, resume_ckpt = find_resume_checkpoint(resume)
+    elif reuse_dir and r.output_dir:
+        run_path = Path(r.output_dir)  # a requeued job starts over in its own folder
     else:
         run_path = pick_run_dir(r.output_dir, r.name)
     fabric = setup_fabric(r)
@@ -593,6 +622,14 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
                                "parameters": b.params, "data": b.data_report.summary(),
                                "total_steps": b.total_steps}
     status, error = "ok", None
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        _STOP["requested"] = False
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    else:
+        previous = None
     try:
         fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision))
         if b.val_loader is not None and state.last_eval_step != state.step:
@@ -602,6 +639,11 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
             save_checkpoint(b, run, state)
         if r.checkpoint.save_model:
             save_hf_model(b, run)
+    except Preempted as e:
+        status = "preempted"
+        save_checkpoint(b, run, state)
+        summary["preempted_at_step"] = e.step
+        print(f"SIGTERM: checkpoint written at step {e.step}; continue with --resume {run.path}", flush=True)
     except Exception as e:  # noqa: BLE001 - every failure becomes a recorded result
         if monitor is not None:
             monitor.end_step()
@@ -626,6 +668,8 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
             summary["error"] = f"{type(e).__name__}: {e}"
     finally:
         _close_tensorboard(run)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     summary.update(_results(run, state, status, time.perf_counter() - t_start))
     evals = run.read_jsonl("eval.jsonl")
     if evals:

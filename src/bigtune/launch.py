@@ -1,0 +1,90 @@
+"""`bigtune launch slurm`: a readable sbatch script for one recipe on N nodes × G GPUs.
+
+One Slurm task per GPU (`--ntasks-per-node=G`), started by `srun`: Lightning Fabric then finds the
+ranks in Slurm's environment (SLURM_PROCID, SLURM_LOCALID, SLURM_NODELIST), so bigtune spawns nothing
+itself. The job asks for requeue and for SIGTERM two minutes before its time limit; bigtune answers a
+SIGTERM by writing a checkpoint and exiting, and the requeued job continues with `--auto-resume`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from bigtune.recipe import load_recipe
+
+
+def slurm_script(recipe: Optional[str], overrides: list[str], nodes: int, gpus_per_node: int, time: str,
+                 partition: Optional[str] = None, account: Optional[str] = None, cpus_per_task: int = 8,
+                 mem: Optional[str] = None, job_name: Optional[str] = None, strategy: str = "fsdp",
+                 python: str = sys.executable) -> str:
+    world_over = [f"devices={gpus_per_node}", f"num_nodes={nodes}", f"strategy={strategy}", "accelerator=cuda",
+                  "checkpoint.enabled=true"]
+    r = load_recipe(recipe, list(overrides) + world_over + ["accelerator=cpu"])  # validate now, not in the queue
+    out_dir = r.output_dir or f"runs/{r.name}"
+    if not r.checkpoint.every_steps:
+        world_over.append("checkpoint.every_steps=100")
+    world_over.append(f"output_dir={out_dir}")
+    name = job_name or f"bigtune-{r.name}"
+    lines = ["#!/bin/bash", f"# bigtune: {r.name} on {nodes} node(s) x {gpus_per_node} GPU(s), strategy {strategy}",
+             f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}",
+             f"#SBATCH --ntasks-per-node={gpus_per_node}   # one task per GPU: Fabric reads the ranks from Slurm",
+             f"#SBATCH --gpus-per-node={gpus_per_node}", f"#SBATCH --cpus-per-task={cpus_per_task}",
+             f"#SBATCH --time={time}"]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if account:
+        lines.append(f"#SBATCH --account={account}")
+    if mem:
+        lines.append(f"#SBATCH --mem={mem}")
+    lines += ["#SBATCH --requeue                 # preempted or timed out: back in the queue",
+              "#SBATCH --signal=TERM@120         # SIGTERM to every task 2 min before the limit: checkpoint + exit",
+              f"#SBATCH --output={out_dir}/slurm-%j.out", "", "set -euo pipefail",
+              f"mkdir -p {shlex.quote(out_dir)}",
+              "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
+              "export MASTER_PORT=${MASTER_PORT:-29500}", ""]
+    cmd = [python, "-m", "bigtune", "train"] + ([recipe] if recipe else [])
+    for o in list(overrides) + world_over:
+        cmd += ["--set", o]
+    cmd.append("--auto-resume")
+    lines.append("srun " + " ".join(shlex.quote(c) for c in cmd))
+    return "\n".join(lines) + "\n"
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("launch", help="write (and optionally submit) a Slurm batch script for a recipe")
+    p.add_argument("system", choices=["slurm"])
+    p.add_argument("recipe", nargs="?")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="fsdp")
+    p.add_argument("--time", default="02:00:00", help="Slurm time limit, e.g. 02:00:00")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--cpus-per-task", type=int, default=8)
+    p.add_argument("--mem", help="memory per node, e.g. 200G")
+    p.add_argument("--job-name")
+    p.add_argument("--out", help="script path (default: <output_dir>/job.sbatch)")
+    p.add_argument("--submit", action="store_true", help="run sbatch on the script")
+    p.set_defaults(func=main_launch)
+
+
+def main_launch(args) -> int:
+    text = slurm_script(args.recipe, args.overrides, args.nodes, args.gpus_per_node, args.time, args.partition,
+                        args.account, args.cpus_per_task, args.mem, args.job_name, args.strategy)
+    r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu"])
+    path = Path(args.out or Path(r.output_dir or f"runs/{r.name}") / "job.sbatch")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    if args.submit:
+        return subprocess.run(["sbatch", str(path)]).returncode
+    print(f"submit with: sbatch {path}")
+    return 0
