@@ -445,12 +445,9 @@ def _child_env() -> dict[str, str]:
 
 
 def _fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    from bigtune.stepmath import human_bytes  # stepmath imports torch: keep `bigtune --help` fast
+
+    return human_bytes(n)
 
 
 def _one_line(row: dict) -> str:
