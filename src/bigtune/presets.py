@@ -92,6 +92,8 @@ def _blip2_t5(vocab: int, ids: dict):
     # Flan-T5 style (gated GELU, separate output layer); the decoder starts from the pad token as T5 does.
     text = T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
                     feed_forward_proj="gated-gelu", tie_word_embeddings=False, use_cache=False,
+                    # T5 initialises its untied lm_head with std 1: at hidden 64 the first loss is ~25
+                    initializer_factor=0.05,
                     decoder_start_token_id=ids["pad_token_id"], eos_token_id=ids["eos_token_id"],
                     pad_token_id=ids["pad_token_id"]).to_dict()
     config = _blip2(text, ids)
