@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     from bigtune.sweep import add_cli as add_sweep_cli
 
     add_sweep_cli(sub)  # `sweep` (a ladder of variants, one process each) and `report`
+    from bigtune.caption import add_cli as add_caption_cli
+
+    add_caption_cli(sub)  # `caption` (alt text with an image-to-text model)
     return ap
 
 
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
-        if args.verb in ("sweep", "report"):
+        if args.verb in ("sweep", "report", "caption"):
             return args.func(args)
         if args.verb == "export":
             from bigtune.export import export_run
@@ -96,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         from bigtune.data import DataError
         from bigtune.export import ExportError
         from bigtune.gpus import UnknownGPUError
+        from bigtune.infer import InferError
         from bigtune.models import ModelError
         from bigtune.planner import PlanError
         from bigtune.recipe import RecipeError
 
         if isinstance(e, (RecipeError, DataError, ModelError, FileNotFoundError, PlanError, UnknownGPUError,
-                          ExportError)):
+                          ExportError, InferError)):
             print(f"bigtune: error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
