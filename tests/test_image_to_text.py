@@ -23,6 +23,17 @@ from conftest import ROOT, read_jsonl, run_cli
 DEMO = ROOT / "recipes" / "gourmetgram-demo.yaml"
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """The tiny BLIP-2 is too small to gain from intra-op threads, and on a busy 2-core machine spinning
+    OpenMP threads made steps up to 100× slower; one thread keeps these tests fast and steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the CLI subprocesses
+    yield
+    torch.set_num_threads(before)
+
+
 def _overrides(run_dir: Path, **extra) -> dict:
     base = {"data.val_fraction": 0.0, "train.max_epochs": None, "train.max_steps": 3, "train.micro_batch_size": 8,
             "train.log_every_steps": 1, "memory.every_steps": 1, "checkpoint.save_model": False,
