@@ -301,3 +301,19 @@ def test_caption_cli_full_model_jsonl(tmp_path):
     assert all(isinstance(r["caption"], str) for r in rows)
     assert "trunc.png" in res.stderr and "missing image file" in res.stderr
     assert "caption: 2/2 images" in res.stderr
+
+
+def test_export_merges_blip2_lora_into_a_captioning_model(tmp_path):
+    from bigtune.export import export_run
+
+    run = tmp_path / "run"
+    train(str(DEMO), _overrides(run, **{"peft.method": "lora", "train.max_steps": 2, "checkpoint.save_model": True,
+                                        "optim.lr": 1e-2}))
+    merged = export_run(run, merge=True)
+    assert (merged / "config.json").is_file() and (merged / "processor_config.json").is_file()
+    from bigtune.caption import caption_images, load_captioner
+
+    model, proc = load_captioner(str(merged), device="cpu")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    rows, bad = caption_images(model, proc, [str(p) for p in _demo_images(2)], max_new_tokens=4, progress=False)
+    assert len(rows) == 2 and not bad

@@ -64,6 +64,7 @@ def bundled_config_path(name: str) -> Optional[Path]:
 
 def resolve_config(recipe: Recipe):
     """The model's HF config, from a preset, a local folder, a bundled copy, or the hub (in that order)."""
+    _refuse_image_to_text(recipe)  # before any hub lookup: the refusal is the useful message
     return resolve_config_name(recipe.model)
 
 
