@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     from bigtune.launch import add_cli as add_launch_cli
 
     add_launch_cli(sub)  # `launch slurm`
+    from bigtune.caption import add_cli as add_caption_cli
+
+    add_caption_cli(sub)  # `caption` (alt text with an image-to-text model)
     return ap
 
 
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
-        if args.verb in ("sweep", "report", "generate", "eval", "launch"):
+        if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption"):
             return args.func(args)
         if args.verb == "export":
             from bigtune.export import export_run

@@ -261,6 +261,12 @@ def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], Data
         raise DataError(f"{source}: no usable samples ({report.records} records, {len(report.skipped)} skipped"
                         + (f"; first problem: record {report.skipped[0][0]}: {report.skipped[0][1]}"
                            if report.skipped else "") + ")")
+    examples = split_and_select(examples, report, cfg, seed)
+    return examples, report
+
+
+def split_and_select(examples: list, report: DataReport, cfg: DataConfig, seed: int) -> list:
+    """Hold out val_fraction (seeded; into report.val_examples), then keep num_train_samples (seeded)."""
     report.validation = 0
     if cfg.val_fraction and not cfg.val_source:
         # Held out before anything else, by a seeded shuffle: the split is the same on every resume.
@@ -278,7 +284,7 @@ def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], Data
         random.Random(seed).shuffle(order)
         examples = [examples[i] for i in sorted(order[: cfg.num_train_samples])]
     report.used = len(examples)
-    return examples, report
+    return examples
 
 
 # -- batching ---------------------------------------------------------------------------------------

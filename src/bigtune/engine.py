@@ -28,7 +28,7 @@ import torch
 from bigtune import memory as mem
 from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
 from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
-    forward_inputs, load_tokenizer, shifts_labels
+    forward_inputs, load_tokenizer_or_processor, shifts_labels
 from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
@@ -107,9 +107,27 @@ class Built:
     val_loader: Any = None               # the held-out split, when there is one
 
 
+def _image_data(recipe: Recipe, processor):
+    """image-to-text: examples, report, the dataset/collator factories (images processed lazily)."""
+    from bigtune.imagedata import ImageCaptionDataset, ImageCollator, TokenLayout, build_image_examples
+    from bigtune.planner import resolve_config_name
+
+    layout = TokenLayout.for_model(processor, resolve_config_name(recipe.model))
+    examples, report = build_image_examples(recipe.data, processor, layout, recipe.seed)
+    return examples, report, (lambda items: ImageCaptionDataset(items, processor.image_processor)), \
+        ImageCollator(layout), \
+        (lambda cfg: build_image_examples(cfg, processor, layout, recipe.seed))
+
+
 def build(recipe: Recipe, fabric) -> Built:
-    tokenizer = load_tokenizer(recipe.model)
-    examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
+    image = recipe.model.family == "image-to-text"
+    tokenizer = load_tokenizer_or_processor(recipe.model)
+    if image:
+        examples, report, make_dataset, collator, build_more = _image_data(recipe, tokenizer)
+    else:
+        examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
+        make_dataset, collator = ListDataset, Collator(tokenizer.pad_token_id)
+        build_more = lambda cfg: build_examples(cfg, tokenizer, recipe.seed)  # noqa: E731
     seed_everything(recipe.seed)
     peft = recipe.peft.method != "none"
     quantized = recipe.model.quantize != "none"
@@ -126,15 +144,15 @@ def build(recipe: Recipe, fabric) -> Built:
     if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
     if peft:
-        model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing)
+        model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing, recipe.model.family)
     params = count_parameters(model)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model))
 
     sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size)
     loader = torch.utils.data.DataLoader(
-        ListDataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
-        collate_fn=Collator(tokenizer.pad_token_id), num_workers=recipe.data.num_workers,
+        make_dataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
+        collate_fn=collator, num_workers=recipe.data.num_workers,
         pin_memory=fabric.device.type == "cuda", persistent_workers=False,
         # Its own generator: each new iterator draws a worker seed, which must not advance the global
         # RNG that dropout uses (a resumed run creates its iterator at a different point).
@@ -151,12 +169,12 @@ def build(recipe: Recipe, fabric) -> Built:
     if recipe.data.val_source:
         vcfg = dataclasses.replace(recipe.data, source=recipe.data.val_source, val_fraction=0.0, val_source=None,
                                    num_train_samples=None)
-        val_examples, vrep = build_examples(vcfg, tokenizer, recipe.seed)
+        val_examples, vrep = build_more(vcfg)
         report.validation = len(val_examples)
     if val_examples:
         val_loader = torch.utils.data.DataLoader(
-            ListDataset(val_examples), batch_size=recipe.eval.batch_size or recipe.train.micro_batch_size,
-            shuffle=False, collate_fn=Collator(tokenizer.pad_token_id), num_workers=recipe.data.num_workers)
+            make_dataset(val_examples), batch_size=recipe.eval.batch_size or recipe.train.micro_batch_size,
+            shuffle=False, collate_fn=collator, num_workers=recipe.data.num_workers)
     o = recipe.optim
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))

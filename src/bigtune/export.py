@@ -39,12 +39,17 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
 
 def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", out: Optional[str | Path] = None) -> Path:
     """Write the export and return its folder (written to a temporary name, then renamed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from bigtune.models import _auto_class
 
     run = Path(run_dir)
     if not (run / "recipe.yaml").is_file():
         raise ExportError(f"{run} is not a bigtune run directory (no recipe.yaml)")
     recipe = load_recipe(run / "recipe.yaml", ["accelerator=cpu"])
+    AutoModelForCausalLM = _auto_class(recipe.model.family)  # BLIP-2 runs: AutoModelForImageTextToText
+    # image-to-text runs save a processor (image processor + tokenizer); copy all of it
+    AutoTokenizer = AutoProcessor if recipe.model.family == "image-to-text" else AutoTokenizer  # noqa: N806
     torch_dtype = _dtype(dtype, recipe.precision)
     adapter, full = run / "adapter", run / "model"
     if adapter.is_dir():

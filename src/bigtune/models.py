@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from bigtune.presets import PRESETS, preset_config, tiny_tokenizer
+from bigtune.presets import PRESETS, preset_config, tiny_processor, tiny_tokenizer
 from bigtune.recipe import ModelConfig, PeftConfig
 
 DTYPES = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32,
@@ -52,6 +52,32 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
+def load_processor(cfg: ModelConfig):
+    """image-to-text: the Blip2Processor (image processor + tokenizer with the image token)."""
+    if cfg.name in PRESETS and cfg.tokenizer is None:
+        return tiny_processor()
+    from transformers import AutoProcessor
+
+    src = cfg.tokenizer or cfg.name
+    try:
+        proc = AutoProcessor.from_pretrained(_local_or_id(src), revision=cfg.revision,
+                                             trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        raise ModelError(_load_hint("processor", src, e)) from e
+    tok = getattr(proc, "tokenizer", None)
+    if tok is None or not hasattr(proc, "image_processor"):
+        raise ModelError(f"{src}: the processor has no tokenizer and image processor; an image-to-text model needs "
+                         "both (save them with Blip2Processor.save_pretrained)")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    tok.padding_side = "right"
+    return proc
+
+
+def load_tokenizer_or_processor(cfg: ModelConfig):
+    return load_processor(cfg) if cfg.family == "image-to-text" else load_tokenizer(cfg)
+
+
 def _local_or_id(name: str) -> str:
     p = Path(name).expanduser()
     return str(p) if p.exists() else name
@@ -87,8 +113,18 @@ def quantization_config(cfg: ModelConfig, precision: str):
                               bnb_4bit_compute_dtype=compute_dtype(cfg, precision))
 
 
-def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant) -> torch.nn.Module:
+def _auto_class(family: str):
+    if family == "image-to-text":
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
     from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant) -> torch.nn.Module:
+    AutoModelForCausalLM = _auto_class(cfg.family)
 
     kwargs: dict = {}
     if quant is not None and torch.cuda.is_available():
@@ -109,7 +145,7 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
     weights are written there (a LoRA run's export merges into them), and a quantized one is loaded
     back from there so bitsandbytes quantizes it exactly as it would a downloaded model.
     """
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = _auto_class(cfg.family)
 
     dtype = weights_dtype(precision)
     quant = quantization_config(cfg, precision)
@@ -140,16 +176,49 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
                 raise ModelError(
                     f"model folder {name} has only pickle weights (.bin/.pt); bigtune loads safetensors only, because "
                     "unpickling can run code. Convert once: `python -c \"from transformers import "
-                    "AutoModelForCausalLM as M; M.from_pretrained('" + name + "').save_pretrained('" + name +
+                    + _auto_class(cfg.family).__name__ + " as M; M.from_pretrained('" + name + "').save_pretrained('" + name +
                     "-st')\"` and point model.name at the new folder.")
         model = _from_pretrained(name, cfg, dtype, quant)
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
+    if cfg.family == "image-to-text":
+        text_cfg = getattr(model.config, "text_config", None)
+        if text_cfg is not None:
+            text_cfg.use_cache = False
+        freeze_parts(model, cfg)
     model.train()
     return model
 
 
+# BLIP-2 parts by attribute name; query_tokens are the Q-Former's learned queries.
+IMAGE_TO_TEXT_PARTS = {"vision": ("vision_model",), "qformer": ("qformer", "query_tokens"),
+                       "language_model": ("language_model",)}
+
+
+def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
+    """requires_grad=False on the parts the recipe freezes: no gradients and (make_optimizer takes
+    trainable parameters only) no optimizer state for them. Returns frozen element counts per part."""
+    out = {}
+    for part, flag in (("vision", cfg.freeze_vision), ("qformer", cfg.freeze_qformer),
+                       ("language_model", cfg.freeze_language_model)):
+        n = 0
+        for attr in IMAGE_TO_TEXT_PARTS[part]:
+            obj = getattr(model, attr, None)
+            if obj is None:
+                continue
+            params = [obj] if isinstance(obj, torch.nn.Parameter) else list(obj.parameters())
+            for p in params:
+                if flag:
+                    p.requires_grad_(False)
+                    n += p.numel()
+        out[part] = n
+    return out
+
+
 DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
-                   "t5": ["q", "v"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"]}
+                   "t5": ["q", "v"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"],
+                   # BLIP-2: adapters on the language model's attention queries/values only (the usual BLIP-2
+                   # LoRA); a regex, so the Q-Former's query/value and the ViT's qkv are left alone.
+                   "blip-2": r".*language_model\..*\.(q_proj|v_proj|q|v)$"}
 
 
 def lora_targets(model: torch.nn.Module, wanted: list) -> list[str] | str:
@@ -164,7 +233,8 @@ def lora_targets(model: torch.nn.Module, wanted: list) -> list[str] | str:
     return DEFAULT_TARGETS[kind]
 
 
-def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, checkpointing: bool):
+def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, checkpointing: bool,
+               family: str = "causal-lm"):
     """Freeze the base, add LoRA/DoRA adapters (QLoRA: after peft's k-bit preparation)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -175,7 +245,9 @@ def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, ch
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     config = LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
                         target_modules=lora_targets(model, peft_cfg.target_modules),
-                        use_dora=peft_cfg.method == "dora", task_type="CAUSAL_LM")
+                        use_dora=peft_cfg.method == "dora",
+                        # image-to-text: the plain PeftModel passes pixel_values / decoder_input_ids through as is
+                        task_type="CAUSAL_LM" if family == "causal-lm" else None)
     return get_peft_model(model, config)
 
 

@@ -64,17 +64,19 @@ def bundled_config_path(name: str) -> Optional[Path]:
 
 def resolve_config(recipe: Recipe):
     """The model's HF config, from a preset, a local folder, a bundled copy, or the hub (in that order)."""
+    _refuse_image_to_text(recipe)  # before any hub lookup: the refusal is the useful message
     return resolve_config_name(recipe.model)
 
 
 def resolve_config_name(model_cfg):
     from transformers import AutoConfig
 
-    from bigtune.presets import PRESETS, preset_config, tiny_tokenizer
+    from bigtune.presets import PRESETS, preset_config, tiny_processor, tiny_tokenizer
 
     name = model_cfg.name
     if name in PRESETS:
-        return preset_config(name, tiny_tokenizer())
+        image = PRESETS[name].family == "image-to-text"
+        return preset_config(name, tiny_processor() if image else tiny_tokenizer())
     local = Path(name).expanduser()
     if local.is_dir():
         return AutoConfig.from_pretrained(str(local), trust_remote_code=model_cfg.trust_remote_code)
@@ -397,6 +399,7 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     padding (the attention then gets an explicit mask, which can cost more on some kernels).
     """
     t0 = time.perf_counter()
+    _refuse_image_to_text(recipe)
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     if sim is None:
@@ -505,6 +508,12 @@ class Alternatives(list):
         self.evaluated = evaluated
 
 
+def _refuse_image_to_text(recipe: Recipe) -> None:
+    if recipe.model.family == "image-to-text":
+        raise PlanError("image-to-text models (BLIP-2) are not planned yet: the planner simulates causal LMs only. "
+                        "Train with memory.enabled=true to measure instead (the table shows each category).")
+
+
 def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None,
                  workers: Optional[int] = None) -> list[Plan]:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
@@ -516,6 +525,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     """
     import os
 
+    _refuse_image_to_text(recipe)
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     workers = workers if workers is not None else min(4, os.cpu_count() or 1)

@@ -45,13 +45,77 @@ def _opt(vocab: int, ids: dict):
                      word_embed_proj_dim=64, max_position_embeddings=1024, use_cache=False, **ids)
 
 
+# -- tiny BLIP-2 (image-to-text) -------------------------------------------------------------------
+
+TINY_IMAGE_SIZE = 32         # pixels (square); patch 8 → 16 patches
+TINY_QUERY_TOKENS = 4        # Q-Former queries = image tokens at the start of input_ids
+IMAGE_TOKEN = "<image>"
+
+
+def tiny_processor():
+    """A Blip2Processor built locally: BLIP's PIL image processor (no torchvision) at 32 px and the
+    bundled tokenizer, to which the processor adds the ``<image>`` special token (id 512)."""
+    from transformers import Blip2Processor
+
+    try:
+        from transformers import BlipImageProcessorPil as ImageProcessor
+    except ImportError:  # older transformers: the plain class works on PIL images
+        from transformers import BlipImageProcessor as ImageProcessor
+    images = ImageProcessor(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE})
+    return Blip2Processor(image_processor=images, tokenizer=tiny_tokenizer(), num_query_tokens=TINY_QUERY_TOKENS)
+
+
+def _blip2(text_config: dict, ids: dict):
+    from transformers import Blip2Config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=TINY_IMAGE_SIZE, patch_size=8)
+    qformer = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   encoder_hidden_size=32, vocab_size=text_config["vocab_size"])
+    return Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text_config,
+                       num_query_tokens=TINY_QUERY_TOKENS, image_token_index=ids["image_token_id"], use_cache=False)
+
+
+def _blip2_opt(vocab: int, ids: dict):
+    from transformers import OPTConfig
+
+    text = OPTConfig(vocab_size=vocab, hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                     word_embed_proj_dim=64, max_position_embeddings=512, use_cache=False,
+                     bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+                     pad_token_id=ids["pad_token_id"]).to_dict()
+    return _blip2(text, ids)
+
+
+def _blip2_t5(vocab: int, ids: dict):
+    from transformers import T5Config
+
+    # Flan-T5 style (gated GELU, separate output layer); the decoder starts from the pad token as T5 does.
+    text = T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                    feed_forward_proj="gated-gelu", tie_word_embeddings=False, use_cache=False,
+                    # T5 initialises its untied lm_head with std 1: at hidden 64 the first loss is ~25
+                    initializer_factor=0.05,
+                    decoder_start_token_id=ids["pad_token_id"], eos_token_id=ids["eos_token_id"],
+                    pad_token_id=ids["pad_token_id"]).to_dict()
+    config = _blip2(text, ids)
+    # transformers 5 forces tying on T5 configs; Flan-T5 (and BLIP-2 Flan-T5) keep a separate lm_head.
+    config.text_config.tie_word_embeddings = False
+    return config
+
+
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("causal-lm", _llama, "Llama architecture, 2 layers, hidden 64, GQA 4/2 heads."),
     "tiny-opt": Preset("causal-lm", _opt, "OPT architecture, 2 layers, hidden 64, dropout 0.1."),
+    "tiny-blip2-opt": Preset("image-to-text", _blip2_opt, "BLIP-2: ViT 32 px/patch 8, 1 layer, hidden 32; Q-Former "
+                             "1 layer, 4 queries; OPT 2 layers, hidden 64."),
+    "tiny-blip2-t5": Preset("image-to-text", _blip2_t5, "BLIP-2 with a Flan-T5-style text model (2+2 layers, "
+                            "hidden 64); vision and Q-Former as tiny-blip2-opt."),
 }
 
 
 def preset_config(name: str, tokenizer) -> object:
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.pad_token_id}
-    return PRESETS[name].make_config(len(tokenizer), ids)
+    """The preset's config sized to ``tokenizer`` (a tokenizer, or a processor holding one)."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    if PRESETS[name].family == "image-to-text":
+        ids["image_token_id"] = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    return PRESETS[name].make_config(len(tok), ids)

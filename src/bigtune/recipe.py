@@ -35,7 +35,7 @@ SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "cuda")
 DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text")
-FAMILIES = ("causal-lm",)
+FAMILIES = ("causal-lm", "image-to-text")
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
@@ -47,9 +47,12 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("tiny-llama", "Built-in preset (tiny-llama, tiny-opt), Hugging Face hub id, or local folder "
-                   "holding config.json + safetensors weights. Lab: model_name.")
-    family: Literal["causal-lm"] = _f("causal-lm", "Model family: causal-lm (AutoModelForCausalLM).")
+    name: str = _f("tiny-llama", "Built-in preset (tiny-llama, tiny-opt; image-to-text: tiny-blip2-opt, "
+                   "tiny-blip2-t5), Hugging Face hub id, or local folder holding config.json + safetensors weights. "
+                   "Lab: model_name.")
+    family: Literal["causal-lm", "image-to-text"] = _f(
+        "causal-lm", "Model family: causal-lm (AutoModelForCausalLM) or image-to-text (BLIP-2: "
+        "Blip2ForConditionalGeneration via AutoModelForImageTextToText, trained on image + caption pairs).")
     init: Literal["pretrained", "random"] = _f(
         "pretrained", "pretrained: load the weights. random: build the architecture from its config.json with random "
         "weights (benchmarks and planner validation need no download; bundled configs cover the lab's models).")
@@ -64,18 +67,28 @@ class ModelConfig:
     double_quant: bool = _f(True, "4-bit: also quantize the quantization constants (saves ~0.4 bit/parameter).")
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
         "auto", "4-bit: dtype the dequantized matmuls run in (auto: bfloat16 unless precision is 32-true or 16-*).")
+    freeze_vision: bool = _f(True, "image-to-text: freeze the vision encoder (no gradients, no optimizer state), as "
+                             "BLIP-2 fine-tuning usually does.")
+    freeze_qformer: bool = _f(False, "image-to-text: freeze the Q-Former and its query tokens (the language "
+                              "projection stays trainable).")
+    freeze_language_model: bool = _f(False, "image-to-text: freeze the language model (OPT / Flan-T5). With "
+                                     "peft.method lora the whole base is frozen anyway and only adapters train.")
 
 
 @dataclass
 class DataConfig:
-    source: str = _f("demo", "`demo` (bundled instruction set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
+    source: str = _f("demo", "`demo` (bundled instruction set; for model.family image-to-text the bundled "
+                     "food-photo caption set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
                      "written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; needs the hub).")
     format: Literal["auto", "alpaca", "text", "jsonl-text"] = _f(
         "auto", "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column.")
     split: str = _f("train", "Split to train on when the source holds several (DatasetDict).")
-    text_field: str = _f("text", "Column holding raw text for the text format.")
+    text_field: str = _f("text", "Column holding raw text for the text format (image-to-text: the caption).")
+    image_field: str = _f("image", "image-to-text: column (save_to_disk / metadata / JSONL key) holding the image "
+                          "(a decoded image, bytes, or a path; metadata.jsonl/.csv image folders use `file_name`).")
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
-    max_seq_length: int = _f(512, "Truncate every sample to this many tokens.", min=2)
+    max_seq_length: int = _f(512, "Truncate every sample to this many tokens. image-to-text: caption tokens "
+                             "(BOS/EOS included); the model's num_query_tokens image tokens come on top.", min=2)
     num_train_samples: Optional[int] = _f(None, "Keep only this many samples after a seeded shuffle. Lab: "
                                           "num_train_samples.", min=1)
     num_workers: int = _f(0, "DataLoader worker processes. Lab: num_workers.", min=0)
@@ -134,7 +147,8 @@ class PeftConfig:
     alpha: float = _f(16.0, "Adapter scaling numerator (scale = alpha / r). Lab: lora_alpha.", min=0.0)
     dropout: float = _f(0.05, "Dropout on the adapter input. Lab: lora_dropout.", min=0.0)
     target_modules: list = _f(["auto"], "Modules that get adapters: [auto] (q_proj,v_proj for Llama/OPT; q,v for "
-                              "T5), [all-linear], or names.")
+                              "T5; BLIP-2: the language model's q_proj,v_proj (OPT) or q,v (Flan-T5) only), "
+                              "[all-linear], or names.")
 
 
 @dataclass
@@ -480,7 +494,7 @@ def check_combinations(r: Recipe) -> list[str]:
                  "CUDA; use adamw8bit on CPU")
     if r.memory.cap_gib is not None and r.memory.cap_gib <= 0:
         p.append("memory.cap_gib: must be positive")
-    if r.model.family == "causal-lm" and not _is_preset(r.model.name) and _looks_local(r.model.name):
+    if not _is_preset(r.model.name) and _looks_local(r.model.name):
         path = Path(r.model.name).expanduser()
         if not path.is_dir():
             p.append(f"model.name: folder {path} does not exist; give a preset ({', '.join(preset_names())}), a hub id "
@@ -494,10 +508,49 @@ def check_combinations(r: Recipe) -> list[str]:
         p.append(f"data.val_source: {r.data.val_source} does not exist")
     if r.eval.every_steps and not (r.data.val_fraction or r.data.val_source):
         p.append("eval.every_steps: there is no validation split; set data.val_fraction (e.g. 0.1) or data.val_source")
+    p.extend(_check_image_to_text(r))
     src = r.data.source
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
     return p
+
+
+def _check_image_to_text(r: Recipe) -> list[str]:
+    p: list[str] = []
+    m = r.model
+    preset_family = _preset_family(m.name)
+    if preset_family is not None and preset_family != m.family:
+        p.append(f"model.family: {m.name} is a {preset_family} preset; set model.family={preset_family}")
+    if m.family != "image-to-text":
+        if not m.freeze_vision or m.freeze_qformer or m.freeze_language_model:
+            p.append("model.freeze_*: only image-to-text models have vision / Q-Former / language-model parts; remove "
+                     "them or set model.family=image-to-text")
+        return p
+    if m.quantize != "none":
+        p.append("model.quantize: quantized image-to-text models are not supported yet; use model.quantize=none "
+                 "(LoRA on the full-precision base works)")
+    if m.freeze_vision and m.freeze_qformer and m.freeze_language_model and r.peft.method == "none":
+        p.append("model.freeze_*: vision, Q-Former and language model are all frozen, so only the language "
+                 "projection would train; unfreeze one, or use peft.method=lora")
+    if r.data.format not in ("auto", "jsonl-text"):
+        p.append(f"data.format={r.data.format}: image-to-text reads image + caption records; use data.format=auto")
+    if r.data.source.startswith("hf:"):
+        p.append("data.source: hf:<id> is not supported for image-to-text yet; save it with save_to_disk and give "
+                 "the folder")
+    src = Path(r.data.source).expanduser()
+    if r.data.source != "demo" and src.is_file() and src.suffix.lower() not in (".jsonl", ".json"):
+        p.append(f"data.source: {src} is not an image source; image-to-text needs a save_to_disk folder, an image "
+                 "folder with metadata.jsonl/metadata.csv, a JSONL of {image, text} records, or `demo`")
+    if r.data.val_source and Path(r.data.val_source).expanduser().is_file() and \
+            Path(r.data.val_source).suffix.lower() not in (".jsonl", ".json"):
+        p.append("data.val_source: image-to-text needs an image source (save_to_disk folder, image folder, JSONL)")
+    return p
+
+
+def _preset_family(name: str) -> Optional[str]:
+    from bigtune.presets import PRESETS
+
+    return PRESETS[name].family if name in PRESETS else None
 
 
 def _installed(module: str) -> bool:

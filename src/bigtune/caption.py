@@ -1,0 +1,193 @@
+"""``bigtune caption``: alt text for photos with a trained image-to-text model (BLIP-2).
+
+The model can be a bigtune run directory (``model/`` for a full fine-tune, or ``adapter/`` on top of
+``base/`` or the base named in adapter_config.json), a Hugging Face model folder (merged or full
+model, with its processor) or a peft adapter folder. Images are files, folders (searched
+recursively for image files) or glob patterns. An image that is missing or does not decode is
+reported on stderr and skipped; the others are captioned greedily in batches and written to
+``--out`` (.jsonl: one ``{"image", "caption"}`` object per line; .csv: columns image, caption), or
+printed when there is no ``--out``.
+
+The model input is laid out as in training (``bigtune.imagedata.TokenLayout``): the image tokens,
+then BOS and the optional ``--prompt`` for OPT, or the prompt and EOS for the Flan-T5 encoder.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from bigtune.infer import InferError, _adapter_base, _atomic_write, _check_model_folder, _resolve_device, \
+    _torch_dtype
+
+
+def expand_images(items: list[str]) -> list[str]:
+    """Files as given; folders → their image files (recursive, sorted); glob patterns → matches (sorted).
+    A path that matches nothing is kept, so it is reported as missing rather than silently dropped."""
+    from bigtune.imagedata import IMAGE_SUFFIXES
+
+    out: list[str] = []
+    for item in items:
+        p = Path(item).expanduser()
+        if p.is_dir():
+            out += sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+        elif not p.exists() and any(c in item for c in "*?["):
+            matches = sorted(m for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+            out += matches if matches else [item]
+        else:
+            out.append(str(p))
+    return list(dict.fromkeys(out))  # a file named twice (a folder and a glob) is captioned once
+
+
+def _load_processor(*candidates):
+    from transformers import AutoProcessor
+
+    errors = []
+    for src in candidates:
+        if src is None:
+            continue
+        try:
+            return AutoProcessor.from_pretrained(str(src), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - try the next place the processor may live
+            errors.append(f"{src}: {type(e).__name__}: {str(e)[:200]}")
+    raise InferError("could not load an image processor + tokenizer (" + "; ".join(errors) + "); save one next to "
+                     "the weights with `Blip2Processor.save_pretrained(FOLDER)`")
+
+
+def _load_model(source: str, torch_dtype, device: str):
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
+                                                            trust_remote_code=False)
+    except Exception as e:
+        raise InferError(f"could not load an image-to-text model from {source!r} ({type(e).__name__}: "
+                         f"{str(e)[:300]})") from e
+    return model.to(device)
+
+
+def load_captioner(path_or_run: str, dtype: str = "auto", device: str = "auto"):
+    """(model, processor) in eval mode from a run directory, model folder or adapter folder."""
+    path = Path(path_or_run).expanduser()
+    if not path.is_dir():
+        raise InferError(f"--model {path_or_run}: not a folder; give a bigtune run directory, a Hugging Face model "
+                         "folder or an adapter folder")
+    device = _resolve_device(device)
+    torch_dtype = _torch_dtype(dtype, device)
+    adapter: Optional[Path] = None
+    if (path / "adapter_config.json").is_file():
+        adapter = path
+    elif (path / "config.json").is_file():
+        _check_model_folder(path)
+        return _load_model(str(path), torch_dtype, device).eval(), _load_processor(path)
+    elif (path / "model" / "config.json").is_file():
+        _check_model_folder(path / "model")
+        return _load_model(str(path / "model"), torch_dtype, device).eval(), _load_processor(path / "model")
+    elif (path / "adapter" / "adapter_config.json").is_file():
+        adapter = path / "adapter"
+    else:
+        raise InferError(f"{path} holds no model: expected config.json (a model), adapter_config.json (an adapter) "
+                         "or a bigtune run directory with model/ or adapter/")
+    from peft import PeftModel
+
+    base = _adapter_base(adapter)
+    model = _load_model(base, torch_dtype, device)
+    try:
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    except Exception as e:
+        raise InferError(f"could not attach adapter {adapter} to base {base} ({type(e).__name__}: "
+                         f"{str(e)[:300]})") from e
+    return model.to(device).eval(), _load_processor(adapter, base if Path(base).is_dir() else None)
+
+
+def caption_images(model, processor, paths: list[str], batch_size: int = 8, max_new_tokens: int = 30,
+                   prompt: str = "", progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """([{image, caption}] for readable images, [{image, reason}] for the others), in input order."""
+    import torch
+
+    from bigtune.imagedata import TokenLayout, check_image, open_image
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layout = TokenLayout.for_model(processor, base.config)
+    tok = processor.tokenizer
+    prompt_ids = layout.prompt_ids(tok(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
+    device = next(model.parameters()).device
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    good: list[str] = []
+    bad: list[dict] = []
+    for p in paths:
+        reason = check_image(p)
+        (bad.append({"image": p, "reason": reason}) if reason else good.append(p))
+    for b in bad:
+        print(f"caption: skipped {b['image']}: {b['reason']}", file=sys.stderr, flush=True)
+    rows: list[dict] = []
+    for start in range(0, len(good), batch_size):
+        chunk = good[start:start + batch_size]
+        pixels = processor.image_processor([open_image(p) for p in chunk], return_tensors="pt")["pixel_values"]
+        ids = torch.tensor([prompt_ids] * len(chunk), dtype=torch.long, device=device)
+        with torch.no_grad():
+            out = model.generate(pixel_values=pixels.to(device, dtype), input_ids=ids,
+                                 attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        # Decoder-only models return the prompt followed by the new tokens; T5 returns decoder tokens only.
+        new = out if layout.encoder_decoder else out[:, ids.shape[1]:]
+        for path, seq in zip(chunk, new):
+            rows.append({"image": path, "caption": tok.decode(seq, skip_special_tokens=True).strip()})
+        if progress:
+            print(f"caption: {len(rows)}/{len(good)} images", file=sys.stderr, flush=True)
+    return rows, bad
+
+
+def main_caption(args) -> int:
+    if args.batch_size < 1:
+        raise InferError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        raise InferError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    kind = None
+    if args.out:
+        kind = Path(args.out).suffix.lower()
+        if kind not in (".jsonl", ".csv"):
+            raise InferError(f"--out {args.out}: use a .jsonl or .csv file")
+    paths = expand_images(args.images)
+    if not paths:
+        raise InferError("no images: give image files, folders or glob patterns")
+    model, processor = load_captioner(args.model, dtype=args.dtype, device=args.device)
+    rows, bad = caption_images(model, processor, paths, args.batch_size, args.max_new_tokens, args.prompt or "")
+    if not rows:
+        raise InferError(f"none of the {len(paths)} images could be read (first: {bad[0]['image']}: "
+                         f"{bad[0]['reason']})")
+    if kind == ".jsonl":
+        _atomic_write(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    elif kind == ".csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=["image", "caption"])
+        w.writeheader()
+        w.writerows(rows)
+        _atomic_write(Path(args.out), buf.getvalue())
+    else:
+        for r in rows:
+            print(f"{r['image']}\t{r['caption']}")
+    where = f" to {args.out}" if args.out else ""
+    print(f"caption: {len(rows)} captioned{where}, {len(bad)} skipped", file=sys.stderr, flush=True)
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Add the ``caption`` verb to bigtune's argparse subparsers."""
+    c = subparsers.add_parser("caption", help="write alt text for photos with a trained image-to-text model")
+    c.add_argument("images", nargs="+", metavar="IMAGE", help="image files, folders or glob patterns (quoted)")
+    c.add_argument("--model", required=True, metavar="RUN_OR_FOLDER",
+                   help="a bigtune run directory (runs/NAME), a Hugging Face model folder or an adapter folder")
+    c.add_argument("--out", metavar="FILE", help="alt.jsonl ({image, caption} per line) or alt.csv (default: print)")
+    c.add_argument("--batch-size", type=int, default=8, help="images per generate call (default 8)")
+    c.add_argument("--max-new-tokens", type=int, default=30, help="caption tokens at most (default 30)")
+    c.add_argument("--prompt", default="", help="text the caption continues (default: none)")
+    c.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights dtype (auto: the checkpoint's on a GPU, float32 on a CPU)")
+    c.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: a GPU if there is one)")
+    c.set_defaults(func=main_caption)
