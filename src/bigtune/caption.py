@@ -47,16 +47,10 @@ def expand_images(items: list[str]) -> list[str]:
 def _load_processor(*candidates):
     from transformers import AutoProcessor
 
-    errors = []
-    for src in candidates:
-        if src is None:
-            continue
-        try:
-            return AutoProcessor.from_pretrained(str(src), trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 - try the next place the processor may live
-            errors.append(f"{src}: {type(e).__name__}: {str(e)[:200]}")
-    raise InferError("could not load an image processor + tokenizer (" + "; ".join(errors) + "); save one next to "
-                     "the weights with `Blip2Processor.save_pretrained(FOLDER)`")
+    from bigtune.infer import load_first
+
+    return load_first("an image processor + tokenizer", AutoProcessor, candidates,
+                      "save one next to the weights with `Blip2Processor.save_pretrained(FOLDER)`")
 
 
 def _load_model(source: str, torch_dtype, device: str):

@@ -139,16 +139,9 @@ def _from_image_folder(path: Path, cfg: DataConfig) -> list[tuple[Any, Any]]:
 
 
 def _read_jsonl_records(path: Path) -> list[Any]:
-    out = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg}); fix or delete that line") from None
-    return out
+    from bigtune.data import _read_jsonl  # one JSONL reader: bad lines are errors with file and line
+
+    return _read_jsonl(path)
 
 
 def _from_json(path: Path, cfg: DataConfig) -> list[tuple[Any, Any]]:

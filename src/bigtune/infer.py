@@ -92,19 +92,24 @@ def _load_model(source: str, torch_dtype, device: str):
     return model.to(device)
 
 
-def _load_tokenizer(*candidates: Path | str):
-    from transformers import AutoTokenizer
-
+def load_first(what: str, loader, candidates, hint: str):
+    """``loader.from_pretrained`` on the first candidate folder that works (remote code off)."""
     errors = []
     for src in candidates:
         if src is None:
             continue
         try:
-            return AutoTokenizer.from_pretrained(str(src), trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 - try the next place the tokenizer may live
+            return loader.from_pretrained(str(src), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001 - try the next place it may live
             errors.append(f"{src}: {type(e).__name__}: {str(e)[:200]}")
-    raise InferError("could not load a tokenizer (" + "; ".join(errors) + "); save one next to the weights with "
-                     "`tokenizer.save_pretrained(FOLDER)`")
+    raise InferError(f"could not load {what} (" + "; ".join(errors) + f"); {hint}")
+
+
+def _load_tokenizer(*candidates: Path | str):
+    from transformers import AutoTokenizer
+
+    return load_first("a tokenizer", AutoTokenizer, candidates,
+                      "save one next to the weights with `tokenizer.save_pretrained(FOLDER)`")
 
 
 def _adapter_base(adapter: Path) -> str:
