@@ -317,3 +317,43 @@ def test_export_merges_blip2_lora_into_a_captioning_model(tmp_path):
     assert not any("lora" in n for n, _ in model.named_parameters())
     rows, bad = caption_images(model, proc, [str(p) for p in _demo_images(2)], max_new_tokens=4, progress=False)
     assert len(rows) == 2 and not bad
+
+
+def test_caption_a_folder_twice_is_identical_and_skips_the_corrupt_image(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    s = train(str(DEMO), _overrides(run, **{"train.max_steps": 2, "checkpoint.save_model": True}))
+    assert s["status"] == "ok"
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for p in _demo_images(3):
+        shutil.copy(p, folder / p.name)
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really an image")
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"alt{i}.jsonl"
+        res = run_cli("caption", str(folder), "--model", str(run / "model"), "--out", str(out),
+                      "--max-new-tokens", "6", cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert "broken.png" in res.stderr
+        outs.append(read_jsonl(out))
+    assert len(outs[0]) == 3 and outs[0] == outs[1]
+
+
+def test_real_hub_recipe_validates_and_fails_clearly_offline(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1")
+    recipe = ROOT / "recipes" / "blip2-opt-2.7b.yaml"
+    ok = subprocess.run([sys.executable, "-m", "bigtune", "recipe", str(recipe)], env=env, capture_output=True,
+                        text=True, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    res = subprocess.run([sys.executable, "-m", "bigtune", "train", str(recipe), "--set", "train.max_steps=1"],
+                         env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
+    assert "Salesforce/blip2-opt-2.7b" in res.stderr and "local folder" in res.stderr
+    assert not (tmp_path / "runs").exists()
