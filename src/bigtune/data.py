@@ -235,6 +235,12 @@ def _text_blocks(text: str, tok, cfg: DataConfig) -> list[Example]:
     return [Example(b, list(b)) for b in blocks if len(b) >= 2]
 
 
+def no_samples_error(source: str, report: DataReport) -> DataError:
+    """The one error for a source that yields nothing to train on, naming the first problem."""
+    first = f"; first problem: record {report.skipped[0][0]}: {report.skipped[0][1]}" if report.skipped else ""
+    return DataError(f"{source}: no usable samples ({report.records} records, {len(report.skipped)} skipped{first})")
+
+
 def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], DataReport]:
     """Read, validate, tokenize, select num_train_samples (seeded shuffle). Raises DataError if empty."""
     source, records = read_source(cfg)
@@ -258,9 +264,7 @@ def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], Data
             report.truncated += int(truncated)
             examples.append(ex)
     if not examples:
-        raise DataError(f"{source}: no usable samples ({report.records} records, {len(report.skipped)} skipped"
-                        + (f"; first problem: record {report.skipped[0][0]}: {report.skipped[0][1]}"
-                           if report.skipped else "") + ")")
+        raise no_samples_error(source, report)
     examples = split_and_select(examples, report, cfg, seed)
     return examples, report
 

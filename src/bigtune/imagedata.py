@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from bigtune.data import DataError, DataReport, split_and_select
+from bigtune.data import DataError, DataReport, no_samples_error, split_and_select
 from bigtune.presets import ASSETS, IMAGE_TOKEN
 from bigtune.recipe import DataConfig
 from bigtune.stepmath import IGNORE_INDEX
@@ -254,9 +254,7 @@ def build_image_examples(cfg: DataConfig, processor, layout: TokenLayout, seed: 
             ref = ref.get("bytes") or ref.get("path")
         examples.append(ImageExample(ref, input_ids, labels))
     if not examples:
-        raise DataError(f"{label}: no usable samples ({report.records} records, {len(report.skipped)} skipped"
-                        + (f"; first problem: record {report.skipped[0][0]}: {report.skipped[0][1]}"
-                           if report.skipped else "") + ")")
+        raise no_samples_error(label, report)
     examples = split_and_select(examples, report, cfg, seed)
     return examples, report
 
