@@ -1,5 +1,5 @@
 """Image-to-text (BLIP-2): presets, image data sources, frozen parts in the memory table, training
-(OPT and Flan-T5 text models, full and LoRA), the caption CLI and the planner's refusal. CPU, tiny."""
+(OPT and Flan-T5 text models, full and LoRA), the caption CLI. CPU, tiny."""
 
 from __future__ import annotations
 
@@ -207,12 +207,6 @@ def test_recipe_rules_for_image_to_text():
     for name in ("blip2-opt-2.7b", "blip2-opt-6.7b", "blip2-flan-t5-xl", "blip2-flan-t5-xxl"):
         r = load_recipe(ROOT / "recipes" / f"{name}.yaml", {"accelerator": "cpu"})
         assert r.model.family == "image-to-text" and r.optim.lr == 5e-6 and r.model.freeze_vision
-
-
-def test_plan_says_image_to_text_is_not_planned(tmp_path):
-    res = run_cli("plan", str(DEMO), cwd=tmp_path)
-    assert res.returncode == 2
-    assert "image-to-text models (BLIP-2) are not planned yet" in res.stderr
 
 
 # -- training -------------------------------------------------------------------------------------------

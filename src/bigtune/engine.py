@@ -33,7 +33,7 @@ from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
-from bigtune.stepmath import GIB, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
+from bigtune.stepmath import GIB, IGNORE_INDEX, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
     target_token_count, throughput
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
@@ -271,6 +271,15 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     return loss_total, snaps
 
 
+def _text_shape(batch: dict) -> list[int]:
+    """[micro batch, text tokens] as the recipe counts them (data.max_seq_length): image-to-text
+    batches of a decoder-only model put the image tokens (labelled -100) ahead of the caption."""
+    b, n = batch["labels"].shape[:2]
+    if "pixel_values" in batch and "decoder_input_ids" not in batch:
+        n -= int((batch["labels"][0] == IGNORE_INDEX).sum()) - int((batch["attention_mask"][0] == 0).sum())
+    return [int(b), int(n)]
+
+
 def windows(b: Built, epoch: int, first_window: int):
     """Yield lists of micro-batches (one list per optimizer step) for ``epoch``, from ``first_window``."""
     k = b.recipe.accumulate
@@ -298,7 +307,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             measure = monitor is not None and r.memory.enabled and (
                 state.step in (0, 1) or state.step % r.memory.every_steps == 0)
             loss, snaps = train_step(b, batches, monitor, measure, state)
-            shape = list(batches[0]["input_ids"].shape)
+            shape = _text_shape(batches[0])
             padded = any(x.get("padded", True) for x in batches)
             if snaps:
                 per_rank = mem.gather_snapshots(b.fabric, snaps)

@@ -64,7 +64,6 @@ def bundled_config_path(name: str) -> Optional[Path]:
 
 def resolve_config(recipe: Recipe):
     """The model's HF config, from a preset, a local folder, a bundled copy, or the hub (in that order)."""
-    _refuse_image_to_text(recipe)  # before any hub lookup: the refusal is the useful message
     return resolve_config_name(recipe.model)
 
 
@@ -83,7 +82,11 @@ def resolve_config_name(model_cfg):
     bundled = bundled_config_path(name)
     if bundled is not None:
         d = json.loads(bundled.read_text())
-        return AutoConfig.for_model(d.pop("model_type"), **d)
+        config = AutoConfig.for_model(d.pop("model_type"), **d)
+        text = d.get("text_config") or {}
+        if "tie_word_embeddings" in text:  # transformers 5 forces tying on a T5 sub-config; Flan-T5 unties
+            config.text_config.tie_word_embeddings = text["tie_word_embeddings"]
+        return config
     try:
         return AutoConfig.from_pretrained(name, revision=model_cfg.revision,
                                           trust_remote_code=model_cfg.trust_remote_code)
@@ -98,11 +101,70 @@ def resolve_config_name(model_cfg):
 
 @dataclass
 class Sim:
-    """Per-phase categories of the steady step (step 1) and the peak over both simulated steps."""
+    """Per-phase categories of the steady step (step 1) and the peak over both simulated steps.
+
+    ``parts`` holds matmul weight elements per model part (image-to-text: vision, qformer,
+    language_model; a causal LM has one part) for the time model.
+    """
     phases: dict[str, dict[str, int]]
     peak_allocated: int
     numel: int
     matmul_numel: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A run of repeated blocks whose depth the simulation shrinks and extrapolates.
+
+    ``path`` is the depth attribute inside the config; ``period`` is the number of layers that repeat
+    as one unit (BLIP-2's Q-Former alternates layers with and without cross-attention, so its unit is
+    ``cross_attention_frequency`` layers).
+    """
+    path: tuple[str, ...]
+    period: int = 1
+
+
+def model_stacks(config) -> list[Stack]:
+    """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
+    stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack)."""
+    if getattr(config, "model_type", "") != "blip-2":
+        return [Stack(("num_hidden_layers",))]
+    out = [Stack(("vision_config", "num_hidden_layers")),
+           Stack(("qformer_config", "num_hidden_layers"), int(getattr(config.qformer_config,
+                                                                      "cross_attention_frequency", 1) or 1))]
+    text = config.text_config
+    if getattr(text, "is_encoder_decoder", False):
+        out += [Stack(("text_config", "num_layers")), Stack(("text_config", "num_decoder_layers"))]
+    else:
+        out.append(Stack(("text_config", "num_hidden_layers")))
+    return out
+
+
+def get_depth(config, stack: Stack) -> int:
+    obj = config
+    for a in stack.path[:-1]:
+        obj = getattr(obj, a)
+    n = getattr(obj, stack.path[-1], None)
+    if n is None and stack.path[-1] == "num_decoder_layers":  # T5: None means "as many as the encoder"
+        n = obj.num_layers
+    return int(n)
+
+
+def set_depth(config, stack: Stack, n: int) -> None:
+    obj = config
+    for a in stack.path[:-1]:
+        obj = getattr(obj, a)
+    setattr(obj, stack.path[-1], n)
+
+
+def total_blocks(config) -> int:
+    """Repeated blocks in the whole model (FSDP wraps each one)."""
+    return sum(get_depth(config, s) for s in model_stacks(config))
+
+
+def _family(config) -> str:
+    return "image-to-text" if getattr(config, "model_type", "") == "blip-2" else "causal-lm"
 
 
 def _sim_precision(precision: str) -> str:
@@ -110,9 +172,64 @@ def _sim_precision(precision: str) -> str:
     return "bf16-mixed" if precision == "16-mixed" else precision
 
 
-def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Optional[int] = None,
-             padded: bool = False) -> Sim:
-    """Run one steady-state training step of ``recipe`` with ``n_layers`` decoder layers on fake tensors.
+def _synthetic_batch(recipe: Recipe, cfg, b_size: int, padded: bool) -> dict:
+    """A full-length micro-batch shaped as the collators build it, with real (tiny) token ids: the
+    loss normaliser needs a concrete target count; everything computed from it is fake."""
+    from bigtune.stepmath import IGNORE_INDEX
+
+    seq = recipe.data.max_seq_length
+    g = torch.Generator().manual_seed(0)
+    if _family(cfg) == "causal-lm":
+        ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
+        mask = torch.ones_like(ids)
+        if padded:  # one padded row makes the model take the explicit-mask attention path, as a real batch does
+            mask[-1, -1] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "padded": padded}
+    # image-to-text (see imagedata's token layout): <image>×q first, then the caption (OPT), or an
+    # encoder input of <image>×q + EOS and the caption as decoder labels (T5).
+    q, vc = int(cfg.num_query_tokens), cfg.vision_config
+    image = torch.full((b_size, q), int(cfg.image_token_index))
+    caption = torch.randint(3, min(cfg.text_config.vocab_size, int(cfg.image_token_index)), (b_size, seq), generator=g)
+    pixels = torch.randn(b_size, int(getattr(vc, "num_channels", 3)), vc.image_size, vc.image_size, generator=g)
+    if getattr(cfg.text_config, "is_encoder_decoder", False):
+        ids = torch.cat([image, torch.ones(b_size, 1, dtype=torch.long)], 1)
+        dec = torch.cat([torch.zeros(b_size, 1, dtype=torch.long), caption[:, :-1]], 1)
+        return {"pixel_values": pixels, "input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": caption,
+                "decoder_input_ids": dec, "padded": padded}
+    ids = torch.cat([image, caption], 1)
+    labels = torch.cat([torch.full_like(image, IGNORE_INDEX), caption], 1)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, -1] = 0
+    return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
+
+
+def _no_init():
+    """Skip weight initialisation (truncated-normal init branches on values, which fake tensors
+    lack) but keep the rest of ``init_weights``: weight tying decides what memory exists."""
+    return mock.patch("transformers.modeling_utils.PreTrainedModel.initialize_weights", lambda self: None)
+
+
+def _matmul_parts(model: torch.nn.Module) -> dict[str, int]:
+    """Matmul weight elements per top-level part (the PEFT wrapper's prefixes stripped)."""
+    from bigtune.models import IMAGE_TO_TEXT_PARTS
+
+    out: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        part = "language_model"
+        for key, attrs in IMAGE_TO_TEXT_PARTS.items():
+            if any(f"{a}." in f"{name}." for a in attrs):
+                part = key
+        out[part] = out.get(part, 0) + m.weight.numel()
+    return out
+
+
+def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: bool,
+             micro_batch: Optional[int] = None, padded: bool = False) -> Sim:
+    """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
+    to ``depths`` blocks (an int sets every stack).
 
     The optimizer state is created first (one update with zero gradients), so the simulated step is
     like the engine's step 1 and later: its peak is the run's peak. Accumulation windows are
@@ -121,17 +238,21 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     """
     from lightning.fabric import Fabric
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     from bigtune.engine import LoopState, train_step
     from bigtune.memory import MemoryMonitor
-    from bigtune.models import apply_peft, enable_activation_checkpointing, weights_dtype
+    from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
+        freeze_parts, weights_dtype
     from bigtune.optim import make_optimizer
     from bigtune.stepmath import target_token_count
 
     cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = n_layers
+    for st in model_stacks(cfg):
+        set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
     cfg.use_cache = False
+    family = _family(cfg)
+    if family == "image-to-text":
+        cfg.text_config.use_cache = False
     cfg._attn_implementation = recipe.model.attn_implementation
     r = copy.deepcopy(recipe)
     if cuda and r.optim.implementation == "auto":
@@ -149,16 +270,12 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
     fabric._precision.convert_module = lambda module: module
     fabric._strategy.module_to_device = lambda module: None  # already on the (fake) CPU
-    b_size, seq = micro_batch or r.train.micro_batch_size, r.data.max_seq_length
+    b_size = micro_batch or r.train.micro_batch_size
     k = min(r.accumulate, 2)
-    # Real (tiny) token ids: the loss normaliser needs a concrete count; everything else is fake.
-    ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    if padded:  # one padded row makes the model take the explicit-mask attention path, as a real batch does
-        mask[-1, -1] = 0
-    batches = [{"input_ids": ids.clone(), "attention_mask": mask.clone(), "labels": ids.clone(),
-                "padded": padded} for _ in range(k)]  # distinct storages, like distinct real micro-batches
-    tokens = int(target_token_count(ids)) * r.accumulate
+    # distinct storages, like distinct real micro-batches
+    batches = [_synthetic_batch(r, cfg, b_size, padded) for _ in range(k)]
+    shift = family == "causal-lm" or not getattr(cfg.text_config, "is_encoder_decoder", False)
+    tokens = int(target_token_count(batches[0]["labels"], shift)) * r.accumulate
     # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
     # sequences, which the real run (one sequence per row, checked on real values) drops.
     no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
@@ -166,26 +283,37 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     # parameters, and everything here already lives on the one (fake) CPU: make it a no-op. No
     # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
     no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=weights_dtype(r.precision))
+    # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init():
+        model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
+        if quantize in ("nf4", "fp4"):
+            _emulate_4bit(model, compute_dtype(recipe.model, r.precision))
+        if family == "image-to-text":
+            freeze_parts(model, r.model)
         model.train()
         if r.train.activation_checkpointing:
             enable_activation_checkpointing(model)
         if r.peft.method != "none":
             # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
-            model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing)
+            model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
+                               family=family)
         numel = sum(p.numel() for p in model.parameters())
-        matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        parts = _matmul_parts(model)
         wrapped = fabric.setup_module(model)
         opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
-        for p in wrapped.parameters():
-            if p.requires_grad:  # frozen (base) weights never get gradients
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
+        if family == "image-to-text":
+            # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
+            # encoder's own token table is never used) and so no optimizer state: take a real step 0.
+            train_step(built, batches, None, False, LoopState(step=0), tokens)
+        else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
+            for p in wrapped.parameters():
+                if p.requires_grad:  # frozen (base) weights never get gradients
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
         _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
@@ -203,28 +331,72 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
             for c in ("optimizer_device", "allocated", "peak_allocated"):
                 ph[c] += extra
         peak += extra
-    return Sim(steady, peak, numel, matmul)
+    return Sim(steady, peak, numel, sum(parts.values()), parts)
 
 
 EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
 
 
+def _quantized_linears(model: torch.nn.Module):
+    """(name, module) of the nn.Linear layers bitsandbytes quantizes: all but the output head, the
+    adapters, and the model's _keep_in_fp32_modules (BLIP-2: the Q-Former and its queries; T5: the
+    feed-forward output projections), matched by name component as transformers does."""
+    keep = {k for m in model.modules() for k in (getattr(type(m), "_keep_in_fp32_modules", None) or ())}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or "lora_" in name or name.endswith("lm_head") \
+                or name.endswith("lm_head.base_layer") or keep & set(name.split(".")):
+            continue
+        yield name, mod
+
+
+class _Fake4bitMatmul(torch.autograd.Function):
+    """bitsandbytes' 4-bit matmul as memory sees it: the forward saves nothing but the (packed)
+    weight, and the backward dequantizes the weight into a compute-dtype temporary for the input
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.clone(), None, None
+
+
+def _emulate_4bit(model: torch.nn.Module, compute: torch.dtype) -> None:
+    """Make a fake model behave like a QLoRA base for memory: peft's k-bit preparation keeps every
+    weight that is not quantized in fp32 (so hidden states run in fp32 between the 4-bit matmuls),
+    and each 4-bit layer casts its input to the compute dtype and its output back to the input's."""
+    quantized = dict(_quantized_linears(model))
+    ids = {id(m.weight) for m in quantized.values()}
+    for p in model.parameters():
+        if id(p) not in ids and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.to(torch.float32)
+    for mod in quantized.values():
+        mod.weight.data = mod.weight.data.to(compute)
+
+        def forward(x, mod=mod):
+            bias = None if mod.bias is None else mod.bias.to(compute)
+            return _Fake4bitMatmul.apply(x.to(compute), mod.weight, bias).to(x.dtype)
+
+        mod.forward = forward
+
+
 def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quant: bool) -> int:
     """Bytes that loading the base with bitsandbytes changes, relative to the simulated model.
 
-    Every base nn.Linear but the output head becomes 4-bit (n/2 bytes + one scale per 64 weights:
-    fp32, or uint8 with an fp32 scale per 256 scales under double quantization) or int8 (n bytes +
-    an fp32 scale per row); peft's k-bit preparation then casts the remaining 16-bit weights
-    (embeddings, norms, head) to fp32. Activations are taken from the unquantized simulation: the
-    real k-bit path keeps hidden states in fp32 around the 4-bit matmuls, so with a 16-bit base
-    the plan under-counts QLoRA activations (seen on the CPU: up to ~20 %; noted in the plan).
+    Every quantized nn.Linear (see _quantized_linears) becomes 4-bit (n/2 bytes + one scale per 64
+    weights: fp32, or uint8 with an fp32 scale per 256 scales under double quantization) or int8
+    (n bytes + an fp32 scale per row); peft's k-bit preparation casts the remaining 16-bit weights
+    (embeddings, norms, head) to fp32. For 4-bit the simulation already ran that way
+    (_emulate_4bit), so only the packed weights change here; int8 is analytic on top of a 16-bit
+    simulation (its activations are under-counted: the real path keeps fp32 hidden states).
     """
     delta = 0
     quantized_ids = set()
-    for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear) or "lora_" in name or name.endswith("lm_head") \
-                or name.endswith("lm_head.base_layer"):
-            continue
+    for name, mod in _quantized_linears(model):
         w = mod.weight
         n = w.numel()
         quantized_ids.add(id(w))
@@ -255,19 +427,34 @@ def eight_bit_state_bytes(numels: list[int], min_8bit_size: int = 4096, block: i
     return total + (2 * 256 * 4 if any8 else 0)
 
 
-def _extrapolate(a: int, b: int, n: int) -> int:
-    """Value at n layers from values at 1 and 2 layers (linear in depth)."""
-    return int(a + (b - a) * (n - 1))
+def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False,
+                        micro_batch: Optional[int] = None) -> Sim:
+    """The step at the model's real depth, from simulations of shallow copies.
 
+    Memory is linear in the depth of each repeated stack (every block adds the same parameters,
+    states and saved activations), so one simulation with every stack at one unit of depth plus one
+    per stack with that stack one unit deeper give each stack's per-block cost; the full model is
+    the base plus each stack's cost times its extra depth. Small models are simulated as they are.
+    """
+    stacks = model_stacks(config)
+    full = {st: get_depth(config, st) for st in stacks}
+    if all(full[st] <= 2 * st.period for st in stacks):
+        return simulate(recipe, config, full, cuda, micro_batch, padded)
+    unit = {st: min(st.period, full[st]) for st in stacks}
+    base = simulate(recipe, config, unit, cuda, micro_batch, padded)
+    grown = []
+    for st in stacks:
+        if full[st] > unit[st]:
+            sim = simulate(recipe, config, {**unit, st: unit[st] + st.period}, cuda, micro_batch, padded)
+            grown.append((sim, (full[st] - unit[st]) / st.period))
 
-def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False) -> Sim:
-    n = int(config.num_hidden_layers)
-    if n <= 2:
-        return simulate(recipe, config, n, cuda, padded=padded)
-    s1, s2 = simulate(recipe, config, 1, cuda, padded=padded), simulate(recipe, config, 2, cuda, padded=padded)
-    phases = {ph: {c: _extrapolate(s1.phases[ph][c], s2.phases[ph][c], n) for c in CATEGORIES} for ph in s1.phases}
-    return Sim(phases, _extrapolate(s1.peak_allocated, s2.peak_allocated, n), _extrapolate(s1.numel, s2.numel, n),
-               _extrapolate(s1.matmul_numel, s2.matmul_numel, n))
+    def ext(get) -> int:
+        b0 = get(base)
+        return int(round(b0 + sum((get(sim) - b0) * times for sim, times in grown)))
+
+    phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
+    parts = {k: ext(lambda x, k=k: x.parts.get(k, 0)) for k in base.parts}
+    return Sim(phases, ext(lambda x: x.peak_allocated), ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts)
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -365,8 +552,11 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
     peak = peak_flops(target.gpu, recipe.precision)
     if not peak:
         return None, None, [f"{target.gpu.key} has no {recipe.precision} tensor-core rate in the catalog"]
-    fpt = decoder_flops_per_token(sim.matmul_numel, int(config.num_hidden_layers), int(config.hidden_size),
-                                  recipe.data.max_seq_length)
+    if _family(config) == "image-to-text":
+        fpt = image_to_text_flops_per_sample(config, sim.parts, recipe) / recipe.data.max_seq_length
+    else:
+        fpt = decoder_flops_per_token(sim.matmul_numel, int(config.num_hidden_layers), int(config.hidden_size),
+                                      recipe.data.max_seq_length)
     if recipe.train.activation_checkpointing:
         fpt *= 4 / 3  # one extra forward
     micro_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length
@@ -391,6 +581,35 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         f"{ASSUMED_BW_EFFICIENCY:.0%} of bandwidth (assumed, uncalibrated)"]
 
 
+def image_to_text_flops_per_sample(config, parts: dict[str, int], recipe: Recipe) -> float:
+    """Matmul FLOPs of one BLIP-2 training sample (one image, a full-length caption).
+
+    Each part does 2 FLOPs per weight per token it sees in forward: the vision tower every patch
+    (+ the class token), the Q-Former its queries (its cross-attention keys/values over the patches
+    are a few percent and left out), the language model the queries plus the caption (a T5 encoder
+    the queries, its decoder the caption: half the weights each). Backward adds one forward for the
+    input gradients wherever a trainable part lies upstream, and one for the weight gradients of a
+    trained part; a frozen vision tower at the front does no backward at all. Attention score FLOPs
+    are left out (short sequences: under 3 % here).
+    """
+    m = recipe.model
+    vc, q, seq = config.vision_config, int(config.num_query_tokens), recipe.data.max_seq_length
+    patches = (vc.image_size // vc.patch_size) ** 2 + 1
+    enc_dec = getattr(config.text_config, "is_encoder_decoder", False)
+    lm_tokens = (q + 1 + seq) / 2 if enc_dec else q + seq  # encoder and decoder halves see different lengths
+    peft = recipe.peft.method != "none"
+    trained = {"vision": not m.freeze_vision and not peft, "qformer": not m.freeze_qformer and not peft,
+               "language_model": not m.freeze_language_model and not peft}
+    total, upstream_trained = 0.0, False
+    for part, tokens in (("vision", patches), ("qformer", q), ("language_model", lm_tokens)):
+        fwd = 2.0 * parts.get(part, 0) * tokens
+        own = trained[part] or (peft and part == "language_model")
+        mult = 1 + (1 if upstream_trained or own else 0) + (1 if trained[part] else 0)
+        total += fwd * mult
+        upstream_trained = upstream_trained or own
+    return total
+
+
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
          config=None, sim: Optional[Sim] = None, padded: bool = False) -> Plan:
     """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
@@ -399,15 +618,16 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     padding (the attention then gets an explicit mask, which can cost more on some kernels).
     """
     t0 = time.perf_counter()
-    _refuse_image_to_text(recipe)
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     if sim is None:
         sim = simulate_full_depth(recipe, config, cuda, padded=padded)
-    phases, peak, notes = _shard(sim, recipe, target, int(config.num_hidden_layers))
+    phases, peak, notes = _shard(sim, recipe, target, total_blocks(config))
     if recipe.model.quantize != "none":
-        notes.append(f"{recipe.model.quantize} base: weight bytes analytic; activations from the unquantized "
-                     "simulation (the k-bit path keeps fp32 hidden states: expect more)")
+        notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic" + (
+            "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
+            if recipe.model.quantize == "int8" else "; 4-bit matmuls emulated (fp32 hidden states, dequantized "
+            "weight in backward)"))
     if cuda:
         reserved = int(peak * RESERVED_OVER_ALLOCATED)
         overhead = CUDA_CONTEXT_BYTES
@@ -430,18 +650,28 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
 # -- alternatives -------------------------------------------------------------------------------------
 
 def count_parameters(config) -> int:
-    """Parameter count from the config alone (fake 1- and 2-layer models, extrapolated)."""
+    """Parameter count from the config alone (fake shallow models, extrapolated per stack)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
-    counts = []
-    for n in (1, 2):
+    from bigtune.models import _auto_class
+
+    stacks = model_stacks(config)
+    full = {st: get_depth(config, st) for st in stacks}
+    unit = {st: min(st.period, full[st]) for st in stacks}
+
+    def count(depths: dict) -> int:
         cfg = copy.deepcopy(config)
-        cfg.num_hidden_layers = n
-        with FakeTensorMode():
-            model = AutoModelForCausalLM.from_config(cfg)
-            counts.append(sum(p.numel() for p in model.parameters()))
-    return _extrapolate(counts[0], counts[1], int(config.num_hidden_layers))
+        for st, n in depths.items():
+            set_depth(cfg, st, n)
+        with FakeTensorMode(), _no_init():
+            return sum(p.numel() for p in _auto_class(_family(cfg)).from_config(cfg).parameters())
+
+    base = count(unit)
+    total = base
+    for st in stacks:
+        if full[st] > unit[st]:
+            total += (count({**unit, st: unit[st] + st.period}) - base) * (full[st] - unit[st]) // st.period
+    return total
 
 
 def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
@@ -449,7 +679,11 @@ def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
     from bigtune.models import weights_dtype
 
     es = torch.empty((), dtype=weights_dtype(r.precision)).element_size()
-    opt = {"adamw": 2.0, "sgd": 1.0 if r.optim.momentum else 0.0}[r.optim.name]
+    if r.model.quantize != "none":
+        return numel // 2 if r.model.quantize != "int8" else numel
+    if r.peft.method != "none" or r.model.family == "image-to-text":
+        return numel * es  # adapters / frozen parts: only the weights are certain
+    opt = {"adamw": 2.0, "sgd": 1.0 if r.optim.momentum else 0.0}.get(r.optim.name, 0.0)
     return int(numel * es * (2 + opt))
 
 
@@ -508,12 +742,6 @@ class Alternatives(list):
         self.evaluated = evaluated
 
 
-def _refuse_image_to_text(recipe: Recipe) -> None:
-    if recipe.model.family == "image-to-text":
-        raise PlanError("image-to-text models (BLIP-2) are not planned yet: the planner simulates causal LMs only. "
-                        "Train with memory.enabled=true to measure instead (the table shows each category).")
-
-
 def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None,
                  workers: Optional[int] = None) -> list[Plan]:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
@@ -525,7 +753,6 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     """
     import os
 
-    _refuse_image_to_text(recipe)
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     workers = workers if workers is not None else min(4, os.cpu_count() or 1)

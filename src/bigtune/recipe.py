@@ -526,9 +526,6 @@ def _check_image_to_text(r: Recipe) -> list[str]:
             p.append("model.freeze_*: only image-to-text models have vision / Q-Former / language-model parts; remove "
                      "them or set model.family=image-to-text")
         return p
-    if m.quantize != "none":
-        p.append("model.quantize: quantized image-to-text models are not supported yet; use model.quantize=none "
-                 "(LoRA on the full-precision base works)")
     if m.freeze_vision and m.freeze_qformer and m.freeze_language_model and r.peft.method == "none":
         p.append("model.freeze_*: vision, Q-Former and language model are all frozen, so only the language "
                  "projection would train; unfreeze one, or use peft.method=lora")
