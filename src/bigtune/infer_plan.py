@@ -549,7 +549,7 @@ def plan_inference(recipe: Recipe, target: Target, w: Workload, config=None, sea
         raise PlanError(f"--for caption needs an image-to-text model (model.family: image-to-text); "
                         f"{recipe.model.name} is {family}. Use --for generate")
     if w.task == "generate" and family == "image-to-text":
-        raise PlanError(f"{recipe.model.name} is an image-to-text model: plan it with --for caption")
+        w = dataclasses.replace(w, task="caption")  # an image-to-text model generates from an image: captioning
     if w.task != "predict" and family == "sequence-classification":
         raise PlanError(f"{recipe.model.name} is a classifier: plan it with --for predict")
     if w.batch_size < 1 or w.prompt_tokens < 0 or (w.task != "caption" and w.prompt_tokens < 1):
@@ -705,3 +705,39 @@ def measure_cpu(config, family: str, w: Workload, attn_implementation: str = "sd
                 pad = _text_config(config).pad_token_id
                 model.generate(**inputs, generation_config=greedy_config(w.new_tokens, int(pad or 0)))
     return {"weights": storage_bytes(held), "peak": tracker.peak_bytes}
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+DEFAULTS = {  # the matching verbs' defaults: bigtune generate / caption (batch 8; 64 / 30 new tokens)
+    "generate": {"batch_size": 8, "max_new_tokens": 64},
+    "caption": {"batch_size": 8, "max_new_tokens": 30},
+    "predict": {"batch_size": 8, "max_new_tokens": 0},
+}
+
+
+def workload_from_args(args, recipe: Recipe) -> Workload:
+    """The workload ``bigtune plan --for TASK`` asks for; unset sizes take the verbs' defaults and, for the
+    prompt length, the recipe's data.max_seq_length (caption: no text prompt)."""
+    task = args.for_task
+    if task == "generate" and recipe.model.family == "image-to-text":
+        task = "caption"
+    d = DEFAULTS[task]
+    prompt = args.prompt_tokens if args.prompt_tokens is not None else \
+        (0 if task == "caption" else recipe.data.max_seq_length)
+    return Workload(task=task, batch_size=args.batch_size or d["batch_size"], prompt_tokens=prompt,
+                    new_tokens=d["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
+                    dtype=inference_dtype(recipe, args.dtype), quantize=recipe.model.quantize,
+                    double_quant=recipe.model.double_quant)
+
+
+def main_plan_inference(args, recipe: Recipe, target: Target) -> int:
+    import json
+
+    w = workload_from_args(args, recipe)
+    p = plan_inference(recipe, target, w)
+    if args.json:
+        print(json.dumps({"plan": p.to_dict()}, indent=2))
+    else:
+        print(format_inference_plan(p))
+    return 0

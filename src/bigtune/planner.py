@@ -83,6 +83,7 @@ def resolve_config_name(model_cfg):
     bundled = bundled_config_path(name)
     if bundled is not None:
         d = json.loads(bundled.read_text())
+        d.pop("_bigtune_source", None)  # provenance note of a composed config, not a config key
         return AutoConfig.for_model(d.pop("model_type"), **d)
     try:
         return AutoConfig.from_pretrained(name, revision=model_cfg.revision,
