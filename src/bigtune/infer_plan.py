@@ -13,7 +13,7 @@ CPU runs, inside a greedy decoding loop that mirrors transformers' ``generate`` 
 ``caption`` runs BLIP-2's own ``generate`` (vision tower, Q-Former, projection, the image tokens
 put in the prompt) with the language model's ``generate`` replaced by that loop; ``predict`` is one
 forward without a cache (a classification head's, or a causal LM's full logits). Only the language
-model's first one or two layers are simulated (two and three for T5, whose first layer differs);
+model's first two and three layers are simulated;
 every byte count is then extrapolated linearly to the real depth, per phase, so a phase that peaks
 only on a deep model is still seen. On a CPU the plan therefore matches a measurement (tests:
 within 5 %); the KV-cache term is also given in closed form, 2·layers·kv_heads·head_dim·tokens·
@@ -394,12 +394,13 @@ def simulate(config, family: str, w: Workload, cuda: bool, attn_implementation: 
 def simulate_full_depth(config, family: str, w: Workload, cuda: bool, attn_implementation: str = "sdpa") -> InferSim:
     """Simulate shallow language models and extrapolate every byte count linearly to the real depth.
 
-    Layers after the first are identical in every supported model, so values at depths d and d+1
-    give the per-layer increment exactly; T5's first decoder layer holds the relative position bias,
-    so it starts from d = 2. Vision tower and Q-Former run at full depth (they run once).
+    Values at depths 2 and 3 give the per-layer increment: from the second layer on, layers are
+    identical (T5's first decoder layer holds the relative position bias) and each phase peaks at the
+    same point of the last layer (a 1-layer Llama peaks elsewhere in prefill: its increment from 1 to 2
+    layers is 17 % larger than every later one). Vision tower and Q-Former run at full depth (once).
     """
     n = lm_layers(config)
-    d = 2 if _is_t5_like(_text_config(config)) else 1
+    d = 2
     if n <= d + 1:
         return simulate(config, family, w, cuda, attn_implementation)
     a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation).scalars()
@@ -677,6 +678,44 @@ def format_inference_plan(p: InferencePlan) -> str:
         lines.append(f"note: {n}")
     return "\n".join(lines)
 
+
+
+# -- host resources for a training job (bigtune launch slurm) ------------------------------------------
+
+def weight_bytes(config, family: str, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters and buffers in ``dtype`` (fake 2- and 3-layer models, extrapolated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+    from bigtune.stepmath import storage_bytes
+
+    n = lm_layers(config)
+    depths = (2, 3) if n > 3 else (n,)
+    sizes = []
+    for d in depths:
+        with FakeTensorMode(), mock.patch.dict(TORCH_INIT_FUNCTIONS, {"trunc_normal_": lambda tensor, **_: tensor}):
+            model = build_inference_model(_with_depth(config, d), family, dtype)
+            sizes.append(storage_bytes(list(model.parameters()) + list(model.buffers())))
+    return sizes[0] if len(sizes) == 1 else sizes[0] + (sizes[1] - sizes[0]) * (n - 2)
+
+
+def training_host_request(recipe: Recipe, tasks_per_node: int) -> tuple[int, int, str]:
+    """(host RAM per node in bytes, CPU cores per task, the rule) for ``bigtune train`` under Slurm.
+
+    Every task (one per GPU) loads the model on its CPU in the recipe's weights dtype before Fabric moves
+    or shards it: RAM per node = tasks × (weights × 1.25 + 2 GiB), rounded up to GiB. Cores per task: the
+    main process + data.num_workers DataLoader workers (at least 2).
+    """
+    from bigtune.models import weights_dtype
+
+    config = resolve_config_name(recipe.model)
+    wb = weight_bytes(config, recipe.model.family, weights_dtype(recipe.precision))
+    per_task = int(wb * LOAD_HEADROOM) + HOST_BASE_BYTES
+    mem = int(math.ceil(tasks_per_node * per_task / GIB)) * GIB
+    cpus = max(2, 1 + recipe.data.num_workers)
+    rule = (f"{tasks_per_node} task(s) x (weights {wb / GIB:.2f} GiB x {LOAD_HEADROOM} + {HOST_BASE_BYTES // GIB} GiB); "
+            f"cpus = 1 + data.num_workers ({recipe.data.num_workers}), at least 2")
+    return mem, cpus, rule
 
 # -- measurement (CPU) --------------------------------------------------------------------------------
 
