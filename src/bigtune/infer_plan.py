@@ -549,8 +549,10 @@ def plan_inference(recipe: Recipe, target: Target, w: Workload, config=None, sea
     if w.task == "caption" and family != "image-to-text":
         raise PlanError(f"--for caption needs an image-to-text model (model.family: image-to-text); "
                         f"{recipe.model.name} is {family}. Use --for generate")
+    notes: list[str] = []
     if w.task == "generate" and family == "image-to-text":
         w = dataclasses.replace(w, task="caption")  # an image-to-text model generates from an image: captioning
+        notes.append("an image-to-text model generates from images: planned as --for caption")
     if w.task != "predict" and family == "sequence-classification":
         raise PlanError(f"{recipe.model.name} is a classifier: plan it with --for predict")
     if w.batch_size < 1 or w.prompt_tokens < 0 or (w.task != "caption" and w.prompt_tokens < 1):
@@ -569,7 +571,6 @@ def plan_inference(recipe: Recipe, target: Target, w: Workload, config=None, sea
     acts = peak - sim.weights - _phase_cache(phase, config, w)
     cap = target.capacity_bytes
     fits = None if cap is None else total <= cap * (1 - FIT_MARGIN)
-    notes: list[str] = []
     if cuda:
         notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated and CUDA context "
                      f"{CUDA_CONTEXT_BYTES / GIB:.1f} GiB are the training planner's assumptions (uncalibrated)")
@@ -673,7 +674,7 @@ def format_inference_plan(p: InferencePlan) -> str:
                          f"last decode step {p.decode_step_s * 1e3:.2f} ms, {p.batch_s:.2f} s per batch of "
                          f"{p.batch_size} {what}")
     lines.append(f"host: request {p.host_ram_bytes // GIB} GiB RAM and {p.host_cpus} CPU cores "
-                 f"(launch slurm --mem {p.host_ram_bytes // GIB}G --cpus-per-task {p.host_cpus})")
+                 f"(Slurm: --mem={p.host_ram_bytes // GIB}G --cpus-per-task={p.host_cpus})")
     for n in p.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
