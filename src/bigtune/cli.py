@@ -54,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--for", dest="for_task", choices=["train", "generate", "caption", "predict"], default="train",
+                    help="what to plan: a training step (default), or serving: generate (KV cache, tokens/s), "
+                         "caption (image-to-text), predict (one forward, no cache)")
+    pl.add_argument("--batch-size", type=int, help="serving: prompts/images per batch (default 8)")
+    pl.add_argument("--prompt-tokens", type=int, help="serving: prompt tokens per row (default: data.max_seq_length; "
+                    "caption: 0, after the image tokens)")
+    pl.add_argument("--max-new-tokens", type=int, help="serving: tokens generated per row (default 64; caption 30)")
+    pl.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="serving: weights dtype (auto: the recipe precision's compute dtype)")
     ex = sub.add_parser("export", help="write a run's result as a Hugging Face folder (--merge folds adapters in)")
     ex.add_argument("run", help="run directory")
     ex.add_argument("--merge", action="store_true", help="adapter runs: merge the adapters into the base weights")
@@ -166,6 +175,10 @@ def _cmd_plan(args) -> int:
         if args.gpus > 1:
             raise PlanError("--gpus needs --gpu NAME (which GPU?)")
         target = Target("cpu")
+    if args.for_task != "train":
+        from bigtune.infer_plan import main_plan_inference
+
+        return main_plan_inference(args, r, target)
     config = resolve_config(r)
     p = plan(r, target, config=config)
     alts = alternatives(r, target, max_gpus=args.max_gpus, config=config) if args.alternatives else None

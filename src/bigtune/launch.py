@@ -19,9 +19,11 @@ from bigtune.recipe import load_recipe
 
 
 def slurm_script(recipe: Optional[str], overrides: list[str], nodes: int, gpus_per_node: int, time: str,
-                 partition: Optional[str] = None, account: Optional[str] = None, cpus_per_task: int = 8,
+                 partition: Optional[str] = None, account: Optional[str] = None, cpus_per_task: Optional[int] = None,
                  mem: Optional[str] = None, job_name: Optional[str] = None, strategy: str = "fsdp",
                  python: str = sys.executable) -> str:
+    """The sbatch text. ``cpus_per_task`` / ``mem`` left None are taken from bigtune's host plan
+    (``infer_plan.training_host_request``); when the model cannot be planned, 8 cores and no --mem."""
     world_over = [f"devices={gpus_per_node}", f"num_nodes={nodes}", f"strategy={strategy}", "accelerator=cuda",
                   "checkpoint.enabled=true"]
     r = load_recipe(recipe, list(overrides) + world_over + ["accelerator=cpu"])  # validate now, not in the queue
@@ -30,11 +32,25 @@ def slurm_script(recipe: Optional[str], overrides: list[str], nodes: int, gpus_p
         world_over.append("checkpoint.every_steps=100")
     world_over.append(f"output_dir={out_dir}")
     name = job_name or f"bigtune-{r.name}"
+    host_note = None
+    if cpus_per_task is None or mem is None:
+        from bigtune.infer_plan import training_host_request
+
+        try:
+            plan_mem, plan_cpus, rule = training_host_request(r, gpus_per_node)
+            host_note = f"# --mem / --cpus-per-task from bigtune's host plan: {rule}"
+            mem = mem or f"{plan_mem // 2**30}G"
+            cpus_per_task = cpus_per_task or plan_cpus
+        except Exception as e:  # noqa: BLE001 - no config to plan from (hub unreachable...): say so, use a default
+            host_note = f"# host resources not planned ({type(e).__name__}); set --mem / --cpus-per-task yourself"
+            cpus_per_task = cpus_per_task or 8
     lines = ["#!/bin/bash", f"# bigtune: {r.name} on {nodes} node(s) x {gpus_per_node} GPU(s), strategy {strategy}",
              f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}",
              f"#SBATCH --ntasks-per-node={gpus_per_node}   # one task per GPU: Fabric reads the ranks from Slurm",
              f"#SBATCH --gpus-per-node={gpus_per_node}", f"#SBATCH --cpus-per-task={cpus_per_task}",
              f"#SBATCH --time={time}"]
+    if host_note:
+        lines.insert(2, host_note)
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     if account:
@@ -66,8 +82,9 @@ def add_cli(sub) -> None:
     p.add_argument("--time", default="02:00:00", help="Slurm time limit, e.g. 02:00:00")
     p.add_argument("--partition")
     p.add_argument("--account")
-    p.add_argument("--cpus-per-task", type=int, default=8)
-    p.add_argument("--mem", help="memory per node, e.g. 200G")
+    p.add_argument("--cpus-per-task", type=int, help="default: from bigtune's host plan (1 + data.num_workers)")
+    p.add_argument("--mem", help="memory per node, e.g. 200G (default: from bigtune's host plan: each task "
+                   "loads the weights once)")
     p.add_argument("--job-name")
     p.add_argument("--out", help="script path (default: <output_dir>/job.sbatch)")
     p.add_argument("--submit", action="store_true", help="run sbatch on the script")

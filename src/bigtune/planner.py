@@ -82,6 +82,7 @@ def resolve_config_name(model_cfg):
     bundled = bundled_config_path(name)
     if bundled is not None:
         d = json.loads(bundled.read_text())
+        d.pop("_bigtune_source", None)  # provenance note of a composed config, not a config key
         config = AutoConfig.for_model(d.pop("model_type"), **d)
         text = d.get("text_config") or {}
         if "tie_word_embeddings" in text:  # transformers 5 forces tying on a T5 sub-config; Flan-T5 unties

@@ -1,0 +1,185 @@
+"""bigtune plan --for generate|caption|predict: the plan against measured CPU peaks, the KV cache in closed form,
+the largest batch, the estimates' physics, the CLI, and launch slurm's host resources."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bigtune.gpus import custom_gpu, find_gpu
+from bigtune.infer_plan import (ASSUMED_DECODE_BW_EFFICIENCY, Workload, kv_cache_bytes, measure_cpu,
+                                plan_inference, simulate, simulate_full_depth)
+from bigtune.planner import GIB, CUDA_CONTEXT_BYTES, FIT_MARGIN, RESERVED_OVER_ALLOCATED, Target, \
+    resolve_config_name
+from bigtune.recipe import load_recipe
+from conftest import ROOT, run_cli
+
+
+def _recipe(model: str, **over):
+    family = {"model.family": "image-to-text"} if model.startswith("tiny-blip2") else {}
+    return load_recipe({}, {"model.name": model, "accelerator": "cpu", **family, **over})
+
+
+def _config(model: str):
+    return resolve_config_name(_recipe(model).model)
+
+
+# (model, task, batch, prompt tokens, new tokens, dtype): batch sizes and lengths where the prefill peaks and
+# where the last decode step peaks, both dtypes, every preset family.
+CASES = [
+    ("tiny-llama", "generate", 4, 16, 8, torch.float32),
+    ("tiny-llama", "generate", 8, 48, 4, torch.bfloat16),
+    ("tiny-llama", "generate", 16, 8, 24, torch.float32),
+    ("tiny-opt", "generate", 2, 64, 6, torch.float32),
+    ("tiny-opt", "generate", 12, 8, 20, torch.bfloat16),
+    ("tiny-blip2-opt", "caption", 8, 0, 12, torch.float32),
+    ("tiny-blip2-opt", "caption", 4, 6, 6, torch.bfloat16),
+    ("tiny-blip2-t5", "caption", 6, 0, 10, torch.float32),
+    ("tiny-llama", "predict", 8, 32, 0, torch.float32),
+    ("tiny-opt", "predict", 4, 64, 0, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("model, task, b, p, n, dtype", CASES)
+def test_cpu_plan_matches_measured_peak(model, task, b, p, n, dtype):
+    """The plan for device cpu against transformers' own generate (or forward) under the live tensor tracker."""
+    r = _recipe(model)
+    w = Workload(task, b, p, n, dtype)
+    plan = plan_inference(r, Target("cpu"), w)
+    measured = measure_cpu(_config(model), r.model.family, w)
+    assert plan.weights == measured["weights"]
+    assert plan.overhead == 0 and plan.peak_total == plan.peak_allocated  # no CUDA terms on a CPU
+    assert abs(plan.peak_allocated - measured["peak"]) / measured["peak"] < 0.05, (plan.peak_allocated, measured)
+
+
+def test_kv_cache_term_is_the_closed_form_and_the_simulated_cache():
+    # tiny-llama: 2 layers, GQA with 2 key/value heads of 4, head_dim 64/4 = 16
+    cfg = _config("tiny-llama")
+    w = Workload("generate", 8, 40, 9, torch.bfloat16)
+    analytic = 2 * 2 * 2 * 16 * (40 + 9 - 1) * 8 * 2
+    assert kv_cache_bytes(cfg, w) == analytic
+    assert simulate(cfg, "causal-lm", w, cuda=False).cache == analytic
+    assert plan_inference(_recipe("tiny-llama"), Target("cpu"), w).kv_cache == analytic
+    # BLIP-2 OPT: the 4 query tokens and BOS come before the prompt; 4 heads of 16, no GQA
+    cfg = _config("tiny-blip2-opt")
+    w = Workload("caption", 3, 5, 7, torch.float32)
+    analytic = 2 * 2 * 4 * 16 * ((4 + 1 + 5) + 7 - 1) * 3 * 4
+    assert kv_cache_bytes(cfg, w) == analytic
+    assert simulate(cfg, "image-to-text", w, cuda=False).cache == analytic
+    # BLIP-2 Flan-T5: decoder self-attention over start + 7 − 1 tokens, cross-attention over the encoder's
+    # 4 image tokens + 5 prompt tokens + EOS; 2 decoder layers, 4 heads of d_kv 16
+    cfg = _config("tiny-blip2-t5")
+    analytic = 2 * 2 * 4 * 16 * (7 + (4 + 5 + 1)) * 3 * 4
+    assert kv_cache_bytes(cfg, w) == analytic
+    assert simulate(cfg, "image-to-text", w, cuda=False).cache == analytic
+
+
+def test_real_size_kv_cache_respects_gqa():
+    # Llama-3-8B: 32 layers, 8 key/value heads (of 32), head_dim 128; bf16, batch 16 × (512 + 128 − 1) tokens
+    cfg = _config("meta-llama/Meta-Llama-3-8B")
+    w = Workload("generate", 16, 512, 128, torch.bfloat16)
+    assert kv_cache_bytes(cfg, w) == 2 * 32 * 8 * 128 * (512 + 127) * 16 * 2
+
+
+def test_depth_extrapolation_matches_a_deeper_measurement():
+    """Planned from 2- and 3-layer simulations, measured on a real 5-layer model."""
+    cfg = copy.deepcopy(_config("tiny-llama"))
+    cfg.num_hidden_layers = 5
+    w = Workload("generate", 6, 24, 10, torch.float32)
+    extrapolated = simulate_full_depth(cfg, "causal-lm", w, cuda=False)
+    direct = simulate(cfg, "causal-lm", w, cuda=False)
+    assert extrapolated.weights == direct.weights and extrapolated.cache == direct.cache
+    for ph in direct.phases:
+        assert abs(extrapolated.phases[ph] - direct.phases[ph]) <= 0.001 * direct.phases[ph], ph
+    measured = measure_cpu(cfg, "causal-lm", w)
+    assert abs(max(extrapolated.phases.values()) - measured["peak"]) / measured["peak"] < 0.05
+
+
+def test_largest_batch_fits_and_one_more_does_not():
+    r = _recipe("tiny-opt")
+    w = Workload("generate", 4, 32, 16, torch.float32)
+    cap_gib = (CUDA_CONTEXT_BYTES + 6 * 2**20) / GIB / (1 - FIT_MARGIN)  # 6 MiB above the context
+    target = Target("cuda", custom_gpu(cap_gib, find_gpu("a10g")))
+    p = plan_inference(r, target, w)
+    m = p.max_batch_size
+    assert m and m > 1
+    at = plan_inference(r, target, dataclasses.replace(w, batch_size=m), search_batch=False)
+    above = plan_inference(r, target, dataclasses.replace(w, batch_size=m + 1), search_batch=False)
+    assert at.fits and not above.fits
+    assert at.peak_total == int(at.peak_allocated * RESERVED_OVER_ALLOCATED) + CUDA_CONTEXT_BYTES
+
+
+def test_decode_estimate_is_bandwidth_bound_and_kv_grows_it():
+    gpu = find_gpu("a10g")
+    r = _recipe("facebook/opt-1.3b")
+    cfg = _config("facebook/opt-1.3b")
+    w = Workload("generate", 1, 128, 64, torch.float16)
+    p = plan_inference(r, Target("cuda", gpu), w, config=cfg, search_batch=False)
+    read = p.weights + p.kv_cache
+    assert p.decode_step_s == pytest.approx(read / (gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_DECODE_BW_EFFICIENCY))
+    assert p.tokens_per_s == pytest.approx(w.new_tokens / p.batch_s)
+    # a bigger batch shares the weight reads: more tokens/s
+    big = plan_inference(r, Target("cuda", gpu), dataclasses.replace(w, batch_size=16), config=cfg,
+                         search_batch=False)
+    assert big.tokens_per_s > 4 * p.tokens_per_s
+    assert big.kv_cache == 16 * p.kv_cache
+
+
+def test_quantized_weights_shrink_by_the_bitsandbytes_sizes():
+    r16 = _recipe("facebook/opt-1.3b")
+    cfg = _config("facebook/opt-1.3b")
+    w = Workload("generate", 1, 16, 2, torch.float16)
+    dense = plan_inference(r16, Target("cpu"), w, config=cfg, search_batch=False)
+    q = plan_inference(r16, Target("cpu"), dataclasses.replace(w, quantize="nf4"), config=cfg, search_batch=False)
+    # every decoder linear (not the tied head / embeddings) drops from 2 bytes to ~0.5 bytes a weight
+    linear = 24 * (4 * 2048 * 2048 + 2 * 2048 * 8192)
+    saved = dense.weights - q.weights
+    assert 1.45 * linear < saved < 1.5 * linear
+
+
+def test_cli_plan_for_generate_text_and_json(tmp_path):
+    r = run_cli("plan", "--for", "generate", "--model", "tiny-llama", "--gpu", "a10g", "--batch-size", "4",
+                "--prompt-tokens", "16", "--max-new-tokens", "8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for words in ("KV cache", "FITS", "largest batch that fits", "tokens/s (estimate)", "host: request"):
+        assert words in r.stdout
+    r = run_cli("plan", "--for", "predict", "--model", "tiny-opt", "--batch-size", "2", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["plan"]
+    assert p["task"] == "predict" and p["kv_cache"] == 0 and list(p["phases"]) == ["forward"]
+    assert p["fits"] is None and p["host_ram_bytes"] >= 2 * GIB
+    bad = run_cli("plan", "--for", "caption", "--model", "tiny-llama", cwd=tmp_path)
+    assert bad.returncode == 2 and "image-to-text" in bad.stderr
+
+
+def test_launch_slurm_takes_mem_and_cpus_from_the_host_plan(tmp_path):
+    import math
+
+    from bigtune.infer_plan import weight_bytes
+    from bigtune.models import weights_dtype
+    from bigtune.planner import count_parameters
+
+    recipe = ROOT / "recipes" / "open-llama-7b-full.yaml"
+    r = load_recipe(str(recipe), ["accelerator=cpu"])
+    cfg = resolve_config_name(r.model)
+    dtype = weights_dtype(r.precision)
+    wb = weight_bytes(cfg, "causal-lm", dtype)
+    params = count_parameters(cfg) * torch.empty((), dtype=dtype).element_size()
+    assert params <= wb < params * 1.0001  # + the rotary buffers
+    res = run_cli("launch", "slurm", str(recipe), "--gpus-per-node", "4", "--set", "data.num_workers=3", "--out",
+                  str(tmp_path / "job.sbatch"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "job.sbatch").read_text()
+    mem_gib = math.ceil(4 * (int(wb * 1.25) + 2 * GIB) / GIB)
+    assert f"#SBATCH --mem={mem_gib}G" in text
+    assert "#SBATCH --cpus-per-task=4" in text  # 1 + 3 workers
+    assert "# --mem / --cpus-per-task from bigtune's host plan" in text
+    # what the user gives wins
+    res = run_cli("launch", "slurm", str(recipe), "--mem", "500G", "--cpus-per-task", "12", "--out",
+                  str(tmp_path / "own.sbatch"), cwd=tmp_path)
+    own = (tmp_path / "own.sbatch").read_text()
+    assert "#SBATCH --mem=500G" in own and "#SBATCH --cpus-per-task=12" in own and "host plan" not in own
