@@ -121,11 +121,11 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     """
     from lightning.fabric import Fabric
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     from bigtune.engine import LoopState, train_step
     from bigtune.memory import MemoryMonitor
-    from bigtune.models import apply_peft, enable_activation_checkpointing, weights_dtype
+    from bigtune.models import _auto_class, apply_peft, enable_activation_checkpointing, label_config, \
+        weights_dtype
     from bigtune.optim import make_optimizer
     from bigtune.stepmath import target_token_count
 
@@ -133,6 +133,12 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     cfg.num_hidden_layers = n_layers
     cfg.use_cache = False
     cfg._attn_implementation = recipe.model.attn_implementation
+    classify = recipe.model.family == "sequence-classification"
+    if classify:  # a head with the recipe's classes (2 when they are inferred from the data at train time)
+        for key, value in label_config(recipe.data.label_names or ["0", "1"]).items():
+            setattr(cfg, key, value)
+        if getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = 0  # Llama-style heads look for padding; the simulated ids (>= 3) have none
     r = copy.deepcopy(recipe)
     if cuda and r.optim.implementation == "auto":
         r.optim.implementation = "foreach"  # torch's default for CUDA tensors
@@ -156,9 +162,11 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     mask = torch.ones_like(ids)
     if padded:  # one padded row makes the model take the explicit-mask attention path, as a real batch does
         mask[-1, -1] = 0
-    batches = [{"input_ids": ids.clone(), "attention_mask": mask.clone(), "labels": ids.clone(),
+    # A classifier's labels are one class per sample: its loss is normalised by the sample count.
+    labels = torch.zeros(b_size, dtype=torch.long) if classify else ids
+    batches = [{"input_ids": ids.clone(), "attention_mask": mask.clone(), "labels": labels.clone(),
                 "padded": padded} for _ in range(k)]  # distinct storages, like distinct real micro-batches
-    tokens = int(target_token_count(ids)) * r.accumulate
+    tokens = (b_size if classify else int(target_token_count(ids))) * r.accumulate
     # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
     # sequences, which the real run (one sequence per row, checked on real values) drops.
     no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
@@ -167,14 +175,15 @@ def simulate(recipe: Recipe, config, n_layers: int, cuda: bool, micro_batch: Opt
     # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
     no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
     with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=weights_dtype(r.precision))
+        model = _auto_class(r.model.family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         model.train()
         if r.train.activation_checkpointing:
             enable_activation_checkpointing(model)
         if r.peft.method != "none":
             # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
-            model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing)
+            model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
+                               family=r.model.family)
         numel = sum(p.numel() for p in model.parameters())
         matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         wrapped = fabric.setup_module(model)
