@@ -201,9 +201,13 @@ def test_lora_classifier_trains_head_and_predicts_from_the_adapter(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
-def test_qlora_classifier_recipe_validates():
-    r = load_recipe(DEMO, ["model.quantize=nf4", "peft.method=lora"])
-    assert r.model.quantize == "nf4"
+def test_qlora_classifier_keeps_its_head_unquantized_and_trains(tmp_path):
+    torch.set_num_threads(1)
+    s = train(DEMO, _short(tmp_path / "q", **{"model.quantize": "nf4", "peft.method": "lora",
+                                              "train.max_steps": 2, "checkpoint.save_model": False}),
+              quiet_recipe=True)
+    assert s["status"] == "ok" and s["final_loss"] == s["final_loss"]  # finite, not NaN
+    assert 0 < s["parameters"]["trainable"] < s["parameters"]["total"]
 
 
 def test_demo_data_is_reproducible():
@@ -228,3 +232,21 @@ def test_sst2_recipe_validates_and_fails_clearly_offline(tmp_path):
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
     assert "distilbert-base-uncased" in res.stderr and "local folder" in res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_train_a_classifier_identically(tmp_path):
+    """Two CPU ranks: DDP (replicated) and FSDP (sharded) take the same steps, so the same losses."""
+    summaries = {}
+    for strategy in ("ddp", "fsdp"):
+        out = tmp_path / strategy
+        res = run_cli("train", str(DEMO), "--set", "devices=2", "--set", f"strategy={strategy}",
+                      "--set", "train.max_steps=3", "--set", "train.max_epochs=null", "--set", "eval.every_steps=3",
+                      "--set", "data.num_train_samples=64", "--set", "checkpoint.save_model=false",
+                      "--set", f"output_dir={out}", cwd=tmp_path, timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        summaries[strategy] = json.loads((out / "summary.json").read_text())
+    ddp, fsdp = summaries["ddp"], summaries["fsdp"]
+    assert ddp["final_loss"] == pytest.approx(fsdp["final_loss"], rel=1e-4)
+    assert ddp["eval"]["final"]["accuracy"] == fsdp["eval"]["final"]["accuracy"]
+    assert len(fsdp["eval"]["final"]["confusion_matrix"]) == 3

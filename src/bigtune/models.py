@@ -100,17 +100,24 @@ def compute_dtype(cfg: ModelConfig, precision: str) -> torch.dtype:
     return torch.float16 if precision.startswith("16") else torch.float32
 
 
+# Classification heads by attribute name (BERT/RoBERTa: classifier; DistilBERT: pre_classifier + classifier;
+# Llama and other decoders: score).
+CLASSIFIER_HEADS = ("classifier", "pre_classifier", "score")
+
+
 def quantization_config(cfg: ModelConfig, precision: str):
     """The bitsandbytes loading config for model.quantize (None when not quantized)."""
     if cfg.quantize == "none":
         return None
     from transformers import BitsAndBytesConfig
 
+    # A classifier's new head trains in full (peft SEQ_CLS modules_to_save): it must stay unquantized.
+    skip = {"llm_int8_skip_modules": list(CLASSIFIER_HEADS)} if cfg.family == "sequence-classification" else {}
     if cfg.quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize,
                               bnb_4bit_use_double_quant=cfg.double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype(cfg, precision))
+                              bnb_4bit_compute_dtype=compute_dtype(cfg, precision), **skip)
 
 
 def _auto_class(family: str):
