@@ -137,6 +137,68 @@ def caption_images(model, processor, paths: list[str], batch_size: int = 8, max_
     return rows, bad
 
 
+def _image_key(ref) -> str:
+    """One key per image, so several reference captions of the same photo are scored together."""
+    if isinstance(ref, (bytes, bytearray)):
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(ref).hexdigest()
+    return str(ref)
+
+
+def evaluate_captions(model, processor, data_source: str, text_field: str = "text", image_field: str = "image",
+                      split: str = "train", batch_size: int = 8, max_new_tokens: int = 30,
+                      examples: int = 5) -> dict:
+    """Caption every distinct image of an image + caption source greedily and score the captions against
+    its reference captions (all captions of the same image are its references): corpus BLEU, ROUGE-L
+    and caption length stats (``bigtune.metrics.caption_metrics``). Records without an image or a
+    caption, and images that do not decode, are skipped and counted."""
+    from bigtune.imagedata import read_image_source
+    from bigtune.metrics import caption_metrics
+    from bigtune.recipe import DataConfig
+
+    label, rows = read_image_source(DataConfig(source=data_source, text_field=text_field, image_field=image_field,
+                                               split=split))
+    refs: dict[str, list[str]] = {}
+    images: dict[str, object] = {}
+    skipped = 0
+    for ref, text in rows:
+        if isinstance(ref, dict):
+            ref = ref.get("bytes") or ref.get("path")
+        if ref in (None, "") or not isinstance(text, str) or not text.strip():
+            skipped += 1
+            continue
+        key = _image_key(ref)
+        images.setdefault(key, ref)
+        refs.setdefault(key, []).append(text.strip())
+    if not images:
+        raise InferError(f"{label}: no records with both an image and a caption to score against")
+    done, bad = caption_images(model, processor, list(images.values()), batch_size=batch_size,
+                               max_new_tokens=max_new_tokens)
+    if not done:
+        raise InferError(f"{label}: none of the {len(images)} images could be read (first: {bad[0]['reason']})")
+    keys = [_image_key(r["image"]) for r in done]
+    preds = [r["caption"] for r in done]
+    out = caption_metrics(preds, [refs[k] for k in keys])
+    out.update(source=label, images=len(images), unreadable_images=len(bad), skipped_records=skipped,
+               examples=[{"image": k if not k.startswith("sha256:") else k[:19], "caption": p,
+                          "references": refs[k]} for k, p in list(zip(keys, preds))[:examples]])
+    return out
+
+
+def format_caption_eval(res: dict) -> str:
+    c, r = res["caption_length_words"], res["reference_length_words"]
+    lines = [f"eval: {res['source']}: BLEU {res['bleu']:.2f}, ROUGE-L {res['rouge_l']:.4f} over {res['captions']} "
+             f"images ({res['references_per_caption']:.2f} references each; {res['unreadable_images']} unreadable "
+             f"images, {res['skipped_records']} records skipped)",
+             f"caption length (words): mean {c['mean']:.1f}, min {c['min']}, max {c['max']}; references: mean "
+             f"{r['mean']:.1f}",
+             f"BLEU signature: {res['bleu_signature']}"]
+    for ex in res["examples"]:
+        lines.append(f"  {ex['image']}: {ex['caption']!r} (reference: {ex['references'][0]!r})")
+    return "\n".join(lines)
+
+
 def main_caption(args) -> int:
     if args.batch_size < 1:
         raise InferError(f"--batch-size must be at least 1, got {args.batch_size}")

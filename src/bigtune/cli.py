@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     from bigtune.caption import add_cli as add_caption_cli
 
     add_caption_cli(sub)  # `caption` (alt text with an image-to-text model)
+    from bigtune.classify import add_cli as add_classify_cli
+
+    add_classify_cli(sub)  # `predict` (labels and probabilities with a classifier)
     return ap
 
 
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
-        if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption"):
+        if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption", "predict"):
             return args.func(args)
         if args.verb == "export":
             from bigtune.export import export_run

@@ -39,16 +39,23 @@ class DataReport:
     truncated: int = 0
     validation: int = 0
     val_examples: list = field(default_factory=list, repr=False)
+    label_names: list = field(default_factory=list)     # classification: class names in index order
+    label_counts: dict = field(default_factory=dict)    # classification: usable records per class
 
     def summary(self) -> dict:
-        return {"source": self.source, "format": self.format, "records": self.records, "used": self.used,
-                "validation": self.validation,
-                "skipped": len(self.skipped), "truncated": self.truncated,
-                "skipped_examples": [{"index": i, "reason": r} for i, r in self.skipped[:20]]}
+        out = {"source": self.source, "format": self.format, "records": self.records, "used": self.used,
+               "validation": self.validation,
+               "skipped": len(self.skipped), "truncated": self.truncated,
+               "skipped_examples": [{"index": i, "reason": r} for i, r in self.skipped[:20]]}
+        if self.label_names:
+            out.update(label_names=list(self.label_names), label_counts=dict(self.label_counts))
+        return out
 
     def lines(self) -> list[str]:
         out = [f"data: {self.source} ({self.format}): {self.records} records, {self.used} used for training, "
                f"{self.validation} for validation, {len(self.skipped)} skipped, {self.truncated} truncated"]
+        if self.label_names:
+            out.append("  labels: " + ", ".join(f"{n} ({self.label_counts.get(n, 0)})" for n in self.label_names))
         for i, r in self.skipped[:10]:
             out.append(f"  skipped record {i}: {r}")
         if len(self.skipped) > 10:

@@ -105,6 +105,7 @@ class Built:
     params: dict = field(default_factory=dict)
     base_dir: Optional[Path] = None      # initial weights of a preset/random model under adapters
     val_loader: Any = None               # the held-out split, when there is one
+    class_weights: Optional[torch.Tensor] = None  # sequence-classification: per-class loss weights
 
 
 def _image_data(recipe: Recipe, processor):
@@ -124,6 +125,10 @@ def build(recipe: Recipe, fabric) -> Built:
     tokenizer = load_tokenizer_or_processor(recipe.model)
     if image:
         examples, report, make_dataset, collator, build_more = _image_data(recipe, tokenizer)
+    elif recipe.model.family == "sequence-classification":
+        from bigtune.classify import classification_data
+
+        examples, report, make_dataset, collator, build_more = classification_data(recipe, tokenizer)
     else:
         examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
         make_dataset, collator = ListDataset, Collator(tokenizer.pad_token_id)
@@ -138,9 +143,10 @@ def build(recipe: Recipe, fabric) -> Built:
     if no_folder and not quantized:
         # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
         with fabric.init_module():
-            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir)
+            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir,
+                                report.label_names)
     else:
-        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir)
+        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, report.label_names)
     if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
     if peft:
@@ -178,8 +184,10 @@ def build(recipe: Recipe, fabric) -> Built:
     o = recipe.optim
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
+    weights = torch.tensor(recipe.data.class_weights, dtype=torch.float32, device=fabric.device) \
+        if recipe.data.class_weights else None
     return Built(recipe, fabric, tokenizer, model, optimizer, scheduler, loader, sampler, report,
-                 steps_per_epoch, total, micro, params, base_dir, val_loader)
+                 steps_per_epoch, total, micro, params, base_dir, val_loader, weights)
 
 
 # -- the loop ---------------------------------------------------------------------------------------
@@ -214,6 +222,7 @@ class LoopState:
     epoch_loss_sum: float = 0.0
     epoch_loss_steps: int = 0
     best_val_loss: Optional[float] = None
+    best_score: Optional[float] = None   # eval.best_metric's best value so far (what keep_best goes by)
     last_eval_step: Optional[int] = None
 
 
@@ -247,7 +256,7 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
         with fabric.no_backward_sync(model, enabled=not last):
             state.phase = "forward"
             logits = model(**forward_inputs(batch, padded)).logits
-            loss = causal_lm_loss_sum(logits, batch["labels"], shift) * scale
+            loss = causal_lm_loss_sum(logits, batch["labels"], shift, getattr(b, "class_weights", None)) * scale
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             state.phase = "backward"
@@ -390,6 +399,8 @@ def evaluate(b: Built, monitor: Optional[mem.MemoryMonitor]) -> dict:
         monitor.begin_step(model, b.optimizer)
     loss_sum = torch.zeros((), device=fabric.device, dtype=torch.float64)
     tokens = 0
+    classify = b.recipe.model.family == "sequence-classification"
+    preds, golds = [], []
     try:
         for i, batch in enumerate(b.val_loader):
             if b.recipe.eval.max_batches is not None and i >= b.recipe.eval.max_batches:
@@ -400,6 +411,9 @@ def evaluate(b: Built, monitor: Optional[mem.MemoryMonitor]) -> dict:
             logits = model(**forward_inputs(batch, padded)).logits
             loss_sum += causal_lm_loss_sum(logits, batch["labels"], shift).double()
             tokens += int(target_token_count(batch["labels"], shift))
+            if classify:
+                preds.append(logits.argmax(-1).cpu())
+                golds.append(batch["labels"].cpu())
             del logits
         peak = None
         if monitor is not None:
@@ -409,8 +423,22 @@ def evaluate(b: Built, monitor: Optional[mem.MemoryMonitor]) -> dict:
             monitor.end_step()
         model.train(was_training)
     loss = float(loss_sum) / max(tokens, 1)
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_tokens": tokens,
-            "eval_peak_allocated": peak}
+    out = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_tokens": tokens,
+           "eval_peak_allocated": peak}
+    if classify and golds:
+        from bigtune.metrics import classification_metrics
+
+        m = classification_metrics(torch.cat(golds).tolist(), torch.cat(preds).tolist(),
+                                   b.data_report.label_names)
+        out.update({k: m[k] for k in ("accuracy", "macro_f1", "f1_per_class", "confusion_matrix")})
+    return out
+
+
+def is_better(metric: str, value: float, best: Optional[float]) -> bool:
+    """eval.best_metric: val_loss improves downwards, accuracy / macro_f1 upwards."""
+    if best is None:
+        return True
+    return value < best if metric == "val_loss" else value > best
 
 
 def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int) -> dict:
@@ -418,12 +446,18 @@ def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int) -> di
     state.last_eval_step = state.step
     rec = {"step": state.step, "epoch": epoch, "split": "val", **res}
     run.append_jsonl("eval.jsonl", rec)
-    _tensorboard(run, {"step": state.step, **{k: v for k, v in res.items() if k.startswith("val_")}})
-    best = state.best_val_loss is None or res["val_loss"] < state.best_val_loss
-    print(f"eval at step {state.step}: val_loss {res['val_loss']:.4f} perplexity {res['val_perplexity']:.2f}"
-          + (" (best)" if best else ""), flush=True)
-    if best:
+    _tensorboard(run, {"step": state.step, **{(k if k.startswith("val_") else f"val_{k}"): v
+                                              for k, v in res.items() if k.startswith("val_") or
+                                              k in ("accuracy", "macro_f1")}})
+    metric = b.recipe.eval.best_metric
+    best = is_better(metric, res[metric], state.best_score)
+    if state.best_val_loss is None or res["val_loss"] < state.best_val_loss:
         state.best_val_loss = res["val_loss"]
+    task = f" accuracy {res['accuracy']:.4f} macro-F1 {res['macro_f1']:.4f}" if "accuracy" in res else ""
+    print(f"eval at step {state.step}: val_loss {res['val_loss']:.4f} perplexity {res['val_perplexity']:.2f}{task}"
+          + (f" (best {metric})" if best else ""), flush=True)
+    if best:
+        state.best_score = res[metric]
         if b.recipe.eval.keep_best and b.recipe.checkpoint.save_model:
             save_hf_model(b, run, dest_name="best", keep_base=False)
             run.write_json("best.json", {"step": state.step, **res})
@@ -491,7 +525,7 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler,
                "loop": {"step": state.step, "tokens": state.tokens, "samples": state.samples,
                         "train_seconds": state.train_seconds, "losses": list(state.losses),
-                        "best_val_loss": state.best_val_loss},
+                        "best_val_loss": state.best_val_loss, "best_score": state.best_score},
                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
     trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
@@ -512,6 +546,7 @@ def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
     state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
     state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
     state.best_val_loss = loop.get("best_val_loss")
+    state.best_score = loop.get("best_score", state.best_val_loss)
     torch.set_rng_state(rest["rng"]["torch"])
     random.setstate(_as_tuple(rest["rng"]["python"]))
     if rest["rng"]["cuda"] and torch.cuda.is_available():
@@ -700,8 +735,10 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
     summary.update(_results(run, state, status, time.perf_counter() - t_start))
     evals = run.read_jsonl("eval.jsonl")
     if evals:
+        metric = r.eval.best_metric
+        best_rec = min(evals, key=lambda e: e[metric] if metric == "val_loss" else -e[metric])
         summary["eval"] = {"final": evals[-1], "best_val_loss": state.best_val_loss,
-                           "best_step": min(evals, key=lambda e: e["val_loss"])["step"],
+                           "best_metric": metric, "best_value": best_rec[metric], "best_step": best_rec["step"],
                            "eval_peak_allocated_bytes": max((e["eval_peak_allocated"] or 0) for e in evals) or None}
     if prediction is not None:
         summary["plan"] = compare_with_plan(prediction, r, fabric.device, run.read_jsonl("memory.jsonl"),

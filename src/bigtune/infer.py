@@ -532,12 +532,66 @@ def format_eval(result: dict[str, Any]) -> str:
             f"{result['tokens']} target tokens in {result['samples']} samples ({result['skipped']} skipped)")
 
 
+def model_family(path_or_run: str) -> str:
+    """causal-lm, image-to-text or sequence-classification, from the config.json (or adapter config)
+    of a model folder, run directory or adapter folder; causal-lm when nothing says otherwise."""
+    path = Path(path_or_run).expanduser()
+    for folder in (path, path / "model", path / "adapter"):
+        adapter = folder / "adapter_config.json"
+        config = folder / "config.json"
+        if adapter.is_file():
+            try:
+                task = json.loads(adapter.read_text(encoding="utf-8")).get("task_type")
+            except (OSError, json.JSONDecodeError):
+                task = None
+            if task == "SEQ_CLS":
+                return "sequence-classification"
+            base = folder.parent / "base" / "config.json"
+            config = base if base.is_file() else config
+        if config.is_file():
+            try:
+                cfg = json.loads(config.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                return "causal-lm"
+            archs = [str(a) for a in cfg.get("architectures") or []]
+            if any(a.endswith("ForSequenceClassification") for a in archs):
+                return "sequence-classification"
+            if "vision_config" in cfg:
+                return "image-to-text"
+            return "causal-lm"
+    return "causal-lm"
+
+
 def main_eval(args) -> int:
-    """``bigtune eval``: loss and perplexity of a model on a data source."""
+    """``bigtune eval``: loss and perplexity of a language model on a data source; for a classifier
+    accuracy, macro-F1 and the confusion matrix; for an image-to-text model BLEU, ROUGE-L and caption
+    lengths of its greedy captions against the source's reference captions."""
     if args.batch_size < 1:
         raise InferError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.max_seq_length < 2:
         raise InferError(f"--max-seq-length must be at least 2, got {args.max_seq_length}")
+    family = model_family(args.model)
+    if family == "sequence-classification":
+        from bigtune.classify import evaluate_classifier, load_classifier
+        from bigtune.metrics import format_classification
+
+        model, tok, names = load_classifier(args.model, dtype=args.dtype, device=args.device)
+        res = evaluate_classifier(model, tok, names, args.data, text_field=args.text_field,
+                                  label_field=args.label_field, batch_size=args.batch_size,
+                                  max_seq_length=args.max_seq_length)
+        print(json.dumps(res, indent=2) if args.json else
+              format_classification(res, prefix=f"eval: {res['source']}") +
+              f"\nmajority-class baseline {res['majority_baseline']:.4f}; loss {res['loss']:.4f}; "
+              f"{res['skipped']} records skipped")
+        return 0
+    if family == "image-to-text":
+        from bigtune.caption import evaluate_captions, format_caption_eval, load_captioner
+
+        model, processor = load_captioner(args.model, dtype=args.dtype, device=args.device)
+        res = evaluate_captions(model, processor, args.data, text_field=args.text_field,
+                                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+        print(json.dumps(res, indent=2) if args.json else format_caption_eval(res))
+        return 0
     model, tok = load_for_inference(args.model, dtype=args.dtype, device=args.device)
     result = evaluate(model, tok, args.data, max_seq_length=args.max_seq_length, batch_size=args.batch_size,
                       mask_prompt=not args.no_mask_prompt)
@@ -572,13 +626,19 @@ def add_cli(subparsers) -> None:
     g.add_argument("--out", metavar="FILE", help="write the results to FILE (.jsonl: {prompt, output} per line, or "
                    ".csv) instead of printing them")
     g.set_defaults(func=main_generate)
-    e = subparsers.add_parser("eval", help="loss and perplexity of a trained model on a data source")
+    e = subparsers.add_parser("eval", help="score a trained model on a data source: loss and perplexity; "
+                              "classifiers: accuracy, macro-F1, confusion matrix; image-to-text: BLEU, ROUGE-L")
     _add_load_args(e)
     e.add_argument("--data", default="demo", metavar="SOURCE",
-                   help="data source, as data.source in a recipe (default: the bundled demo set)")
+                   help="data source, as data.source in a recipe (default: the bundled demo set of the model's "
+                        "kind)")
     e.add_argument("--max-seq-length", type=int, default=512, help="truncate samples to this many tokens")
     e.add_argument("--batch-size", type=int, default=8, help="samples per forward pass (default 8)")
     e.add_argument("--no-mask-prompt", action="store_true",
                    help="alpaca data: score the prompt tokens too (default: the response only, as in training)")
+    e.add_argument("--text-field", default="text", help="classification / image-to-text data: the text or caption "
+                   "column (default: text)")
+    e.add_argument("--label-field", default="label", help="classification data: the label column (default: label)")
+    e.add_argument("--max-new-tokens", type=int, default=30, help="image-to-text: caption tokens at most (default 30)")
     e.add_argument("--json", action="store_true", help="print the result as JSON")
     e.set_defaults(func=main_eval)

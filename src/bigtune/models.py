@@ -100,20 +100,31 @@ def compute_dtype(cfg: ModelConfig, precision: str) -> torch.dtype:
     return torch.float16 if precision.startswith("16") else torch.float32
 
 
+# Classification heads by attribute name (BERT/RoBERTa: classifier; DistilBERT: pre_classifier + classifier;
+# Llama and other decoders: score).
+CLASSIFIER_HEADS = ("classifier", "pre_classifier", "score")
+
+
 def quantization_config(cfg: ModelConfig, precision: str):
     """The bitsandbytes loading config for model.quantize (None when not quantized)."""
     if cfg.quantize == "none":
         return None
     from transformers import BitsAndBytesConfig
 
+    # A classifier's new head trains in full (peft SEQ_CLS modules_to_save): it must stay unquantized.
+    skip = {"llm_int8_skip_modules": list(CLASSIFIER_HEADS)} if cfg.family == "sequence-classification" else {}
     if cfg.quantize == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize,
                               bnb_4bit_use_double_quant=cfg.double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype(cfg, precision))
+                              bnb_4bit_compute_dtype=compute_dtype(cfg, precision), **skip)
 
 
 def _auto_class(family: str):
+    if family == "sequence-classification":
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification
     if family == "image-to-text":
         from transformers import AutoModelForImageTextToText
 
@@ -123,10 +134,20 @@ def _auto_class(family: str):
     return AutoModelForCausalLM
 
 
-def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant) -> torch.nn.Module:
+def label_config(label_names: Optional[list]) -> dict:
+    """Config keys that give a classification head its classes (empty for other families)."""
+    if not label_names:
+        return {}
+    names = [str(n) for n in label_names]
+    return {"num_labels": len(names), "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)}}
+
+
+def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant,
+                     label_names: Optional[list] = None) -> torch.nn.Module:
     AutoModelForCausalLM = _auto_class(cfg.family)
 
-    kwargs: dict = {}
+    kwargs: dict = label_config(label_names)
     if quant is not None and torch.cuda.is_available():
         kwargs["device_map"] = {"": torch.cuda.current_device()}  # bitsandbytes quantizes while placing
     try:
@@ -138,8 +159,10 @@ def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant) -> 
 
 
 def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
-                base_dir: Optional[Path] = None) -> torch.nn.Module:
+                base_dir: Optional[Path] = None, label_names: Optional[list] = None) -> torch.nn.Module:
     """The model in the dtype its precision stores weights in (quantized if asked), in train mode.
+
+    sequence-classification: ``label_names`` size the head and name its classes (config id2label).
 
     Presets and random-init models have no folder to come back to: with ``base_dir`` their initial
     weights are written there (a LoRA run's export merges into them), and a quantized one is loaded
@@ -157,6 +180,8 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
 
             config = resolve_config_name(cfg)
         config._attn_implementation = cfg.attn_implementation
+        for key, value in label_config(label_names).items():
+            setattr(config, key, value)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if quant is not None and base_dir is None:
@@ -166,7 +191,7 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
             tokenizer.save_pretrained(base_dir)
         if quant is not None:
             del model
-            model = _from_pretrained(str(base_dir), cfg, dtype, quant)
+            model = _from_pretrained(str(base_dir), cfg, dtype, quant, label_names)
     else:
         name = _local_or_id(cfg.name)
         local = Path(name).is_dir()
@@ -178,8 +203,12 @@ def build_model(cfg: ModelConfig, tokenizer, precision: str, seed: int,
                     "unpickling can run code. Convert once: `python -c \"from transformers import "
                     + _auto_class(cfg.family).__name__ + " as M; M.from_pretrained('" + name + "').save_pretrained('" + name +
                     "-st')\"` and point model.name at the new folder.")
-        model = _from_pretrained(name, cfg, dtype, quant)
-    model.config.use_cache = False  # the KV cache is useless in training and costs memory
+        model = _from_pretrained(name, cfg, dtype, quant, label_names)
+    model.config.use_cache = False
+    if cfg.family == "sequence-classification" and model.config.pad_token_id is None:
+        # Llama-style heads pool the last non-pad token, found by comparing ids with pad_token_id.
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        model.config.pad_token_id = tok.pad_token_id  # the KV cache is useless in training and costs memory
     if cfg.family == "image-to-text":
         text_cfg = getattr(model.config, "text_config", None)
         if text_cfg is not None:
@@ -215,7 +244,8 @@ def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
 
 
 DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
-                   "t5": ["q", "v"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"],
+                   "t5": ["q", "v"], "bert": ["query", "value"], "roberta": ["query", "value"],
+                   "distilbert": ["q_lin", "v_lin"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"],
                    # BLIP-2: adapters on the language model's attention queries/values only (the usual BLIP-2
                    # LoRA); a regex, so the Q-Former's query/value and the ViT's qkv are left alone.
                    "blip-2": r".*language_model\..*\.(q_proj|v_proj|q|v)$"}
@@ -246,8 +276,9 @@ def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, ch
     config = LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
                         target_modules=lora_targets(model, peft_cfg.target_modules),
                         use_dora=peft_cfg.method == "dora",
-                        # image-to-text: the plain PeftModel passes pixel_values / decoder_input_ids through as is
-                        task_type="CAUSAL_LM" if family == "causal-lm" else None)
+                        # image-to-text: the plain PeftModel passes pixel_values / decoder_input_ids through as is;
+                        # SEQ_CLS also trains (and saves) the new classification head in full.
+                        task_type={"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(family))
     return get_peft_model(model, config)
 
 
@@ -273,12 +304,28 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     return {"total": total, "trainable": trainable}
 
 
+def is_classifier(model: torch.nn.Module) -> bool:
+    """True for a sequence-classification model, whatever wraps it (Fabric, DDP/FSDP, peft)."""
+    m = model
+    while True:
+        if type(m).__name__.endswith("ForSequenceClassification"):
+            return True
+        inner = getattr(m, "module", None) or getattr(m, "_forward_module", None)
+        if inner is None and hasattr(m, "get_base_model"):
+            inner = m.get_base_model()
+        if inner is None or inner is m:
+            return False
+        m = inner
+
+
 def shifts_labels(model: torch.nn.Module) -> bool:
     """True when the loss compares position t's logits with label t+1 (decoder-only models).
 
     Encoder-decoder models (T5, BLIP-2 with a Flan-T5 language model) produce decoder logits already
     aligned with their labels.
     """
+    if is_classifier(model):
+        return False  # one label per sample, nothing to shift
     m = model
     while hasattr(m, "module") and not hasattr(m, "config"):
         m = m.module

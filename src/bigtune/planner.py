@@ -173,19 +173,21 @@ def _sim_precision(precision: str) -> str:
     return "bf16-mixed" if precision == "16-mixed" else precision
 
 
-def _synthetic_batch(recipe: Recipe, cfg, b_size: int, padded: bool) -> dict:
+def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool) -> dict:
     """A full-length micro-batch shaped as the collators build it, with real (tiny) token ids: the
     loss normaliser needs a concrete target count; everything computed from it is fake."""
     from bigtune.stepmath import IGNORE_INDEX
 
     seq = recipe.data.max_seq_length
     g = torch.Generator().manual_seed(0)
-    if _family(cfg) == "causal-lm":
+    if family != "image-to-text":
         ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
         mask = torch.ones_like(ids)
         if padded:  # one padded row makes the model take the explicit-mask attention path, as a real batch does
             mask[-1, -1] = 0
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone(), "padded": padded}
+        # a classifier's labels are one class per sample
+        labels = torch.zeros(b_size, dtype=torch.long) if family == "sequence-classification" else ids.clone()
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
     # image-to-text (see imagedata's token layout): <image>×q first, then the caption (OPT), or an
     # encoder input of <image>×q + EOS and the caption as decoder labels (T5).
     q, vc = int(cfg.num_query_tokens), cfg.vision_config
@@ -243,7 +245,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     from bigtune.engine import LoopState, train_step
     from bigtune.memory import MemoryMonitor
     from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
-        freeze_parts, weights_dtype
+        freeze_parts, label_config, weights_dtype
     from bigtune.optim import make_optimizer
     from bigtune.stepmath import target_token_count
 
@@ -251,9 +253,14 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     for st in model_stacks(cfg):
         set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
     cfg.use_cache = False
-    family = _family(cfg)
+    family = recipe.model.family
     if family == "image-to-text":
         cfg.text_config.use_cache = False
+    if family == "sequence-classification":  # a head with the recipe's classes (2 when inferred at train time)
+        for key, value in label_config(recipe.data.label_names or ["0", "1"]).items():
+            setattr(cfg, key, value)
+        if getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = 0  # Llama-style heads look for padding; the simulated ids (>= 3) have none
     cfg._attn_implementation = recipe.model.attn_implementation
     r = copy.deepcopy(recipe)
     if cuda and r.optim.implementation == "auto":
@@ -274,9 +281,12 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     b_size = micro_batch or r.train.micro_batch_size
     k = min(r.accumulate, 2)
     # distinct storages, like distinct real micro-batches
-    batches = [_synthetic_batch(r, cfg, b_size, padded) for _ in range(k)]
-    shift = family == "causal-lm" or not getattr(cfg.text_config, "is_encoder_decoder", False)
-    tokens = int(target_token_count(batches[0]["labels"], shift)) * r.accumulate
+    batches = [_synthetic_batch(r, cfg, family, b_size, padded) for _ in range(k)]
+    if family == "sequence-classification":  # one label per sample: the loss is normalised by samples
+        tokens = b_size * r.accumulate
+    else:
+        shift = family == "causal-lm" or not getattr(cfg.text_config, "is_encoder_decoder", False)
+        tokens = int(target_token_count(batches[0]["labels"], shift)) * r.accumulate
     # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
     # sequences, which the real run (one sequence per row, checked on real values) drops.
     no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
@@ -650,7 +660,7 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
 
 # -- alternatives -------------------------------------------------------------------------------------
 
-def count_parameters(config) -> int:
+def count_parameters(config, family: Optional[str] = None) -> int:
     """Parameter count from the config alone (fake shallow models, extrapolated per stack)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -665,7 +675,7 @@ def count_parameters(config) -> int:
         for st, n in depths.items():
             set_depth(cfg, st, n)
         with FakeTensorMode(), _no_init():
-            return sum(p.numel() for p in _auto_class(_family(cfg)).from_config(cfg).parameters())
+            return sum(p.numel() for p in _auto_class(family or _family(cfg)).from_config(cfg).parameters())
 
     base = count(unit)
     total = base
@@ -797,7 +807,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     # Model states alone are a lower bound on the peak: variants whose states cannot fit are
     # dropped before any simulation (for a 70B model that is most single-GPU variants).
     n_evaluated = len(todo)
-    numel = count_parameters(config)
+    numel = count_parameters(config, recipe.model.family)
     cap = target.capacity_bytes
     if cap is not None:
         def hopeless(r: Recipe, gpus: int, strategy: str) -> bool:

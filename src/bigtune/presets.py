@@ -13,6 +13,7 @@ from typing import Callable
 ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_FILE = ASSETS / "tiny_tokenizer.json"
 DEMO_DATA = ASSETS / "demo_alpaca.jsonl"
+DEMO_CLASSIFICATION_DATA = ASSETS / "demo_reviews.jsonl"   # made by scripts/make_reviews_demo.py
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,16 @@ def _opt(vocab: int, ids: dict):
 
     return OPTConfig(vocab_size=vocab, hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
                      word_embed_proj_dim=64, max_position_embeddings=1024, use_cache=False, **ids)
+
+
+def _bert(vocab: int, ids: dict):
+    from transformers import BertConfig
+
+    # The bundled tokenizer has no [CLS]: classification samples start with BOS, which sits where BERT's
+    # pooler reads (position 0), so it plays [CLS]'s part. Dropout 0.1 as in BERT.
+    return BertConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=512, pad_token_id=ids["pad_token_id"],
+                      bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
 
 
 # -- tiny BLIP-2 (image-to-text) -------------------------------------------------------------------
@@ -105,6 +116,8 @@ def _blip2_t5(vocab: int, ids: dict):
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("causal-lm", _llama, "Llama architecture, 2 layers, hidden 64, GQA 4/2 heads."),
     "tiny-opt": Preset("causal-lm", _opt, "OPT architecture, 2 layers, hidden 64, dropout 0.1."),
+    "tiny-bert": Preset("sequence-classification", _bert, "BERT encoder with a classification head, 2 layers, "
+                        "hidden 64, 4 heads (labels set from the data)."),
     "tiny-blip2-opt": Preset("image-to-text", _blip2_opt, "BLIP-2: ViT 32 px/patch 8, 1 layer, hidden 32; Q-Former "
                              "1 layer, 4 queries; OPT 2 layers, hidden 64."),
     "tiny-blip2-t5": Preset("image-to-text", _blip2_t5, "BLIP-2 with a Flan-T5-style text model (2+2 layers, "

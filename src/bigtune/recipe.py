@@ -34,8 +34,9 @@ OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_o
 SCHEDULES = ("constant", "cosine", "linear")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "cuda")
-DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text")
-FAMILIES = ("causal-lm", "image-to-text")
+DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text", "classification")
+FAMILIES = ("causal-lm", "image-to-text", "sequence-classification")
+BEST_METRICS = ("val_loss", "accuracy", "macro_f1")
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
@@ -48,11 +49,13 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 @dataclass
 class ModelConfig:
     name: str = _f("tiny-llama", "Built-in preset (tiny-llama, tiny-opt; image-to-text: tiny-blip2-opt, "
-                   "tiny-blip2-t5), Hugging Face hub id, or local folder holding config.json + safetensors weights. "
+                   "tiny-blip2-t5; sequence-classification: tiny-bert), Hugging Face hub id, or local folder holding config.json + safetensors weights. "
                    "Lab: model_name.")
-    family: Literal["causal-lm", "image-to-text"] = _f(
-        "causal-lm", "Model family: causal-lm (AutoModelForCausalLM) or image-to-text (BLIP-2: "
-        "Blip2ForConditionalGeneration via AutoModelForImageTextToText, trained on image + caption pairs).")
+    family: Literal["causal-lm", "image-to-text", "sequence-classification"] = _f(
+        "causal-lm", "Model family: causal-lm (AutoModelForCausalLM), image-to-text (BLIP-2: "
+        "Blip2ForConditionalGeneration via AutoModelForImageTextToText, trained on image + caption pairs) or "
+        "sequence-classification (AutoModelForSequenceClassification: BERT/DistilBERT/RoBERTa/Llama with a "
+        "classification head, trained on text + label records).")
     init: Literal["pretrained", "random"] = _f(
         "pretrained", "pretrained: load the weights. random: build the architecture from its config.json with random "
         "weights (benchmarks and planner validation need no download; bundled configs cover the lab's models).")
@@ -80,10 +83,17 @@ class DataConfig:
     source: str = _f("demo", "`demo` (bundled instruction set; for model.family image-to-text the bundled "
                      "food-photo caption set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
                      "written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; needs the hub).")
-    format: Literal["auto", "alpaca", "text", "jsonl-text"] = _f(
-        "auto", "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column.")
+    format: Literal["auto", "alpaca", "text", "jsonl-text", "classification"] = _f(
+        "auto", "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column; "
+        "classification (text_field + label_field per record) for model.family sequence-classification.")
     split: str = _f("train", "Split to train on when the source holds several (DatasetDict).")
     text_field: str = _f("text", "Column holding raw text for the text format (image-to-text: the caption).")
+    label_field: str = _f("label", "classification: column holding each record's label (a name from label_names, "
+                          "or an integer index into them).")
+    label_names: list = _f([], "classification: the class names, in index order ([] infers them from the training "
+                           "data: the sorted distinct labels). A label outside them is an error naming the record.")
+    class_weights: list = _f([], "classification: one loss weight per class, in label_names order ([] = all 1); "
+                             "each sample's cross-entropy is multiplied by its class's weight (mean over samples).")
     image_field: str = _f("image", "image-to-text: column (save_to_disk / metadata / JSONL key) holding the image "
                           "(a decoded image, bytes, or a path; metadata.jsonl/.csv image folders use `file_name`).")
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
@@ -157,7 +167,10 @@ class EvalConfig:
                                     "at the end when there is a validation split).", min=1)
     max_batches: Optional[int] = _f(None, "Evaluate on at most this many batches (None: the whole split).", min=1)
     batch_size: Optional[int] = _f(None, "Eval batch size (default: train.micro_batch_size).", min=1)
-    keep_best: bool = _f(True, "Save the model with the lowest validation loss to <output_dir>/best.")
+    keep_best: bool = _f(True, "Save the model with the best validation `best_metric` to <output_dir>/best.")
+    best_metric: Literal["val_loss", "accuracy", "macro_f1"] = _f(
+        "val_loss", "What `keep_best` and summary.json's best step go by: val_loss (lowest) or, for "
+        "sequence-classification, accuracy / macro_f1 on the validation split (highest).")
 
 
 @dataclass
@@ -509,6 +522,7 @@ def check_combinations(r: Recipe) -> list[str]:
     if r.eval.every_steps and not (r.data.val_fraction or r.data.val_source):
         p.append("eval.every_steps: there is no validation split; set data.val_fraction (e.g. 0.1) or data.val_source")
     p.extend(_check_image_to_text(r))
+    p.extend(_check_classification(r))
     src = r.data.source
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
@@ -541,6 +555,40 @@ def _check_image_to_text(r: Recipe) -> list[str]:
     if r.data.val_source and Path(r.data.val_source).expanduser().is_file() and \
             Path(r.data.val_source).suffix.lower() not in (".jsonl", ".json"):
         p.append("data.val_source: image-to-text needs an image source (save_to_disk folder, image folder, JSONL)")
+    return p
+
+
+def _check_classification(r: Recipe) -> list[str]:
+    p: list[str] = []
+    d, classify = r.data, r.model.family == "sequence-classification"
+    if classify and d.format not in ("auto", "classification"):
+        p.append(f"data.format={d.format}: sequence-classification trains on text + label records; use "
+                 "data.format=auto or classification")
+    if not classify:
+        if d.format == "classification":
+            p.append("data.format=classification needs model.family=sequence-classification")
+        if d.label_names or d.class_weights:
+            p.append("data.label_names / data.class_weights: only sequence-classification uses labels; remove them "
+                     "or set model.family=sequence-classification")
+        if r.eval.best_metric != "val_loss":
+            p.append(f"eval.best_metric={r.eval.best_metric}: only sequence-classification runs measure it; use "
+                     "val_loss")
+        return p
+    names = d.label_names
+    if any(not isinstance(n, (str, int)) or isinstance(n, bool) for n in names):
+        p.append(f"data.label_names: {names!r} must be a list of names, e.g. [negative, positive]")
+    elif len({str(n) for n in names}) != len(names):
+        p.append(f"data.label_names: {names!r} has duplicates; each class needs its own name")
+    elif names and len(names) < 2:
+        p.append(f"data.label_names: {names!r}: a classifier needs at least 2 classes")
+    if d.class_weights:
+        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in d.class_weights):
+            p.append(f"data.class_weights: {d.class_weights!r} must be non-negative numbers, one per class")
+        elif not names:
+            p.append("data.class_weights: give data.label_names too, so each weight's class is explicit")
+        elif len(d.class_weights) != len(names):
+            p.append(f"data.class_weights: {len(d.class_weights)} weights for {len(names)} label_names; give one "
+                     "per class")
     return p
 
 

@@ -20,17 +20,24 @@ def target_token_count(labels: torch.Tensor, shift: bool = True) -> torch.Tensor
     return ((labels[..., 1:] if shift else labels) != IGNORE_INDEX).sum()
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: bool = True,
+                       class_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over all target tokens, computed in fp32.
 
     Summing lets the caller divide by the token count of the *whole* accumulated batch, so k
     micro-batches of b samples give exactly the loss and gradients of one batch of k·b samples,
     whatever the padding (a per-micro-batch mean would weight short micro-batches more).
+
+    Sequence classification is the ``shift=False`` case with one target per sample: logits
+    (batch, classes) against labels (batch,), so the "token count" is the sample count.
+    ``class_weights`` (one per class) multiplies each target's cross-entropy by its class's weight;
+    the sum is still divided by the target count (not by the summed weights, as torch's weighted
+    mean would), so a weight of 2 counts a sample twice in every step.
     """
     shift_logits = (logits[..., :-1, :] if shift else logits).float()
     shift_labels = labels[..., 1:] if shift else labels
     return torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), weight=class_weights,
         ignore_index=IGNORE_INDEX, reduction="sum")
 
 
