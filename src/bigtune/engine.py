@@ -283,6 +283,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
 def _text_shape(batch: dict) -> list[int]:
     """[micro batch, text tokens] as the recipe counts them (data.max_seq_length): image-to-text
     batches of a decoder-only model put the image tokens (labelled -100) ahead of the caption."""
+    if batch["labels"].dim() < 2:  # a classifier: one label per sample
+        return [int(x) for x in batch["input_ids"].shape]
     b, n = batch["labels"].shape[:2]
     if "pixel_values" in batch and "decoder_input_ids" not in batch:
         n -= int((batch["labels"][0] == IGNORE_INDEX).sum()) - int((batch["attention_mask"][0] == 0).sum())
