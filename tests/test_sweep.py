@@ -284,8 +284,9 @@ def _ink(png: Path, box: tuple[int, int, int, int] | None = None) -> tuple[float
     img = Image.open(png).convert("RGB")
     if box:
         img = img.crop(box)
-    px = list(img.getdata())
-    return sum(1 for p in px if p != (255, 255, 255)) / len(px), set(px)
+    colours = img.getcolors(maxcolors=img.width * img.height)  # [(count, (r, g, b)), ...]
+    white = sum(n for n, c in colours if c == (255, 255, 255))
+    return 1 - white / (img.width * img.height), {c for _, c in colours}
 
 
 def _has(colours: set, hex_color: str, tol: int = 10) -> bool:
@@ -315,8 +316,9 @@ def test_report_renders_in_headless_chromium(swept, tmp_path):
     assert dom.returncode == 0 and not _console_messages(dom.stderr)
     plots = re.findall(r'<svg[^>]*class="plot (\w+)".*?</svg>', dom.stdout, re.S)
     assert plots == ["memory", "throughput", "loss"]
-    for svg in re.findall(r'<svg[^>]*class="plot \w+".*?</svg>', dom.stdout, re.S):
-        assert svg.count("<rect") + svg.count("<polyline") > 10
+    marks = {"memory": 'class="measured ', "throughput": 'class="bar ', "loss": 'class="curve"'}
+    for kind, svg in zip(plots, re.findall(r'<svg[^>]*class="plot \w+".*?</svg>', dom.stdout, re.S)):
+        assert svg.count(marks[kind]) >= 2, f"{kind}: too few data marks in the rendered DOM"
 
     # 3) each plot, rendered on its own from the page's markup, shows its marks in their colours
     page = html_path.read_text()
