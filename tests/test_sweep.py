@@ -233,7 +233,8 @@ def test_report_on_a_single_run(swept, tmp_path, capsys):
     assert "status ok" in text and "tokens/s" in text and "loss" in text
     assert "memory at step" in text and "after_backward" in text
     assert (dest / "report.html").resolve().as_uri() in text
-    for f in ("report.md", "results.csv", "report.html", "memory.svg", "throughput.svg", "loss.svg"):
+    for f in ("report.md", "results.csv", "report.html", "memory.svg", "throughput.svg", "loss.svg", "memory.png",
+              "throughput.png", "loss.png"):
         assert (dest / f).stat().st_size > 0
     assert "## Memory per phase" in (dest / "report.md").read_text()
 

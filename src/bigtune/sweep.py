@@ -840,8 +840,8 @@ def add_cli(subparsers) -> None:
                    help="override a recipe key in every variant (before the variant's own overrides)")
     s.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     s.set_defaults(func=main_sweep)
-    r = subparsers.add_parser("report", help="write report.md, results.csv and report.html (inline SVG plots) for "
-                              "a sweep folder or one run folder")
+    r = subparsers.add_parser("report", help="write report.md, results.csv, report.html (inline SVG plots) and "
+                              "the plots as .svg and .png for a sweep folder or one run folder")
     r.add_argument("path", help="a sweep folder (holding sweep.json) or a run folder (holding summary.json)")
     r.add_argument("--out", help="where to write the report (default: the folder itself)")
     r.add_argument("--open", action="store_true", help="print the report's file:// address")
@@ -870,7 +870,7 @@ def main_sweep(args) -> int:
             from bigtune.report import write_report
 
             res = write_report(out)
-            print(f"report: {res['html']}")
+            print(f"report: {res['html']} (plots also as .svg and .png)")
         except Exception as e:  # noqa: BLE001 - the runs are recorded; a report problem must not hide them
             print(f"bigtune: warning: could not write the report ({type(e).__name__}: {e}); "
                   f"try `bigtune report {out}`", file=sys.stderr)
@@ -890,7 +890,7 @@ def main_report(args) -> int:
         return 2
     print(res["text"])
     print("wrote: " + ", ".join(str(res[k]) for k in ("markdown", "csv", "html")) + " and "
-          + ", ".join(Path(p).name for p in res["svgs"]))
+          + ", ".join(Path(p).name for p in res["svgs"] + res["pngs"]))
     if args.open:
         print(Path(res["html"]).resolve().as_uri())
     return 0
