@@ -7,6 +7,7 @@ the sweep goes on, and that a second run reuses what finished.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bigtune.report import write_report
 from bigtune.sweep import load_sweep, main as sweep_cli, read_sweep, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,3 +136,14 @@ def test_tiny_lab_single_subset_records_failures_and_reuses_finished(tmp_path, c
         assert again[n]["reused"] is True and (out / n / "summary.json").stat().st_mtime_ns == t, f"{n} ran again"
     assert again["15-qlora"]["status"] == "refused"
     assert "already finished" in capsys.readouterr().out
+
+    # the report carries every rung, with why it did not finish and what --tiny changed
+    write_report(out)
+    table = {r["variant"]: r for r in csv.DictReader((out / "results.csv").open())}
+    assert list(table) == list(rows)
+    assert table["15-qlora"]["status"] == "refused" and "not supported yet" in table["15-qlora"]["reason"]
+    assert table["01-capped-16mib"]["reason"].startswith("out of memory in ")
+    assert table["08-flan-t5-xxl"]["tiny_mapping"].startswith("flan-t5-xxl -> tiny-blip2-t5")
+    assert table["01-baseline-fp32-bs64"]["reason"] == ""
+    md = (out / "report.md").read_text()
+    assert "refused (not run): model.quantize" in md and "--tiny: flan-t5-xxl -> tiny-blip2-t5" in md
