@@ -387,10 +387,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_recipe(source: str | Path | dict | Recipe | None = None,
-                overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
+                overrides: list[str] | dict[str, Any] | None = None, check: bool = True) -> Recipe:
     """Build and validate a Recipe from a YAML path, a dict or nothing (the built-in demo), plus overrides.
 
-    Raises RecipeError listing every problem found.
+    Raises RecipeError listing every problem found. ``check=False`` checks keys, types and values only and
+    leaves the cross-field rules (``check_combinations``) to the caller: a sweep records a rung that cannot
+    run here (say, DeepSpeed missing) as a result instead of refusing the whole ladder.
     """
     if isinstance(source, Recipe):
         tree = source.to_dict()
@@ -427,7 +429,7 @@ def load_recipe(source: str | Path | dict | Recipe | None = None,
     for key, value in items:
         _set_path(tree, key, value)
     recipe = _build(Recipe, tree, "", problems)
-    if not problems:
+    if not problems and check:
         problems.extend(check_combinations(recipe))
     if problems:
         raise RecipeError(problems, where)

@@ -1,9 +1,10 @@
 """The comparison report of a sweep (or of one run): report.md, results.csv, report.html and .svg plots.
 
-Everything is drawn here as SVG text, with no plotting library; report.html carries its CSS and its
+The SVG plots are drawn here as text, with no plotting library; report.html carries its CSS and its
 plots inline and refers to nothing outside itself, so it can be mailed or attached to an issue as is.
 The same three plots are also written as standalone ``memory.svg``, ``throughput.svg`` and
-``loss.svg`` beside the report (no PNG: a browser or ``rsvg-convert`` turns them into one).
+``loss.svg`` beside the report, and drawn again with matplotlib (Agg) as ``memory.png``,
+``throughput.png`` and ``loss.png`` for READMEs and slides, which do not all show SVG.
 
 Memory bars. Snapshots are taken at the boundaries of a step's phases, so no snapshot sees the
 categories *at* the peak itself. A bar therefore stacks the categories at the phase boundary with
@@ -220,7 +221,20 @@ def _oom_text(r: dict) -> str:
 CSV_COLUMNS = ("variant", "status", "expect", "peak_allocated_gib", "peak_reserved_gib", "peak_step", "peak_phase",
                "parameters_gib", "gradients_gib", "optimizer_device_gib", "optimizer_cpu_gib", "activations_gib",
                "transient_gib", "predicted_peak_gib", "prediction_error_pct", "capacity_gib", "step_time_s",
-               "tokens_per_s", "final_loss", "oom_phase", "oom_step", "note", "run_dir")
+               "tokens_per_s", "final_loss", "oom_phase", "oom_step", "reason", "note", "tiny_mapping", "run_dir")
+
+
+def _reason(r: dict) -> str:
+    """Why a variant did not finish ok: the OOM message, the refusal, or the error; empty when it did."""
+    st = r.get("status")
+    if st == "ok":
+        return ""
+    if st == "oom":
+        o = r.get("oom") or {}
+        return f"out of memory in {o.get('phase')} at step {o.get('step')}: {o.get('message')}"
+    if st == "refused":
+        return "refused (not run): " + "; ".join(r.get("reasons") or [r.get("error") or "?"])
+    return str(r.get("error") or "")
 
 
 def csv_rows(rows: list[dict]) -> list[dict]:
@@ -245,7 +259,8 @@ def csv_rows(rows: list[dict]) -> list[dict]:
             "final_loss": "" if r.get("final_loss") is None else f"{r['final_loss']:.6g}",
             "oom_phase": o.get("phase", "") if r.get("status") == "oom" else "",
             "oom_step": o.get("step", "") if r.get("status") == "oom" else "",
-            "note": r.get("note") or "", "run_dir": r.get("run_dir") or "",
+            "reason": _reason(r), "note": r.get("note") or "", "tiny_mapping": r.get("tiny_note") or "",
+            "run_dir": r.get("run_dir") or "",
         })
     return out
 
@@ -601,6 +616,181 @@ def loss_svg(rows: list[dict], title: str) -> Svg:
     return svg
 
 
+# -- PNG (matplotlib) ---------------------------------------------------------------------------------
+# The same three plots as the SVGs, for places that show pictures but not SVG (a README, a slide).
+
+def _short(name: str, n: int = 28) -> str:
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def _status_word(r: dict) -> str:
+    st = r.get("status")
+    return "OOM" if st == "oom" else (st if st not in ("ok", None) else "n/a")
+
+
+def _png_memory(plt, rows: list[dict], title: str, path: Path) -> None:
+    from matplotlib.patches import Patch
+
+    n = len(rows)
+    values = [1.0]
+    for r in rows:
+        b, p = r.get("breakdown"), r.get("predicted")
+        values += [b["peak_allocated"]] if b else []
+        values += [p["peak_allocated"], p.get("total") or 0] if p else []
+        values += [r.get("peak_reserved_bytes") or 0, r.get("capacity_bytes") or 0]
+    unit, size = _unit_for(max(values))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 0.75 * n), 5.6), dpi=100)
+    bw = 0.36
+    top = max(values) / size * 1.12
+    caps = [r.get("capacity_bytes") for r in rows]
+    shared_cap = caps[0] if caps and caps[0] and all(c == caps[0] for c in caps) else None
+    if shared_cap:
+        ax.axhline(shared_cap / size, color=OOM_COLOR, ls=(0, (6, 4)), lw=1.3)
+        ax.text(n - 0.5, shared_cap / size, f"capacity {fmt_bytes(shared_cap)} ", color=OOM_COLOR, fontsize=8,
+                ha="right", va="bottom")
+    for i, r in enumerate(rows):
+        b, p, st = r.get("breakdown"), r.get("predicted"), r.get("status")
+        xm, xp = i - bw / 2 - 0.02, i + bw / 2 + 0.02
+        bar_top = 0.0
+        if b:
+            acc = 0.0
+            for c in DEVICE_CATS + ("transient",):
+                v = (b.get(c) or 0) / size
+                if v > 0:
+                    ax.bar(xm, v, bw, bottom=acc, color=CAT_COLORS[c], edgecolor="white", linewidth=0.3)
+                    acc += v
+            bar_top = acc
+            if b.get("optimizer_cpu"):
+                ax.annotate(f"+{fmt_bytes(b['optimizer_cpu'])} CPU", (xm, 0), xytext=(0, 2), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=6, color="#333", rotation=90)
+            if r.get("peak_reserved_bytes"):
+                ax.hlines(r["peak_reserved_bytes"] / size, xm - bw / 2 - 0.04, xm + bw / 2 + 0.04, color="#333", lw=2)
+        if p:
+            if p.get("stacked"):
+                acc = 0.0
+                for c in DEVICE_CATS + ("transient",):
+                    v = (p.get(c) or 0) / size
+                    if v > 0:
+                        ax.bar(xp, v, bw, bottom=acc, color=CAT_COLORS[c], alpha=0.45, edgecolor="white", lw=0.3)
+                        acc += v
+            else:
+                ax.bar(xp, p["peak_allocated"] / size, bw, color="#9aa5b1", alpha=0.6)
+            ax.bar(xp, p["peak_allocated"] / size, bw, fill=False, edgecolor="#555", lw=0.8)
+            err = (r.get("plan") or {}).get("peak_error_pct")
+            ax.text(xp, p["peak_allocated"] / size, f"{p['peak_allocated'] / size:.3g}"
+                    + ("" if err is None else f"\n({err:+.1f}%)"), ha="center", va="bottom", fontsize=6.5,
+                    color="#555")
+        if st == "oom":
+            o = r.get("oom") or {}
+            cap = r.get("capacity_bytes")
+            if cap and not shared_cap:
+                ax.hlines(cap / size, i - 0.45, i + 0.45, color=OOM_COLOR, ls=(0, (6, 4)), lw=1.3)
+            reach = max(cap or 0, (p or {}).get("peak_allocated") or 0) / size
+            if reach > bar_top:
+                ax.bar(xm, reach - bar_top, bw, bottom=bar_top, fill=False, edgecolor=OOM_COLOR, ls="--", lw=1.2)
+                bar_top = reach
+            ax.text(xm, bar_top, f"OOM\n{o.get('phase')} @ {o.get('step')}", ha="center", va="bottom",
+                    fontsize=7, color=OOM_COLOR, fontweight="bold")
+        elif b:
+            ax.text(xm, bar_top, f"{b['peak_allocated'] / size:.3g}", ha="center", va="bottom", fontsize=7)
+        elif st not in FINISHED:
+            ax.text(i, top * 0.02, _status_word(r), rotation=90, ha="center", va="bottom", fontsize=9,
+                    color=OOM_COLOR)
+    ax.set_xticks(range(n))
+    ax.set_xticklabels([_short(r["variant"]) for r in rows], rotation=35, ha="right", fontsize=8)
+    for lbl, r in zip(ax.get_xticklabels(), rows):
+        if r.get("status") not in ("ok", None):
+            lbl.set_color(OOM_COLOR)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(0, top)
+    ax.set_ylabel(unit)
+    ax.grid(axis="y", color="#e6e6e6")
+    ax.set_axisbelow(True)
+    planned = any(r.get("predicted") for r in rows)
+    ax.set_title(f"Peak memory per variant ({'left: measured, right faded: plan' if planned else 'measured; no plan'})"
+                 f" — {title}", fontsize=10)
+    handles = [Patch(color=CAT_COLORS[c], label=CAT_LABELS[c]) for c in DEVICE_CATS + ("transient",)]
+    ax.legend(handles=handles, fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.32 if n > 4 else -0.2),
+              frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _png_throughput(plt, rows: list[dict], title: str, path: Path) -> None:
+    n = len(rows)
+    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.0 + 0.7 * n), 6.0), dpi=100, sharex=True)
+    for ax, key, label, fmt, color in ((axes[0], "tokens_per_s", "tokens/s (higher is better)", "{:,.0f}", "#4e79a7"),
+                                       (axes[1], "step_time_s", "s / step (lower is better)", "{:.3g}", "#f28e2b")):
+        vals = [r.get(key) for r in rows]
+        present = [v for v in vals if isinstance(v, (int, float)) and v > 0]
+        vmax = max(present) * 1.18 if present else 1.0
+        for i, (r, v) in enumerate(zip(rows, vals)):
+            if isinstance(v, (int, float)) and v > 0:
+                ax.bar(i, v, 0.55, color=color)
+                ax.text(i, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
+            else:
+                ax.text(i, vmax * 0.03, _status_word(r), ha="center", va="bottom", fontsize=8,
+                        color=OOM_COLOR if r.get("status") != "ok" else "#777")
+        ax.set_ylim(0, vmax)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(axis="y", color="#e6e6e6")
+        ax.set_axisbelow(True)
+    axes[1].set_xticks(range(n))
+    axes[1].set_xticklabels([_short(r["variant"]) for r in rows], rotation=35, ha="right", fontsize=8)
+    axes[0].set_title(f"Throughput — {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _png_loss(plt, rows: list[dict], title: str, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9.0, 4.6), dpi=100)
+    drawn = 0
+    for i, r in enumerate(rows):
+        curve = r.get("loss_curve") or []
+        color = SERIES[i % len(SERIES)]
+        dash = DASHES[i % len(DASHES)]
+        style = (0, tuple(float(x) for x in dash.split())) if dash else "-"
+        if curve:
+            ax.plot([s for s, _ in curve], [v for _, v in curve], color=color, ls=style,
+                    lw=max(1.2, 2.6 - 0.3 * i), marker="o" if len(curve) <= 40 else None, ms=3,
+                    label=_short(r["variant"]))
+            drawn += 1
+        else:
+            ax.plot([], [], color="#bbb", label=f"{_short(r['variant'])} (no loss: {r.get('status')})")
+    if not drawn:
+        ax.text(0.5, 0.5, "no variant logged a loss", ha="center", va="center", transform=ax.transAxes, color="#777")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(color="#e6e6e6")
+    ax.set_title(f"Training loss — {title}", fontsize=10)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def write_pngs(rows: list[dict], title: str, out: Path) -> list[str]:
+    """memory.png, throughput.png and loss.png (matplotlib, Agg): the SVG plots' content as pictures."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # no display; never opens a window
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, draw in (("memory", _png_memory), ("throughput", _png_throughput), ("loss", _png_loss)):
+        final = out / f"{name}.png"
+        tmp = out / f".{name}.png.tmp"
+        draw(plt, rows, title, tmp)
+        os.replace(tmp, final)
+        written.append(str(final))
+    return written
+
+
 # -- documents ----------------------------------------------------------------------------------------
 
 def _phase_table(r: dict) -> Optional[tuple[int, list[list[str]], str]]:
@@ -708,7 +898,11 @@ def markdown(data: dict, svg_names: dict[str, str]) -> str:
             o = r["oom"]
             bits.append(f"out of memory in {o.get('phase')} at step {o.get('step')}: {o.get('message')}")
             bits += [f"try: {a}" for a in o.get("advice") or []]
-        if r.get("error"):
+        if r.get("tiny_note"):
+            bits.append(f"--tiny: {r['tiny_note']}")
+        if r.get("status") == "refused":
+            bits.append(_reason(r))
+        elif r.get("error"):
             bits.append(f"error: {r['error']}")
         if r.get("status") in ("crashed", "timeout", "interrupted"):
             bits.append(f"{r['status']} (exit code {r.get('exit_code')}); log: `{r.get('log')}`")
@@ -801,7 +995,11 @@ def html_report(data: dict, svgs: dict[str, Svg]) -> str:
                          f"{_e(o.get('message'))}")
             if o.get("advice"):
                 items.append("try: " + "; ".join(_e(a) for a in o["advice"]))
-        if r.get("error"):
+        if r.get("tiny_note"):
+            items.append(f"<code>--tiny</code>: {_e(r['tiny_note'])}")
+        if r.get("status") == "refused":
+            items.append(f"<strong>{_e(_reason(r))}</strong>")
+        elif r.get("error"):
             items.append(f"error: {_e(r['error'])}")
         if r.get("status") in ("crashed", "timeout", "interrupted"):
             items.append(f"{_e(r['status'])} (exit code {_e(r.get('exit_code'))}); log <code>{_e(r.get('log'))}</code>")
@@ -855,5 +1053,6 @@ def write_report(path: str | Path, out_dir: str | Path | None = None) -> dict:
     _atomic_write(out / "results.csv", buf.getvalue())
     _atomic_write(out / "report.md", markdown(data, names))
     _atomic_write(out / "report.html", html_report(data, svgs))
+    pngs = write_pngs(rows, title, out)
     return {"markdown": str(out / "report.md"), "csv": str(out / "results.csv"), "html": str(out / "report.html"),
-            "svgs": written, "text": text_summary(data), "kind": data["kind"]}
+            "svgs": written, "pngs": pngs, "text": text_summary(data), "kind": data["kind"]}

@@ -11,6 +11,8 @@ the runs that are expected to run out of memory. A sweep file states that whole 
         overrides: {precision: bf16-true}
         expect: ok                           # optional: ok | oom
         note: halves parameters, gradients and optimizer state
+        tiny: {model.name: tiny-blip2-t5}    # optional: this variant's own --tiny mapping (after tiny: below)
+        tiny_note: a T5 rung maps to the T5 preset   # optional: says what --tiny changed and why
     grid:                                    # optional: the cartesian product, as named variants
       train.micro_batch_size: [1, 2, 4]
     tiny:                                    # optional: applied last with --tiny (CPU, minutes)
@@ -19,12 +21,23 @@ the runs that are expected to run out of memory. A sweep file states that whole 
 
 Every variant runs as ``python -m bigtune train BASE --set k=v ... --set output_dir=OUT/VARIANT`` in a
 process of its own, so an out-of-memory or a crash is a recorded row and the sweep moves on. The
-whole file is validated with the recipe schema before the first variant starts.
+whole file is validated with the recipe schema before the first variant starts: an unknown key, a
+wrong type or a bad value anywhere stops the sweep before anything runs. A variant that is well
+formed but cannot run here (``check_combinations``: a library missing, a combination bigtune does not
+support yet, a CUDA-only feature on a CPU) is not run and is recorded as ``refused`` with the reasons.
+
+Resuming. Rows live in ``OUT/sweep.json``, one per variant, rewritten atomically after every change;
+a variant is marked ``running`` (with its process id) before it starts. A finished variant (summary
+ok or oom) is reused on the next run. The variant a killed sweep was running is started afresh: its
+folder is removed, and if the killed sweep left its process group alive, that is killed first. A
+variant's process dies with the sweep (Linux: PR_SET_PDEATHSIG), SIGTERM or Ctrl-C stop the
+running variant and record it as ``interrupted``, and a lock file keeps two sweeps out of one folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import difflib
 import itertools
 import json
@@ -34,6 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +58,12 @@ import yaml
 from bigtune.recipe import RecipeError, load_recipe
 
 TOP_KEYS = ("name", "description", "base", "common", "tiny", "variants", "grid", "timeout_s")
-VARIANT_KEYS = ("name", "overrides", "expect", "note", "timeout_s")
+VARIANT_KEYS = ("name", "overrides", "expect", "note", "timeout_s", "tiny", "tiny_note")
 EXPECTS = ("ok", "oom")
 FINISHED = ("ok", "oom")          # a variant with one of these summaries is not run again without --rerun
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 LOG_NAME = "sweep.log"
+LOCK_NAME = ".sweep.lock"
 GIB = 1024**3
 
 
@@ -70,6 +85,8 @@ class Variant:
     note: Optional[str] = None
     timeout_s: Optional[float] = None
     origin: str = ""                       # where it was declared, e.g. "variants[2]" or "grid"
+    tiny: dict[str, Any] = field(default_factory=dict)  # this variant's own --tiny overrides (after the sweep's)
+    tiny_note: Optional[str] = None        # what --tiny changed for this variant, shown with its results
 
 
 @dataclass
@@ -86,19 +103,23 @@ class Sweep:
     definition: dict = field(default_factory=dict)        # the file as parsed, for sweep.json
 
     def overrides_for(self, v: Variant, tiny: bool) -> dict[str, Any]:
-        """common → --set → the variant's own → tiny (when asked). Later layers win."""
+        """common → --set → the variant's own → tiny → the variant's tiny (when asked). Later layers win."""
         out: dict[str, Any] = {}
         out.update(self.common)
         out.update(self.extra)
         out.update(v.overrides)
         if tiny and self.tiny:
             out.update(self.tiny)
+        if tiny and self.tiny is not None:
+            out.update(v.tiny)
         if "name" not in v.overrides:
             out.setdefault("name", v.name)
         return out
 
     def layer_of(self, v: Variant, key: str, tiny: bool) -> str:
         """Which part of the sweep file set ``key`` for variant ``v`` (for error messages)."""
+        if tiny and key in v.tiny:
+            return f"{v.origin}.tiny"
         if tiny and self.tiny and key in self.tiny:
             return "tiny"
         if key in v.overrides:
@@ -252,9 +273,16 @@ def read_sweep(path: str | Path, extra: dict[str, Any] | None = None) -> Sweep:
         note = item.get("note")
         if note is not None and not isinstance(note, str):
             note = str(note)
+        vtiny = _mapping(item.get("tiny"), f"{where}.tiny", problems, "e.g. tiny: {model.name: tiny-blip2-t5}")
+        if "tiny" in item and "tiny" not in raw:
+            problems.append(f"{where}.tiny: the sweep has no top-level tiny: block; add one (it may be empty) so "
+                            "--tiny is allowed, or remove the variant's tiny:")
+        tiny_note = item.get("tiny_note")
+        if tiny_note is not None and not isinstance(tiny_note, str):
+            tiny_note = str(tiny_note)
         variants.append(Variant(vname, overrides, expect, note, _timeout(item.get("timeout_s"),
                                                                           f"{where}.timeout_s", problems),
-                                f"variants[{i}]"))
+                                f"variants[{i}]", vtiny, tiny_note))
 
     grid = raw.get("grid")
     if grid is not None:
@@ -293,24 +321,32 @@ def read_sweep(path: str | Path, extra: dict[str, Any] | None = None) -> Sweep:
 
 
 def validate(sweep: Sweep, tiny: bool = False, variants: Iterable[Variant] | None = None,
-             out_dir: Path | None = None) -> None:
+             out_dir: Path | None = None) -> dict[str, list[str]]:
     """Build every variant's recipe exactly as its run will; raise one SweepError listing all problems.
 
     A problem shared by several variants (say, a typo in ``common``) is reported once, with the variants
-    it affects.
+    it affects. Only keys, types and values count here; a well-formed variant that ``check_combinations``
+    refuses (cannot run on this machine or with this bigtune) is returned as ``{variant: [reasons]}``
+    for the sweep to record instead of run.
     """
+    from bigtune.recipe import check_combinations
+
     if tiny and sweep.tiny is None:
         raise SweepError(["--tiny: this sweep has no tiny: block; add one (e.g. tiny: {model.name: tiny-llama, "
                           "accelerator: cpu, train.max_steps: 3, train.max_epochs: null}) or run without --tiny"],
                          sweep.path)
     grouped: dict[str, list[str]] = {}
+    refused: dict[str, list[str]] = {}
     chosen = list(variants) if variants is not None else sweep.variants
     out = out_dir or Path("runs") / sweep.name
     for v in chosen:
         over = sweep.overrides_for(v, tiny)
         over["output_dir"] = str(out / v.name)
         try:
-            load_recipe(sweep.base, over)
+            recipe = load_recipe(sweep.base, over, check=False)
+            reasons = check_combinations(recipe)
+            if reasons:
+                refused[v.name] = reasons
         except RecipeError as e:
             for p in e.problems:
                 key = p.split(":", 1)[0].strip()
@@ -329,6 +365,7 @@ def validate(sweep: Sweep, tiny: bool = False, variants: Iterable[Variant] | Non
             lines.append(f"{who}: {line}")
         mode = " (with --tiny)" if tiny else ""
         raise SweepError([f"recipe problems{mode}; nothing was run:"] + lines, sweep.path)
+    return refused
 
 
 def load_sweep(path: str | Path, tiny: bool = False, extra: dict[str, Any] | None = None) -> Sweep:
@@ -463,9 +500,78 @@ def _one_line(row: dict) -> str:
         bits.append(f"loss {row['final_loss']:.4f}")
     if st == "crashed":
         bits.append(f"exit code {row.get('exit_code')}")
+    if st not in FINISHED and row.get("error"):
+        bits.append(str(row["error"])[:200])
     if row.get("expect") and row.get("expect_met") is False:
         bits.append(f"UNEXPECTED (expected {row['expect']})")
     return ", ".join(bits)
+
+
+class SweepStopped(BaseException):
+    """SIGTERM reached the sweep: the running variant was stopped and recorded as interrupted."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by signal {signum}")
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the variant's process, before exec: be killed when the sweep dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the sweep died before prctl took effect
+        os._exit(1)
+
+
+def _lock(out: Path):
+    """Hold ``out/.sweep.lock`` for the sweep's lifetime; the kernel drops it when the process dies."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return None
+    fh = (out / LOCK_NAME).open("a+")
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip()
+        fh.close()
+        raise SweepError([f"another bigtune sweep{f' (pid {holder})' if holder else ''} is running in {out}; wait "
+                          "for it, stop it, or use a different --out"], what="cannot run the sweep") from None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh
+
+
+def _alive_group(pgid: Optional[int]) -> bool:
+    if not pgid or not hasattr(os, "killpg"):
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _reap_stale(row: dict) -> Optional[str]:
+    """A row still marked running belongs to a sweep that died (we hold the lock): stop what it left."""
+    pgid = row.get("pid")
+    if _alive_group(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for _ in range(100):
+            if not _alive_group(pgid):
+                break
+            time.sleep(0.05)
+        return f"killed the leftover process group {pgid} of the interrupted sweep"
+    return None
 
 
 def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = False, rerun: bool = False,
@@ -473,9 +579,10 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
               extra: dict[str, Any] | None = None, quiet: bool = False) -> list[dict]:
     """Run every variant of the sweep at ``path`` (validated first); return one row per variant.
 
-    Rows are also written to ``<out>/sweep.json`` after each variant. A variant whose summary says ok
+    Rows are also written to ``<out>/sweep.json`` after each change. A variant whose summary says ok
     or oom is reused unless ``rerun``. ``only`` restricts the run to the named variants (the others
     keep their earlier rows, if any). ``extra`` holds overrides applied to every variant (``--set``).
+    A variant refused by the recipe checks is recorded with status ``refused`` and its reasons.
     """
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     sweep = read_sweep(path, extra)
@@ -492,10 +599,28 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
             raise SweepError(hints + [f"variants in this sweep: {', '.join(names)}"], sweep.path,
                              what="cannot run the sweep")
         chosen = [v for v in sweep.variants if v.name in only]
-    validate(sweep, tiny, out_dir=out.resolve())
+    refused = validate(sweep, tiny, out_dir=out.resolve())
 
     out.mkdir(parents=True, exist_ok=True)
     out = out.resolve()
+    lock = _lock(out)
+    previous_handler = None
+    if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
+        def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+            raise SweepStopped(signum)
+
+        previous_handler = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run_locked(sweep, path, out, chosen, refused, tiny, rerun, timeout_s, only, extra, say)
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+        if lock is not None:
+            lock.close()
+
+
+def _run_locked(sweep: Sweep, path, out: Path, chosen: list[Variant], refused: dict[str, list[str]], tiny: bool,
+                rerun: bool, timeout_s: Optional[float], only, extra, say) -> list[dict]:
     if isinstance(sweep.base, Path):
         base_file = sweep.base
     else:
@@ -520,19 +645,31 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
         "python": sys.executable, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "definition": sweep.definition,
         "variants": [{"name": v.name, "overrides": sweep.overrides_for(v, tiny), "expect": v.expect,
-                      "note": v.note} for v in sweep.variants],
+                      "note": v.note, **({"tiny_note": v.tiny_note} if tiny and v.tiny_note else {})}
+                     for v in sweep.variants],
         "rows": [],
     }
 
     def base_row(v: Variant) -> dict:
-        return {"variant": v.name, "note": v.note, "expect": v.expect, "overrides": sweep.overrides_for(v, tiny),
-                "run_dir": str(out / v.name)}
+        row = {"variant": v.name, "note": v.note, "expect": v.expect, "overrides": sweep.overrides_for(v, tiny),
+               "run_dir": str(out / v.name)}
+        if tiny and v.tiny_note:
+            row["tiny_note"] = v.tiny_note
+        return row
 
     rows: list[dict] = []
     for v in sweep.variants:
         old = previous.get(v.name)
         summary = _read_summary(out / v.name)
-        if summary is not None:
+        if old is not None and old.get("status") == "running":
+            # The sweep that started it is gone (this one holds the lock): whatever it left is stale.
+            reaped = _reap_stale(old)
+            row = {**old, **base_row(v), "status": "interrupted",
+                   "error": "the sweep was stopped while this variant ran; it runs again from the start"}
+            row.pop("pid", None)
+            if reaped:
+                say(f"{v.name}: {reaped}")
+        elif summary is not None and summary.get("status") in FINISHED:
             row = {**base_row(v), **row_from_summary(summary), "reused": True}
             row["expect_met"] = None if v.expect is None else row["status"] == v.expect
         elif old is not None:
@@ -549,6 +686,9 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
     save()
     say(f"sweep {sweep.name}: {len(chosen)} of {len(sweep.variants)} variants, base {sweep.base_label()}"
         f"{' (tiny)' if tiny else ''}; results in {out}")
+    cannot = [v.name for v in chosen if v.name in refused]
+    if cannot:
+        say(f"{len(cannot)} variant(s) cannot run here and are recorded as refused: {', '.join(cannot)}")
     env = _child_env()
     for i, v in enumerate(chosen, 1):
         idx = next(j for j, r in enumerate(rows) if r["variant"] == v.name)
@@ -562,6 +702,14 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
             continue
         if run_dir.exists():
             shutil.rmtree(run_dir)  # an earlier attempt's leftovers; the engine would pick <variant>-2 otherwise
+        if v.name in refused:
+            reasons = refused[v.name]
+            rows[idx] = {**base_row(v), "status": "refused", "reasons": reasons, "error": "; ".join(reasons),
+                         "reused": False}
+            rows[idx]["expect_met"] = None if v.expect is None else False
+            save()
+            say(f"[{i}/{len(chosen)}] {v.name}: refused, not run:\n    " + "\n    ".join(reasons))
+            continue
         over = sweep.overrides_for(v, tiny)
         args = [sys.executable, "-m", "bigtune", "train", str(base_file)]
         for k, val in over.items():
@@ -573,23 +721,32 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
             f"log: {live_log}")
         t0 = time.perf_counter()
         status_override = None
+        pre = None
+        if sys.platform.startswith("linux"):
+            me = os.getpid()
+            pre = lambda: _die_with_parent(me)  # noqa: E731
         with live_log.open("w") as log:
             log.write("$ " + " ".join(_shell_quote(a) for a in args) + "\n")
             log.flush()
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=hasattr(os, "killpg"))
+                                    start_new_session=hasattr(os, "killpg"), preexec_fn=pre)
             try:
+                rows[idx] = {**base_row(v), "status": "running", "pid": proc.pid,
+                             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "log": str(live_log)}
+                save()
                 code = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
                 _kill(proc)
                 code = proc.returncode
                 status_override = "timeout"
                 log.write(f"\nbigtune sweep: killed after {limit:.0f} s (timeout)\n")
-            except BaseException:
+            except BaseException as e:
                 _kill(proc)
-                log.write("\nbigtune sweep: interrupted\n")
+                why = "SIGTERM" if isinstance(e, SweepStopped) else type(e).__name__
+                log.write(f"\nbigtune sweep: interrupted ({why})\n")
                 rows[idx] = {**base_row(v), "status": "interrupted", "exit_code": proc.returncode,
-                             "log": str(run_dir / LOG_NAME)}
+                             "error": f"the sweep was stopped ({why}) while this variant ran; it runs again from "
+                                      "the start on the next sweep", "log": str(run_dir / LOG_NAME)}
                 log.close()
                 _move_log(live_log, run_dir)
                 save()
@@ -610,6 +767,8 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
                     "command": args, "reused": False})
         if row["status"] not in FINISHED:
             row["log_tail"] = _tail(run_dir / LOG_NAME)
+            if not row.get("error"):
+                row["error"] = _reason_from_log(row["log_tail"], row["status"], code, limit)
         row["expect_met"] = None if v.expect is None else row["status"] == v.expect
         rows[idx] = row
         save()
@@ -617,6 +776,17 @@ def run_sweep(path: str | Path, out_dir: str | Path | None = None, tiny: bool = 
         if row["status"] not in FINISHED and row.get("log_tail"):
             say("    " + "\n    ".join(row["log_tail"].splitlines()[-5:]))
     return rows
+
+
+def _reason_from_log(tail: str, status: str, code: Optional[int], limit: Optional[float]) -> str:
+    """One line saying why a variant did not finish: bigtune's own error line, else the last log line."""
+    if status == "timeout":
+        return f"killed after {limit:.0f} s (timeout)"
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("bigtune: error:") or "Error:" in ln:
+            return ln
+    return (lines[-1] if lines else f"exit code {code}, no output")[:500]
 
 
 def _move_log(live_log: Path, run_dir: Path) -> None:
@@ -645,6 +815,8 @@ def format_rows(rows: list[dict]) -> str:
             extra.append(f"OOM in {r['oom'].get('phase')} at step {r['oom'].get('step')}")
         if r.get("expect") and r.get("expect_met") is False:
             extra.append(f"UNEXPECTED: expected {r['expect']}")
+        if r.get("status") not in FINISHED and r.get("error"):
+            extra.append(str(r["error"])[:120])
         if r.get("reused"):
             extra.append("reused")
         lines.append(f"{r['variant'][:28]:<28} {st:<9} {_fmt_bytes(r.get('peak_allocated_bytes')):>11} {tps:>10} "
@@ -668,8 +840,8 @@ def add_cli(subparsers) -> None:
                    help="override a recipe key in every variant (before the variant's own overrides)")
     s.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     s.set_defaults(func=main_sweep)
-    r = subparsers.add_parser("report", help="write report.md, results.csv and report.html (inline SVG plots) for "
-                              "a sweep folder or one run folder")
+    r = subparsers.add_parser("report", help="write report.md, results.csv, report.html (inline SVG plots) and "
+                              "the plots as .svg and .png for a sweep folder or one run folder")
     r.add_argument("path", help="a sweep folder (holding sweep.json) or a run folder (holding summary.json)")
     r.add_argument("--out", help="where to write the report (default: the folder itself)")
     r.add_argument("--open", action="store_true", help="print the report's file:// address")
@@ -687,10 +859,10 @@ def main_sweep(args) -> int:
     except (SweepError, RecipeError) as e:
         print(f"bigtune: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SweepStopped) as e:
         print("bigtune: sweep interrupted; the running variant was stopped and recorded as interrupted. Run the "
               "same command again to continue (finished variants are skipped).", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, SweepStopped) else 130
     print(format_rows(rows))
     if not getattr(args, "no_report", False) and rows:
         out = Path(rows[0]["run_dir"]).parent
@@ -698,7 +870,7 @@ def main_sweep(args) -> int:
             from bigtune.report import write_report
 
             res = write_report(out)
-            print(f"report: {res['html']}")
+            print(f"report: {res['html']} (plots also as .svg and .png)")
         except Exception as e:  # noqa: BLE001 - the runs are recorded; a report problem must not hide them
             print(f"bigtune: warning: could not write the report ({type(e).__name__}: {e}); "
                   f"try `bigtune report {out}`", file=sys.stderr)
@@ -718,7 +890,7 @@ def main_report(args) -> int:
         return 2
     print(res["text"])
     print("wrote: " + ", ".join(str(res[k]) for k in ("markdown", "csv", "html")) + " and "
-          + ", ".join(Path(p).name for p in res["svgs"]))
+          + ", ".join(Path(p).name for p in res["svgs"] + res["pngs"]))
     if args.open:
         print(Path(res["html"]).resolve().as_uri())
     return 0
