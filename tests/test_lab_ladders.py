@@ -60,8 +60,7 @@ def test_lab_single_ladder_has_the_lab_rungs(tiny):
             if v.name in t5 or v.name == "07-opt-6.7b":
                 assert v.tiny_note and "tiny-blip2" in v.tiny_note, v.name
     # rungs that cannot run here are refused with the reason (recorded, not dropped); the rest validate
-    assert "quantized image-to-text models are not supported yet" in refused["15-qlora"][0]
-    expect_refused = {"15-qlora"} | (set() if HAS_DEEPSPEED else {"13-deepspeed-cpu-offload"})
+    expect_refused = set() if HAS_DEEPSPEED else {"13-deepspeed-cpu-offload"}
     assert set(refused) == expect_refused
     if not HAS_DEEPSPEED:
         assert "needs DeepSpeed" in refused["13-deepspeed-cpu-offload"][0]
@@ -85,13 +84,16 @@ def test_lab_multi_ladder(tiny):
 
 
 def _subset_ladder(folder: Path) -> Path:
-    """lab-single's own rungs 1, 8 and 15, with a copy of rung 1 squeezed into a 16 MiB device."""
+    """lab-single's own rungs 1 and 8, a copy of rung 1 squeezed into a 16 MiB device, and a copy of rung 5
+    in 16-true, which a CPU cannot run (refused by the recipe checks)."""
     raw = yaml.safe_load(LAB_SINGLE.read_text())
     keep = {v["name"]: v for v in raw["variants"]}
     capped = {**keep["01-baseline-fp32-bs64"], "name": "01-capped-16mib",
               "note": "rung 1 on a device capped at 16 MiB (forced out of memory)"}
     capped["overrides"] = {**capped["overrides"], "memory.cap_gib": 16 / 1024}
-    raw["variants"] = [capped, keep["01-baseline-fp32-bs64"], keep["15-qlora"], keep["08-flan-t5-xxl"]]
+    fp16 = {**keep["05-bf16-true"], "name": "05-fp16-true", "note": "rung 5 in 16-true (no fp16 on a CPU)"}
+    fp16["overrides"] = {**fp16["overrides"], "precision": "16-true"}
+    raw["variants"] = [capped, keep["01-baseline-fp32-bs64"], fp16, keep["08-flan-t5-xxl"]]
     raw["base"] = str((LAB_SINGLE.parent / raw["base"]).resolve())
     raw["name"] = "lab-single-subset"
     path = folder / "lab-single-subset.yaml"
@@ -107,16 +109,16 @@ def test_tiny_lab_single_subset_records_failures_and_reuses_finished(tmp_path, c
     assert rc == 1  # not every rung finished: the exit code says so
     doc = json.loads((out / "sweep.json").read_text())
     rows = {r["variant"]: r for r in doc["rows"]}
-    assert list(rows) == ["01-capped-16mib", "01-baseline-fp32-bs64", "15-qlora", "08-flan-t5-xxl"]
+    assert list(rows) == ["01-capped-16mib", "01-baseline-fp32-bs64", "05-fp16-true", "08-flan-t5-xxl"]
 
     capped = rows["01-capped-16mib"]  # failed first; the sweep went on
     assert capped["status"] == "oom" and capped["exit_code"] == 3
     assert capped["oom"]["phase"] in ("forward", "backward", "optimizer") and capped["oom"]["message"]
     assert capped["capacity_bytes"] == int(16 / 1024 * 1024**3)
-    qlora = rows["15-qlora"]
-    assert qlora["status"] == "refused" and "not supported yet" in qlora["error"]
-    assert not (out / "15-qlora").exists()  # refused before anything ran
-    assert "15-qlora" in printed and "refused" in printed
+    fp16 = rows["05-fp16-true"]
+    assert fp16["status"] == "refused" and "16-true" in fp16["error"]
+    assert not (out / "05-fp16-true").exists()  # refused before anything ran
+    assert "05-fp16-true" in printed and "refused" in printed
     for name, preset in (("01-baseline-fp32-bs64", "tiny-blip2-opt"), ("08-flan-t5-xxl", "tiny-blip2-t5")):
         r = rows[name]
         assert r["status"] == "ok" and r["steps"] == 3 and r["final_loss"] is not None, name
@@ -134,16 +136,16 @@ def test_tiny_lab_single_subset_records_failures_and_reuses_finished(tmp_path, c
     assert rc == 1 and list(again) == list(rows)
     for n, t in stamps.items():
         assert again[n]["reused"] is True and (out / n / "summary.json").stat().st_mtime_ns == t, f"{n} ran again"
-    assert again["15-qlora"]["status"] == "refused"
+    assert again["05-fp16-true"]["status"] == "refused"
     assert "already finished" in capsys.readouterr().out
 
     # the report carries every rung, with why it did not finish and what --tiny changed
     write_report(out)
     table = {r["variant"]: r for r in csv.DictReader((out / "results.csv").open())}
     assert list(table) == list(rows)
-    assert table["15-qlora"]["status"] == "refused" and "not supported yet" in table["15-qlora"]["reason"]
+    assert table["05-fp16-true"]["status"] == "refused" and "16-true" in table["05-fp16-true"]["reason"]
     assert table["01-capped-16mib"]["reason"].startswith("out of memory in ")
     assert table["08-flan-t5-xxl"]["tiny_mapping"].startswith("flan-t5-xxl -> tiny-blip2-t5")
     assert table["01-baseline-fp32-bs64"]["reason"] == ""
     md = (out / "report.md").read_text()
-    assert "refused (not run): model.quantize" in md and "--tiny: flan-t5-xxl -> tiny-blip2-t5" in md
+    assert "refused (not run): precision" in md and "--tiny: flan-t5-xxl -> tiny-blip2-t5" in md
