@@ -16,15 +16,22 @@ from bigtune.recipe import Recipe
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks FSDP wraps one by one (found from the model's own classes:
-    HF marks them in ``_no_split_modules``), e.g. LlamaDecoderLayer, OPTDecoderLayer, T5Block."""
-    names: set[str] = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    """The repeated transformer blocks FSDP wraps one by one: the items of the model's block lists
+    (``nn.ModuleList`` of one class: LlamaDecoderLayer, OPTDecoderLayer, T5Block, BLIP-2's vision
+    encoder and Q-Former layers), outermost only, since a block sharded inside another sharded block
+    is an overlapping mesh. HF's ``_no_split_modules`` is the fallback for models without such lists."""
+    blocks = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) and len(lst) > 0
+              and len({type(x) for x in lst}) == 1 for m in lst]
+    if not blocks:
+        names: set[str] = set()
+        for m in model.modules():
+            names.update(getattr(m, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+    blocks = [b for b in blocks if id(b) not in inner]
     if not blocks:
         raise ValueError(f"FSDP: found no transformer blocks to shard in {type(model).__name__} "
-                         "(no _no_split_modules); use strategy=ddp for this model")
+                         "(no block lists, no _no_split_modules); use strategy=ddp for this model")
     return blocks
 
 
