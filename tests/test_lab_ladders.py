@@ -149,3 +149,20 @@ def test_tiny_lab_single_subset_records_failures_and_reuses_finished(tmp_path, c
     assert table["01-baseline-fp32-bs64"]["reason"] == ""
     md = (out / "report.md").read_text()
     assert "refused (not run): precision" in md and "--tiny: flan-t5-xxl -> tiny-blip2-t5" in md
+
+
+def test_plan_only_answers_which_rungs_fit_before_renting_the_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = sweep_cli(["sweep", str(LAB_SINGLE), "--plan-only", "h100-80gb", "--json",
+                    "--only", "01-baseline-fp32-bs64", "09-xxl-bs1"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["gpu"] == "h100-sxm-80gb"
+    plans = {p["variant"]: p for p in doc["plans"]}
+    assert list(plans) == ["01-baseline-fp32-bs64", "09-xxl-bs1"]
+    # rung 1 (BLIP-2 opt-2.7b, fp32, batch 64) is planned to fit; Flan-T5-XXL's full fine-tune cannot:
+    # its bf16 weights, gradients and Adam state alone (~12 B params x 8 bytes) exceed 80 GB at batch 1.
+    assert plans["01-baseline-fp32-bs64"]["fits"] is True
+    xxl = plans["09-xxl-bs1"]
+    states = sum(xxl["phases"]["after_optimizer"][c] for c in ("parameters", "gradients", "optimizer_device"))
+    assert xxl["fits"] is False and states > xxl["capacity"]
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing was written

@@ -839,6 +839,9 @@ def add_cli(subparsers) -> None:
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key in every variant (before the variant's own overrides)")
     s.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    s.add_argument("--plan-only", metavar="GPU", help="run nothing: plan every variant on this GPU (catalog name, "
+                   "e.g. h100-80gb) and print predicted peak, FITS/OOM and step time; --json for tools")
+    s.add_argument("--json", action="store_true", help="with --plan-only: print the plans as JSON")
     s.set_defaults(func=main_sweep)
     r = subparsers.add_parser("report", help="write report.md, results.csv, report.html (inline SVG plots) and "
                               "the plots as .svg and .png for a sweep folder or one run folder")
@@ -854,6 +857,9 @@ def main_sweep(args) -> int:
 
     try:
         extra = dict(parse_override(o) for o in (getattr(args, "overrides", None) or []))
+        if getattr(args, "plan_only", None):
+            return plan_sweep(args.sweep_file, args.plan_only, tiny=args.tiny, only=args.only, extra=extra,
+                              as_json=args.json)
         rows = run_sweep(args.sweep_file, out_dir=args.out, tiny=args.tiny, rerun=args.rerun,
                          timeout_s=args.timeout, only=args.only, extra=extra)
     except (SweepError, RecipeError) as e:
@@ -877,6 +883,47 @@ def main_sweep(args) -> int:
     chosen = [r for r in rows if not args.only or r["variant"] in args.only]
     bad = [r for r in chosen if r.get("status") not in FINISHED or r.get("expect_met") is False]
     return 0 if not bad else 1
+
+
+def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[str] | None = None,
+               extra: dict[str, Any] | None = None, as_json: bool = False) -> int:
+    """Plan every variant on one catalog GPU (× the variant's devices) without running anything: the
+    lab's question "which rungs will run out of memory?" answered before renting the GPU."""
+    import json
+
+    from bigtune.gpus import find_gpu
+    from bigtune.planner import Target, plan, resolve_config
+    from bigtune.stepmath import human_bytes
+
+    gpu = find_gpu(gpu_name)
+    sweep = load_sweep(path, tiny=tiny, extra=extra)
+    chosen = [v for v in sweep.variants if not only or v.name in only]
+    configs: dict[str, Any] = {}
+    out = []
+    for v in chosen:
+        row: dict[str, Any] = {"variant": v.name, "note": v.note}
+        try:
+            r = load_recipe(sweep.base, {**sweep.overrides_for(v, tiny), "accelerator": "cpu"}, check=False)
+            n = r.world_size
+            strategy = r.strategy if r.strategy in ("ddp", "fsdp") else ("ddp" if n > 1 else "single")
+            if r.model.name not in configs:
+                configs[r.model.name] = resolve_config(r)
+            p = plan(r, Target("cuda", gpu, n, strategy), v.name, config=configs[r.model.name])
+            row.update(p.to_dict())
+        except Exception as e:  # noqa: BLE001 - one variant the planner cannot do must not hide the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out.append(row)
+        if not as_json:
+            if "error" in row:
+                print(f"{v.name[:28]:<28} cannot plan: {row['error']}", flush=True)
+            else:
+                verdict = "FITS" if row["fits"] else "OOM"
+                step = f"{row['step_time_s']:.2f} s/step" if row.get("step_time_s") else "-"
+                print(f"{v.name[:28]:<28} {verdict:<5} peak {human_bytes(row['peak_total']):>11} of "
+                      f"{human_bytes(row['capacity'])} on {n}× {gpu.key}  {step}", flush=True)
+    if as_json:
+        print(json.dumps({"sweep": sweep.name, "gpu": gpu.key, "plans": out}, indent=2))
+    return 0 if all("error" not in r for r in out) else 1
 
 
 def main_report(args) -> int:
