@@ -499,6 +499,11 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
 def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
     rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
+    # Fabric's sharded (FSDP2) load restores only the model and optimizer itself: anything else in
+    # `payload` is replaced by its saved state dict and left for the caller. The scheduler (warmup
+    # position) must then be restored here, or the lr restarts from step 0 one step after resume.
+    if isinstance(payload["scheduler"], dict):
+        b.scheduler.load_state_dict(payload["scheduler"])
     loop = rest["loop"]
     state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
     state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
