@@ -250,6 +250,21 @@ def full_state_dict(fabric, module: torch.nn.Module) -> dict | None:
     return sd if fabric.global_rank == 0 else {}
 
 
+_PEER_FAILURE_SIGNS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
+                      "broken pipe", "nccl error", "nccl communicator was aborted")
+
+
+def collective_failure_hint(error: BaseException, recipe: Recipe, world_size: int) -> Optional[str]:
+    """One line explaining a failed collective (another rank died or hung), naming dist_timeout_s."""
+    text = str(error).lower()
+    if world_size <= 1 or not any(sign in text for sign in _PEER_FAILURE_SIGNS):
+        return None
+    return (f"distributed: a collective failed ({str(error).splitlines()[0][:160]}): another rank crashed, was "
+            f"killed or hung, and this rank gave up after dist_timeout_s={recipe.dist_timeout_s} s; see the other "
+            "ranks' logs for the first failure. If ranks legitimately wait longer (a slow checkpoint write, data "
+            "loading on one rank), raise dist_timeout_s.")
+
+
 def all_sum(fabric, value: float | int) -> float:
     if fabric.world_size == 1:
         return value

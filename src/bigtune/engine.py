@@ -713,8 +713,14 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
             if fabric.device.type == "cuda":
                 torch.cuda.empty_cache()
         else:
+            from bigtune.dist import collective_failure_hint
+
             status, error = "error", e
             summary["error"] = f"{type(e).__name__}: {e}"
+            hint = collective_failure_hint(e, r, fabric.world_size)
+            if hint:
+                summary["error_hint"] = hint
+                print(hint, file=sys.stderr, flush=True)  # every rank: the others' stdout is silenced
     finally:
         _close_tensorboard(run)
         if previous is not None:
