@@ -227,3 +227,31 @@ def test_zero3_offload_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_path
     assert "at step 2" in res.stdout
     assert loss(cut) == pytest.approx(loss(ref), rel=1e-6)  # CPU Adam is multi-threaded: last-bit noise
     assert [m["lr"] for m in read_jsonl(cut / "metrics.jsonl")] == [m["lr"] for m in read_jsonl(ref / "metrics.jsonl")]
+
+
+def test_planner_models_zero_sharding_and_offload():
+    from bigtune.planner import Sim, Target, _shard, shard_layout
+
+    assert shard_layout("ddp") == (set(), set())
+    assert shard_layout("deepspeed_stage_2") == ({"gradients", "optimizer_device"}, set())
+    assert shard_layout("deepspeed_stage_3_offload") == ({"parameters", "gradients", "optimizer_device"},
+                                                         {"parameters", "optimizer_device"})
+    mb = 2**20
+    ph = {"parameters": 400 * mb, "gradients": 400 * mb, "optimizer_device": 800 * mb, "optimizer_cpu": 0,
+          "activations": 100 * mb}
+    ph["allocated"] = sum(ph.values())
+    ph["peak_allocated"] = ph["allocated"] + 50 * mb
+    sim = Sim({p: dict(ph) for p in ("before_forward", "after_forward", "after_backward", "after_optimizer")},
+              ph["peak_allocated"], numel=100 * mb, matmul_numel=90 * mb)
+    r = _recipe(precision="32-true")
+    z2, _, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
+    a = z2["after_backward"]
+    assert a["parameters"] == 400 * mb and a["gradients"] == 100 * mb and a["optimizer_device"] == 200 * mb
+    z3, peak3, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3"), n_layers=10)
+    assert z3["after_backward"]["parameters"] == 100 * mb
+    off, peak_off, notes = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3_offload"), n_layers=10)
+    b = off["after_backward"]
+    assert b["parameters"] == 0 and b["optimizer_device"] == 0 and b["optimizer_cpu"] == 200 * mb
+    assert peak_off < peak3 and any("CPU RAM" in n for n in notes)
+    one, _, _ = _shard(sim, r, Target("cuda", None, 1, "deepspeed_stage_2_offload"), n_layers=10)
+    assert one["after_backward"]["optimizer_device"] == 0 and one["after_backward"]["optimizer_cpu"] == 800 * mb

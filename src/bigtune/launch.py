@@ -89,7 +89,7 @@ def add_cli(sub) -> None:
 def main_launch(args) -> int:
     text = slurm_script(args.recipe, args.overrides, args.nodes, args.gpus_per_node, args.time, args.partition,
                         args.account, args.cpus_per_task, args.mem, args.job_name, args.strategy)
-    r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu"])
+    r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu", "strategy=ddp"])  # for output_dir only
     path = Path(args.out or Path(r.output_dir or f"runs/{r.name}") / "job.sbatch")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
