@@ -76,7 +76,7 @@ def test_lab_multi_ladder(tiny):
         assert o["train.accumulate_grad_batches"] == 4 and o["optim.lr"] == 2.0e-5
     assert over["1-one-gpu"]["devices"] == 1
     ddp, fsdp = over["2-ddp-x4-lr-x4"], over["3-fsdp-x4"]
-    assert ddp["strategy"] == "ddp" and ddp["optim.scale_lr_with_world_size"] is True
+    assert ddp["strategy"] == "ddp" and ddp["optim.lr_scaling"] == "linear"
     assert fsdp["strategy"] == "fsdp" and fsdp["train.activation_checkpointing"] is True
     assert ddp["devices"] == fsdp["devices"] == (2 if tiny else 4)
     if tiny:

@@ -49,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu", help="GPU model from the catalog, e.g. h100-80gb, a100-80gb, rtx-4090 "
                     "(default: plan for this machine's CPU)")
     pl.add_argument("--gpus", type=int, default=1, help="number of GPUs (several are planned analytically)")
-    pl.add_argument("--strategy", choices=["ddp", "fsdp"], default="fsdp", help="strategy when --gpus > 1")
+    pl.add_argument("--strategy", choices=["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+                                           "deepspeed_stage_3", "deepspeed_stage_3_offload"], default="fsdp",
+                    help="strategy when --gpus > 1 (deepspeed_*: also on one GPU, for offload)")
     pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
     pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
@@ -173,7 +175,7 @@ def _cmd_plan(args) -> int:
         gpu = find_gpu(args.gpu) if args.gpu else None
         if args.gpu_memory:
             gpu = custom_gpu(args.gpu_memory, gpu)
-        target = Target("cuda", gpu, args.gpus, args.strategy if args.gpus > 1 else "single")
+        target = Target("cuda", gpu, args.gpus, args.strategy if args.gpus > 1 or args.strategy.startswith("deepspeed") else "single")
     else:
         if args.gpus > 1:
             raise PlanError("--gpus needs --gpu NAME (which GPU?)")

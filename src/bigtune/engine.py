@@ -53,7 +53,7 @@ class TrainingOOM(RuntimeError):
 def setup_fabric(recipe: Recipe):
     from lightning.fabric import Fabric
 
-    from bigtune.dist import make_strategy
+    from bigtune.dist import is_deepspeed, make_strategy
 
     accel = resolve_accelerator(recipe)
     fabric = Fabric(accelerator=accel, devices=recipe.devices, num_nodes=recipe.num_nodes,
@@ -62,7 +62,7 @@ def setup_fabric(recipe: Recipe):
     # their own dtypes on purpose (fp32 adapters and norms, uint8 4-bit weights): Fabric's blanket
     # module.to(dtype) would undo that (and bitsandbytes models refuse .to), so it is skipped.
     fabric._precision.convert_module = lambda module: module
-    if recipe.world_size > 1:
+    if recipe.world_size > 1 or is_deepspeed(recipe):  # Fabric wants DeepSpeed launched even on one GPU
         fabric.launch()  # spawns the other ranks (a no-op under torchrun / Slurm, which started them)
     return fabric
 
@@ -140,7 +140,12 @@ def build(recipe: Recipe, fabric) -> Built:
     # An adapter run on a model without a folder keeps its initial weights, so export can merge into them.
     base_dir = Path(tempfile.mkdtemp(prefix="bigtune-base-")) if peft and no_folder and \
         recipe.checkpoint.save_model else None
-    if no_folder and not quantized:
+    from bigtune.dist import is_deepspeed, make_deepspeed_optimizer
+
+    deepspeed = is_deepspeed(recipe)
+    # ZeRO-3's init context partitions parameters as they are created, which the model builder's
+    # own weight handling does not expect: DeepSpeed models are built on the CPU and partitioned later.
+    if no_folder and not quantized and not deepspeed:
         # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
         with fabric.init_module():
             model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir,
@@ -152,8 +157,15 @@ def build(recipe: Recipe, fabric) -> Built:
     if peft:
         model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing, recipe.model.family)
     params = count_parameters(model)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model))
+    if deepspeed:  # DeepSpeed wraps model and optimizer together, in one engine
+        from bigtune.dist import deepspeed_config
+
+        fabric.strategy.config.update(deepspeed_config(recipe, numel=params["total"]))  # buckets sized to the model
+        raw_optimizer = make_deepspeed_optimizer(recipe, model)
+        model, optimizer = fabric.setup(model, raw_optimizer)
+    else:
+        model = fabric.setup_module(model)
+        optimizer = raw_optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model, lr=recipe.lr))
 
     sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size)
     loader = torch.utils.data.DataLoader(
@@ -182,8 +194,9 @@ def build(recipe: Recipe, fabric) -> Built:
             make_dataset(val_examples), batch_size=recipe.eval.batch_size or recipe.train.micro_batch_size,
             shuffle=False, collate_fn=collator, num_workers=recipe.data.num_workers)
     o = recipe.optim
+    # On the torch optimizer itself: DeepSpeed's wrapper is no torch Optimizer but shares its param_groups.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
+        raw_optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio))
     weights = torch.tensor(recipe.data.class_weights, dtype=torch.float32, device=fabric.device) \
         if recipe.data.class_weights else None
     return Built(recipe, fabric, tokenizer, model, optimizer, scheduler, loader, sampler, report,
@@ -233,6 +246,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     ``token_count`` is the window's target-token count when the caller knows it (counted across
     ranks, or outside the planner's fake tensors); otherwise it is counted here.
     """
+    from bigtune.dist import backward_kwargs, clips_itself, micro_batch_context
+
     fabric, model, opt = b.fabric, b.model, b.optimizer
     shift = shifts_labels(model)
     if token_count is None and fabric.world_size > 1:
@@ -253,21 +268,21 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
             monitor.begin_step(model, opt, extra=batch.values())
         if measure and i == 0:
             snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
-        with fabric.no_backward_sync(model, enabled=not last):
+        with micro_batch_context(fabric, model, last):
             state.phase = "forward"
             logits = model(**forward_inputs(batch, padded)).logits
             loss = causal_lm_loss_sum(logits, batch["labels"], shift, getattr(b, "class_weights", None)) * scale
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             state.phase = "backward"
-            fabric.backward(loss)
+            fabric.backward(loss, **backward_kwargs(fabric))
         del logits
         loss_total += loss.detach()
         del loss
     if measure:
         snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
     state.phase = "optimizer"
-    if b.recipe.optim.grad_clip is not None:
+    if b.recipe.optim.grad_clip is not None and not clips_itself(fabric):
         # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
         fabric.clip_gradients(model, opt, max_norm=b.recipe.optim.grad_clip, error_if_nonfinite=False)
     opt.step()
@@ -522,6 +537,8 @@ def _capacity(device: torch.device, r: Recipe) -> Optional[int]:
 # -- checkpoints ------------------------------------------------------------------------------------
 
 def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
+    from bigtune.dist import is_deepspeed
+
     path = run.checkpoint_path(state.step)
     tmp = path.with_name(path.name + ".tmp")
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler,
@@ -533,6 +550,8 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
     trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
     # Adapter runs checkpoint only what trains: the frozen base is reloaded from its source on resume.
     only_trainable = {"model": lambda name, _: name in trainable} if b.recipe.peft.method != "none" else None
+    if is_deepspeed(b.recipe):
+        only_trainable = None  # DeepSpeed filters itself (exclude_frozen_parameters) and refuses a filter
     b.fabric.save(tmp, payload, filter=only_trainable)  # every rank takes part (FSDP writes shards)
     if b.fabric.global_rank == 0:
         os.replace(tmp, path)
@@ -544,6 +563,11 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
 def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
     rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
+    # Fabric's sharded (FSDP2) load restores only the model and optimizer itself: anything else in
+    # `payload` is replaced by its saved state dict and left for the caller. The scheduler (warmup
+    # position) must then be restored here, or the lr restarts from step 0 one step after resume.
+    if isinstance(payload["scheduler"], dict):
+        b.scheduler.load_state_dict(payload["scheduler"])
     loop = rest["loop"]
     state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
     state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
@@ -662,6 +686,13 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
     print(f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable), "
           f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
           f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)", flush=True)
+    if r.optim.lr_scaling != "none":
+        print(f"lr: {r.lr:.3g} = optim.lr {r.optim.lr:.3g} scaled {r.optim.lr_scaling} with {r.world_size} "
+              f"data-parallel ranks (optim.lr_scaling)", flush=True)
+    from bigtune.dist import MEMORY_NOTE_DEEPSPEED, is_deepspeed
+
+    if is_deepspeed(r) and r.memory.enabled:
+        print(MEMORY_NOTE_DEEPSPEED, flush=True)
 
     rank0 = fabric.global_rank == 0
     prediction = predict_for_device(r, fabric.device, fabric.world_size) if r.memory.plan and rank0 else None
@@ -728,8 +759,14 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
             if fabric.device.type == "cuda":
                 torch.cuda.empty_cache()
         else:
+            from bigtune.dist import collective_failure_hint
+
             status, error = "error", e
             summary["error"] = f"{type(e).__name__}: {e}"
+            hint = collective_failure_hint(e, r, fabric.world_size)
+            if hint:
+                summary["error_hint"] = hint
+                print(hint, file=sys.stderr, flush=True)  # every rank: the others' stdout is silenced
     finally:
         _close_tensorboard(run)
         if previous is not None:
@@ -774,8 +811,9 @@ def _target_for(device: torch.device, cap_bytes: Optional[int] = None):
 
 def _plan_target(r: Recipe, device: torch.device, world: int):
     target = _target_for(device)
-    if world > 1:
-        target = dataclasses.replace(target, gpus=world, strategy="fsdp" if r.strategy == "fsdp" else "ddp")
+    if world > 1 or r.strategy.startswith("deepspeed"):
+        sharded = r.strategy == "fsdp" or r.strategy.startswith("deepspeed")
+        target = dataclasses.replace(target, gpus=world, strategy=r.strategy if sharded else "ddp")
     return target
 
 

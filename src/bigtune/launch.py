@@ -8,6 +8,7 @@ SIGTERM by writing a checkpoint and exiting, and the requeued job continues with
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -26,7 +27,17 @@ def slurm_script(recipe: Optional[str], overrides: list[str], nodes: int, gpus_p
     (``infer_plan.training_host_request``); when the model cannot be planned, 8 cores and no --mem."""
     world_over = [f"devices={gpus_per_node}", f"num_nodes={nodes}", f"strategy={strategy}", "accelerator=cuda",
                   "checkpoint.enabled=true"]
-    r = load_recipe(recipe, list(overrides) + world_over + ["accelerator=cpu"])  # validate now, not in the queue
+    # Validate now, not in the queue; this machine may have no GPU, so DeepSpeed (CUDA only) is
+    # checked as DDP plus its own rules as on a GPU.
+    deepspeed = strategy.startswith("deepspeed")
+    check_as = [o.replace(f"strategy={strategy}", "strategy=ddp") for o in world_over] if deepspeed else world_over
+    r = load_recipe(recipe, list(overrides) + check_as + ["accelerator=cpu"])
+    if deepspeed:
+        from bigtune.recipe import RecipeError, check_deepspeed
+
+        problems = check_deepspeed(dataclasses.replace(r, strategy=strategy), "cuda")
+        if problems:
+            raise RecipeError(problems, recipe)
     out_dir = r.output_dir or f"runs/{r.name}"
     if not r.checkpoint.every_steps:
         world_over.append("checkpoint.every_steps=100")
@@ -78,7 +89,8 @@ def add_cli(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="fsdp")
+    p.add_argument("--strategy", choices=["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+                                          "deepspeed_stage_3", "deepspeed_stage_3_offload"], default="fsdp")
     p.add_argument("--time", default="02:00:00", help="Slurm time limit, e.g. 02:00:00")
     p.add_argument("--partition")
     p.add_argument("--account")
@@ -94,7 +106,7 @@ def add_cli(sub) -> None:
 def main_launch(args) -> int:
     text = slurm_script(args.recipe, args.overrides, args.nodes, args.gpus_per_node, args.time, args.partition,
                         args.account, args.cpus_per_task, args.mem, args.job_name, args.strategy)
-    r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu"])
+    r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu", "strategy=ddp"])  # for output_dir only
     path = Path(args.out or Path(r.output_dir or f"runs/{r.name}") / "job.sbatch")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -126,13 +126,20 @@ class Snapshot:
 def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                       device_type: str) -> dict[str, int]:
     """Parameters, gradients and optimizer state (split device/CPU), from the tensors themselves."""
-    params = [p for p in model.parameters()]
-    grads = [p.grad for p in params if p.grad is not None]
+    # ZeRO-3 leaves an empty placeholder in each parameter; its partition is `ds_tensor`.
+    params = [getattr(p, "ds_tensor", p) for p in model.parameters()]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     # bitsandbytes 4-bit weights keep their block scales beside the packed uint8 data.
     quant = [t for p in params for t in _quant_state_tensors(p)]
     opt_dev: list[torch.Tensor] = []
     opt_cpu: list[torch.Tensor] = []
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric wraps optimizers
+    # DeepSpeed ZeRO: the fp32 master partitions (stage 1/2, stage 3) are optimizer state too.
+    masters = getattr(inner, "single_partition_of_fp32_groups", None) or \
+        getattr(inner, "fp32_partitioned_groups_flat", None) or []
+    for t in masters:
+        if isinstance(t, torch.Tensor):
+            (opt_cpu if (t.device.type == "cpu" and device_type != "cpu") else opt_dev).append(t)
     if getattr(inner, "offloaded", False):
         opt_cpu += inner.cpu_state_tensors()
     elif optimizer is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -71,9 +72,13 @@ class CPUOffloadAdamW(torch.optim.Optimizer):
             g["lr"] = state["lr"]
 
 
-def make_optimizer(o: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer over the model's trainable parameters (frozen ones get no state)."""
+def make_optimizer(o: OptimConfig, model: torch.nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer over the model's trainable parameters (frozen ones get no state).
+
+    ``lr`` is the peak lr to use when it differs from ``o.lr`` (Recipe.lr: scaled per optim.lr_scaling).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    o = o if lr is None else dataclasses.replace(o, lr=lr)
     impl: dict[str, Any] = {}
     if o.implementation == "foreach":
         impl = {"foreach": True}

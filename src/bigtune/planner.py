@@ -272,6 +272,10 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
         # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
         # state analytically below (its update works in place, block by block).
         r.optim.name, r.optim.momentum, r.optim.implementation = "sgd", 0.0, "for-loop"
+    if r.optim.name == "deepspeed_cpu_adam":
+        # DeepSpeed's C++ Adam reads raw data pointers (a segfault on fake tensors); torch's CPU
+        # AdamW in the same wrapper keeps exactly the same tensors in the same places.
+        r.optim.name = "cpu_offload_adamw"
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)  # no "Using bfloat16 AMP" per simulation
     fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
     # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
@@ -476,7 +480,7 @@ class Target:
     device: str = "cpu"
     gpu: Any = None
     gpus: int = 1
-    strategy: str = "single"     # single | ddp | fsdp  (several GPUs are planned analytically)
+    strategy: str = "single"     # single | ddp | fsdp | deepspeed_stage_*  (analytic on top of 1 GPU)
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -517,39 +521,82 @@ class Plan:
         return {c: p.get(c, 0) for c in ("parameters", "gradients", "optimizer_device", "optimizer_cpu")}
 
 
+STATES = ("parameters", "gradients", "optimizer_device")
+
+
+def shard_layout(strategy: str) -> tuple[set[str], set[str]]:
+    """(model-state categories split across the ranks, categories moved to CPU RAM) for a strategy.
+
+    ddp replicates everything; fsdp and ZeRO-3 split all three; ZeRO-2 splits gradients and
+    optimizer state (the fp32 masters of mixed precision belong to the latter); *_offload keeps the
+    optimizer state (ZeRO-3: also the parameters) in CPU RAM.
+    """
+    if strategy == "fsdp":
+        return set(STATES), set()
+    if strategy.startswith("deepspeed_stage_"):
+        from bigtune.dist import zero_layout
+
+        stage, off_opt, off_params = zero_layout(strategy)
+        split = set(STATES) if stage == 3 else {"gradients", "optimizer_device"}
+        moved = ({"optimizer_device"} if off_opt else set()) | ({"parameters"} if off_params else set())
+        return split, moved
+    return set(), set()
+
+
 def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
     """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
-    if target.gpus <= 1:
+    if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
         return sim.phases, sim.peak_allocated, []
     n = target.gpus
-    notes = [f"{n} GPUs with {target.strategy}: planned analytically from the 1-GPU simulation "
-             "(the engine trains on one device in this release)"]
+    notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
+    split, moved = shard_layout(target.strategy)
     phases = copy.deepcopy(sim.phases)
-    peak = sim.peak_allocated
-    if target.strategy == "fsdp":
+    if not split:
+        return phases, sim.peak_allocated, notes
+    es = 4 if recipe.precision == "32-true" else 2
+    buffers = 0
+    if "parameters" in split:
         # Each rank all-gathers one block's full parameters (two in flight with prefetch) and
         # reduce-scatters its gradients: about 3 blocks of unsharded weights in compute precision.
-        es = 4 if recipe.precision == "32-true" else 2
-        buffers = int(3 * sim.numel / max(1, n_layers) * es)
+        buffers += int(3 * sim.numel / max(1, n_layers) * es)
+    if target.strategy.startswith("deepspeed"):
+        from bigtune.dist import BUCKET_ELEMENTS
 
-        def states(ph: dict) -> int:
-            return ph["parameters"] + ph["gradients"] + ph["optimizer_device"]
+        # ZeRO reduces gradients through one bucket of reduce_bucket_size elements (capped by the model).
+        buffers += min(BUCKET_ELEMENTS, sim.numel) * es
 
-        f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-        # Peaks are cumulative over the step; split each into model states (sharded N ways) and the rest.
-        fwd = states(f) // n + (f["peak_allocated"] - states(f)) + buffers
-        bwd = states(b_) // n + max(0, b_["peak_allocated"] - states(b_)) + buffers
-        # The update itself (states plus the optimizer's temporaries) is all proportional to the shard.
-        opt = o["peak_allocated"] // n
-        peak = max(fwd, bwd, opt)
-        for ph in phases.values():
-            full = states(ph)
-            for c in ("parameters", "gradients", "optimizer_device"):
-                ph[c] = -(-ph[c] // n)
-            ph["allocated"] += states(ph) - full + buffers
-            ph["activations"] += buffers
-            ph["peak_allocated"] = min(ph["peak_allocated"], peak)
-        notes.append(f"FSDP: model states / {n}; + {buffers / GIB:.2f} GiB all-gather/reduce-scatter buffers")
+    def on_device(ph: dict, c: str) -> int:
+        if c in moved:
+            return 0
+        return -(-ph[c] // n) if c in split else ph[c]
+
+    def states(ph: dict) -> int:
+        return sum(ph[c] for c in STATES)
+
+    def device_states(ph: dict) -> int:
+        return sum(on_device(ph, c) for c in STATES)
+
+    f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+    # Peaks are cumulative over the step; split each into model states (sharded / offloaded) and the rest.
+    fwd = device_states(f) + (f["peak_allocated"] - states(f)) + buffers
+    bwd = device_states(b_) + max(0, b_["peak_allocated"] - states(b_)) + buffers
+    # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
+    update_tmp = 0 if "optimizer_device" in moved else -(-max(0, o["peak_allocated"] - states(o)) // n)
+    opt = device_states(o) + update_tmp
+    peak = max(fwd, bwd, opt)
+    for ph in phases.values():
+        full = states(ph)
+        cpu = ph["optimizer_device"] if "optimizer_device" in moved else 0
+        for c in STATES:
+            ph[c] = on_device(ph, c)
+        ph["optimizer_cpu"] += -(-cpu // n)
+        ph["allocated"] += states(ph) - full + buffers
+        ph["activations"] += buffers
+        ph["peak_allocated"] = min(ph["peak_allocated"], peak)
+    what = " and ".join(sorted(split))
+    notes.append(f"{target.strategy}: {what} / {n}; + {buffers / GIB:.2f} GiB gather/reduce buffers")
+    if moved:
+        notes.append(f"{target.strategy}: {' and '.join(sorted(moved))} held in CPU RAM (not in device memory)")
     return phases, peak, notes
 
 
@@ -577,7 +624,7 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
     states = sim.phases["after_backward"]
     # The update reads parameters, gradients and state and writes parameters and state.
     moved = 2 * states["parameters"] + states["gradients"] + 2 * states["optimizer_device"]
-    if target.strategy == "fsdp":
+    if target.strategy == "fsdp" or target.strategy.startswith("deepspeed"):
         moved /= target.gpus
     t_opt = moved / (target.gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_BW_EFFICIENCY)
     t_comm = 0.0

@@ -32,7 +32,10 @@ PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true")
 OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw",
               "deepspeed_cpu_adam")
 SCHEDULES = ("constant", "cosine", "linear")
-STRATEGIES = ("auto", "single", "ddp", "fsdp")
+DEEPSPEED_STRATEGIES = ("deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
+                        "deepspeed_stage_3_offload")
+STRATEGIES = ("auto", "single", "ddp", "fsdp") + DEEPSPEED_STRATEGIES
+LR_SCALINGS = ("none", "linear", "sqrt")
 ACCELERATORS = ("auto", "cpu", "cuda")
 DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text", "classification")
 FAMILIES = ("causal-lm", "image-to-text", "sequence-classification")
@@ -144,8 +147,10 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
     grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
-    scale_lr_with_world_size: bool = _f(False, "Multiply lr by the data-parallel size (the lab's 'lr × 4' with 4 "
-                                        "GPUs), for a global batch that grows with the GPU count.")
+    lr_scaling: Literal["none", "linear", "sqrt"] = _f(
+        "none", "Scale optim.lr with the data-parallel size N = devices × num_nodes, for a global batch that grows "
+        "with the GPU count: linear uses lr × N (the lab's 'lr × 4' on 4 GPUs), sqrt lr × √N (often better for "
+        "Adam), none keeps lr. The lr actually used is logged at start and in metrics.jsonl.")
 
 
 @dataclass
@@ -210,16 +215,21 @@ class Recipe:
     devices: int = _f(1, "Devices (processes) per node; > 1 spawns one process per device unless already "
                       "launched by torchrun or Slurm. Lab: devices.", min=1)
     num_nodes: int = _f(1, "Nodes (machines) taking part; launch with torchrun or `bigtune launch slurm`.", min=1)
-    strategy: Literal["auto", "single", "ddp", "fsdp"] = _f(
+    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_2_offload",
+                      "deepspeed_stage_3", "deepspeed_stage_3_offload"] = _f(
         "auto", "auto: single device, or DDP when devices × num_nodes > 1. ddp: replicated model, gradients "
         "all-reduced. fsdp: FSDP2 (fully_shard per decoder layer): parameters, gradients and optimizer state "
-        "sharded across ranks. Lab: strategy.")
+        "sharded across ranks. deepspeed_stage_2: DeepSpeed ZeRO-2 (optimizer state and gradients sharded); "
+        "deepspeed_stage_3: ZeRO-3 (parameters too); *_offload: optimizer state (stage 3: also parameters) in "
+        "CPU RAM, stepped by DeepSpeed's CPU Adam. DeepSpeed needs CUDA GPUs and pip install 'bigtune[deepspeed]'. "
+        "Lab: strategy.")
     fsdp_sharding: Literal["full", "grad_op", "hybrid"] = _f(
         "full", "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
         "backward (less communication); hybrid shards within a node and replicates across nodes.")
     fsdp_cpu_offload: bool = _f(False, "FSDP: keep sharded parameters, gradients and optimizer state in CPU RAM.")
-    dist_timeout_s: int = _f(600, "Seconds a rank waits in a collective before giving up, so a crashed or hung "
-                             "rank makes the others exit instead of hanging forever.", min=10)
+    dist_timeout_s: int = _f(600, "Seconds a rank waits in a collective before giving up (torch.distributed "
+                             "init_process_group timeout), so a crashed or hung rank makes the others exit with an "
+                             "error instead of hanging forever.", min=10)
     seed: int = _f(42, "Seeds data order, initialisation and dropout.")
     output_dir: Optional[str] = _f(None, "Run directory (default runs/<name>; a suffix is added if it exists).")
 
@@ -241,6 +251,12 @@ class Recipe:
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
+
+    @property
+    def lr(self) -> float:
+        """The peak lr actually used: optim.lr scaled by the data-parallel size per optim.lr_scaling."""
+        factor = {"none": 1.0, "linear": float(self.world_size), "sqrt": self.world_size ** 0.5}
+        return self.optim.lr * factor[self.optim.lr_scaling]
 
     @property
     def global_batch_size(self) -> int:
@@ -480,6 +496,7 @@ def check_combinations(r: Recipe) -> list[str]:
     if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
         p.append("fsdp_sharding=hybrid needs num_nodes > 1 (it replicates across nodes); use full on one node")
     accel = resolve_accelerator(r)
+    p.extend(check_deepspeed(r, accel))
     if accel == "cuda":
         import torch
 
@@ -528,6 +545,36 @@ def check_combinations(r: Recipe) -> list[str]:
     src = r.data.source
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
+    return p
+
+
+def check_deepspeed(r: Recipe, accel: str) -> list[str]:
+    """Rules for the deepspeed_* strategies (also used by `bigtune launch slurm`, which validates off-GPU)."""
+    if r.strategy not in DEEPSPEED_STRATEGIES:
+        return []
+    s = r.strategy
+    p: list[str] = []
+    if accel == "cpu":
+        p.append(f"strategy={s}: DeepSpeed needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses the CPU), but "
+                 "accelerator resolves to cpu; run on GPUs with accelerator=cuda (or auto), or use strategy=fsdp "
+                 "(with fsdp_cpu_offload=true for ZeRO-Offload-like memory) on CPU")
+    if not _installed("deepspeed"):
+        p.append(f"strategy={s} needs DeepSpeed: pip install 'bigtune[deepspeed]' (or pip install deepspeed); or use "
+                 "strategy=fsdp")
+    if r.model.quantize != "none":
+        p.append(f"strategy={s} with model.quantize: bitsandbytes weights cannot be partitioned by ZeRO here; use "
+                 "strategy=ddp or model.quantize=none")
+    if r.optim.name not in ("adamw", "sgd"):
+        p.append(f"strategy={s} with optim.name={r.optim.name}: ZeRO partitions and steps the optimizer itself; use "
+                 "optim.name=adamw (the *_offload strategies step it on the CPU with DeepSpeed's CPU Adam)")
+    elif s.endswith("_offload") and r.optim.name != "adamw":
+        p.append(f"strategy={s}: offloaded ZeRO steps with DeepSpeed's CPU Adam; use optim.name=adamw, or "
+                 f"strategy={s.removesuffix('_offload')} for SGD")
+    if r.optim.implementation == "fused" and s.endswith("_offload"):
+        p.append(f"optim.implementation=fused: strategy={s} steps on the CPU; use optim.implementation=auto")
+    if r.fsdp_cpu_offload or r.fsdp_sharding != "full":
+        p.append(f"fsdp_cpu_offload / fsdp_sharding apply to strategy=fsdp only; with DeepSpeed pick the offload "
+                 f"through the strategy name (e.g. {s.removesuffix('_offload')}_offload) and remove the fsdp_* keys")
     return p
 
 
