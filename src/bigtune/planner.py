@@ -48,6 +48,8 @@ RESERVED_OVER_ALLOCATED = 1.05        # caching-allocator fragmentation: reserve
 FIT_MARGIN = 0.02                     # keep 2 % of the card free before calling a plan FITS
 ASSUMED_MFU = 0.45                    # fraction of dense peak FLOP/s a fine-tuning step reaches
 ASSUMED_BW_EFFICIENCY = 0.7           # fraction of DRAM bandwidth the optimizer's update reaches
+HOST_UPDATE_GBS = 40.0                # GB/s a many-core CPU Adam streams through its state (assumed)
+PCIE_GBS = 25.0                       # GB/s one direction, PCIe 4 x16 in practice (assumed)
 MICRO_TOKENS_HALF_EFFICIENCY = 256    # a micro-batch of this many tokens reaches half of ASSUMED_MFU
 
 
@@ -469,7 +471,9 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
 
     phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
     parts = {k: ext(lambda x, k=k: x.parts.get(k, 0)) for k in base.parts}
-    return Sim(phases, ext(lambda x: x.peak_allocated), ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts)
+    # The step's peak is at least every phase's: max and extrapolation do not commute exactly.
+    peak = max([ext(lambda x: x.peak_allocated)] + [ph["peak_allocated"] for ph in phases.values()])
+    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts)
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -627,6 +631,11 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
     if target.strategy == "fsdp" or target.strategy.startswith("deepspeed"):
         moved /= target.gpus
     t_opt = moved / (target.gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_BW_EFFICIENCY)
+    host = states.get("optimizer_cpu", 0)
+    if host:
+        # CPU-offloaded update: the CPU reads and writes its state once, gradients go down and the
+        # updated weights come back over PCIe (both assumed rates, see the constants).
+        t_opt += 2 * host / (HOST_UPDATE_GBS * 1e9) + (states["gradients"] + states["parameters"]) / (PCIE_GBS * 1e9)
     t_comm = 0.0
     if target.gpus > 1 and target.gpu.interconnect_gbs:
         grad_bytes = states["gradients"]
@@ -681,6 +690,16 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     if sim is None:
         sim = simulate_full_depth(recipe, config, cuda, padded=padded)
     phases, peak, notes = _shard(sim, recipe, target, total_blocks(config))
+    host = max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
+    if cuda and host:
+        # The simulation runs on one (fake) CPU, where offloaded optimizer state shares the memory
+        # counters; on a GPU it lives in host RAM, so it leaves the device's allocated and peak.
+        phases = copy.deepcopy(phases)
+        for ph in phases.values():
+            for c in ("allocated", "peak_allocated"):
+                ph[c] -= ph.get("optimizer_cpu", 0)
+        peak -= host
+        notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
     if recipe.model.quantize != "none":
         notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic" + (
             "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
