@@ -33,8 +33,8 @@ from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
-from bigtune.stepmath import GIB, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
-    target_token_count, throughput
+from bigtune.stepmath import GIB, causal_lm_loss_sum, causal_pairs, flop_shape, human_bytes, loss_normaliser, mfu, \
+    target_token_count, throughput, training_flops
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
 
@@ -287,7 +287,8 @@ def windows(b: Built, epoch: int, first_window: int):
 def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMonitor], peak_flops: Optional[float]):
     r = b.recipe
     progress = Progress(b.total_steps)
-    flops_per_token = None
+    shape_for_flops = None
+    window_flops = 0.0
     loss_acc = torch.zeros((), device=b.fabric.device)
     window_tokens = window_samples = 0
     window_t0 = time.perf_counter()
@@ -309,11 +310,16 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 print(mem.format_table(snaps, _capacity(b.fabric.device, r)), flush=True)
                 if len(per_rank) > 1:
                     print(mem.format_rank_spread(per_rank), flush=True)
+            # Counted on the host-side batch (still on the CPU): no device sync.
             tokens = sum(int(x["attention_mask"].sum()) for x in batches)  # this rank's; summed at logging
-            samples = sum(x["input_ids"].shape[0] for x in batches) * b.fabric.world_size  # equal shares
-            if flops_per_token is None:
-                seq = max(x["input_ids"].shape[1] for x in batches)
-                flops_per_token = model_flops_per_token(b.model.module, seq) or 0.0
+            # Equal shares per rank; a packed row holds several samples.
+            samples = sum(x.get("samples", x["input_ids"].shape[0]) for x in batches) * b.fabric.world_size
+            if shape_for_flops is None:
+                shape_for_flops = flop_shape(b.model) or False
+            if shape_for_flops:
+                window_flops += sum(training_flops(shape_for_flops, int(x["attention_mask"].sum()),
+                                                   causal_pairs(x["attention_mask"], x.get("position_ids")))
+                                    for x in batches)
             state.tokens += tokens
             state.samples += samples
             window_tokens += tokens
@@ -339,7 +345,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 tp = throughput(window_tokens, window_samples, dt)
                 rec = {"step": state.step, "epoch": epoch, "loss": mean_loss, "lr": b.scheduler.get_last_lr()[0],
                        "step_time_s": dt / window_steps, **tp,
-                       "mfu": mfu(tp["tokens_per_s"], flops_per_token, peak_flops), "tokens": state.tokens}
+                       "mfu": mfu(window_flops / dt, peak_flops), "tokens": state.tokens}
                 run.append_jsonl("metrics.jsonl", rec)
                 run.append_csv("metrics.csv", rec)
                 _tensorboard(run, rec)
@@ -350,6 +356,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                                 f"{tp['tokens_per_s']:,.0f} tok/s", newline=True)
                 loss_acc.zero_()
                 window_tokens = window_samples = window_steps = 0
+                window_flops = 0.0
                 window_t0 = time.perf_counter()
             elif progress.tty:
                 progress.update(state.step, "", newline=False)
