@@ -67,3 +67,72 @@ def test_flops_of_packed_and_padded_rows_and_frozen_weights():
     shape = FlopShape(n_layers=1, attn_dim=8, trainable_matmul_params=10, frozen_matmul_params=100)
     assert training_flops(shape, tokens=1, causal_pairs=0) == 6 * 10 + 4 * 100
     assert training_flops(shape, tokens=0, causal_pairs=1) == 3 * 4 * 8
+
+
+# -- chunked cross-entropy ------------------------------------------------------------------------------
+
+def test_chunked_loss_equals_the_plain_loss_with_gradients():
+    from bigtune.stepmath import IGNORE_INDEX, causal_lm_loss_sum, chunked_lm_loss_sum
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 11, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(97, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 97, (3, 11), generator=g)
+    labels[0, 4:] = IGNORE_INDEX                      # padding
+    labels[2, :3] = IGNORE_INDEX                      # a masked prompt
+    plain = causal_lm_loss_sum(hidden @ weight.T, labels)
+    grads = torch.autograd.grad(plain, (hidden, weight))
+    for chunk in (1, 5, 7, 33, 1000):                  # chunks that do and do not divide the 33 tokens
+        chunked = chunked_lm_loss_sum(hidden, weight, labels, chunk)
+        assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)  # both sum in fp32
+        for a, b in zip(torch.autograd.grad(chunked, (hidden, weight)), grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # encoder-decoder labels are already aligned (no shift)
+    plain = causal_lm_loss_sum(hidden @ weight.T, labels, shift=False)
+    assert chunked_lm_loss_sum(hidden, weight, labels, 4, shift=False).item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def large_vocab_model(tmp_path_factory):
+    """A tiny Llama with a 16k vocabulary (the logits dominate its activations, as in real models)."""
+    from transformers import LlamaConfig
+
+    from bigtune.presets import tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("large-vocab")
+    tok = tiny_tokenizer()
+    LlamaConfig(vocab_size=16384, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follows(tmp_path, large_vocab_model):
+    from conftest import read_jsonl, tiny_overrides
+
+    from bigtune.engine import train
+    from bigtune.planner import Target, plan
+
+    runs = {}
+    for chunk in (None, 128):
+        over = tiny_overrides(tmp_path / f"run{chunk}", **{
+            "model.name": str(large_vocab_model), "model.init": "random", "data.max_seq_length": 128,
+            "train.micro_batch_size": 4, "train.accumulate_grad_batches": 2, "train.loss_chunk_tokens": chunk,
+            "memory.plan": False, "optim.grad_clip": 1.0})
+        s = train({}, over, quiet_recipe=True)
+        losses = [m["loss"] for m in read_jsonl(tmp_path / f"run{chunk}" / "metrics.jsonl")]
+        snaps = read_jsonl(tmp_path / f"run{chunk}" / "memory.jsonl")
+        shape = next(x["batch_shape"] for x in snaps if x["step"] == 2)
+        padded = next(x["padded"] for x in snaps if x["step"] == 2)
+        measured = max(x["peak_allocated"] for x in snaps if x["step"] == 2)
+        like = load_recipe({}, {**over, "train.micro_batch_size": shape[0], "data.max_seq_length": shape[1]})
+        predicted = plan(like, Target("cpu"), padded=padded).peak_allocated
+        runs[chunk] = (losses, s["peak_allocated_bytes"], measured, predicted)
+        print(f"loss_chunk_tokens={chunk}: losses {losses}, peak allocated {s['peak_allocated_bytes'] / 2**20:.1f} MiB"
+              f" (step 2: measured {measured / 2**20:.2f} MiB, planned {predicted / 2**20:.2f} MiB)")
+    (plain, plain_peak, *_), (chunked, chunked_peak, measured, predicted) = runs[None], runs[128]
+    assert chunked == pytest.approx(plain, rel=1e-5)
+    assert chunked_peak < 0.7 * plain_peak
+    assert abs(predicted - measured) / measured < 0.02, (predicted, measured)

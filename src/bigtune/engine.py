@@ -28,12 +28,12 @@ import torch
 from bigtune import memory as mem
 from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
 from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
-    forward_inputs, load_tokenizer_or_processor, shifts_labels
+    forward_inputs, hidden_states_out, load_tokenizer_or_processor, plain_output_head, shifts_labels
 from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
-from bigtune.stepmath import GIB, causal_lm_loss_sum, causal_pairs, flop_shape, human_bytes, loss_normaliser, mfu, \
+from bigtune.stepmath import GIB, causal_lm_loss_sum, causal_pairs, chunked_lm_loss_sum, flop_shape, human_bytes, loss_normaliser, mfu, \
     target_token_count, throughput, training_flops
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
@@ -236,6 +236,7 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     snaps: list[mem.Snapshot] = []
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
+    head = chunked_loss_head(b.recipe, model)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         padded = batch.get("padded", True)
@@ -246,8 +247,14 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
             snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
         with fabric.no_backward_sync(model, enabled=not last):
             state.phase = "forward"
-            logits = model(**forward_inputs(batch, padded)).logits
-            loss = causal_lm_loss_sum(logits, batch["labels"], shift) * scale
+            with hidden_states_out(head):
+                logits = model(**forward_inputs(batch, padded)).logits  # the hidden states when chunking
+            if head is not None:
+                with fabric.autocast():  # the output layer computes as it would inside the forward
+                    loss = chunked_lm_loss_sum(logits, head.weight, batch["labels"],
+                                               b.recipe.train.loss_chunk_tokens, shift) * scale
+            else:
+                loss = causal_lm_loss_sum(logits, batch["labels"], shift) * scale
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             state.phase = "backward"
@@ -269,6 +276,14 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     if track:
         monitor.end_step()
     return loss_total, snaps
+
+
+def chunked_loss_head(r: Recipe, model) -> Optional[torch.nn.Linear]:
+    """The output layer to compute the loss from in chunks, or None for the plain loss (chunking off,
+    or a model/strategy it does not apply to: see train.loss_chunk_tokens)."""
+    if not r.train.loss_chunk_tokens or r.strategy == "fsdp" or r.model.family != "causal-lm":
+        return None
+    return plain_output_head(model)
 
 
 def windows(b: Built, epoch: int, first_window: int):

@@ -113,6 +113,11 @@ class TrainConfig:
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward "
                                         "(non-reentrant). Lab: act_ckpt.")
     log_every_steps: int = _f(1, "Print/write loss and throughput every N optimizer steps.", min=1)
+    loss_chunk_tokens: Optional[int] = _f(
+        None, "Compute the cross-entropy from the final hidden states this many tokens at a time, recomputing each "
+        "chunk's logits in backward: the full tokens × vocab logits (and their fp32 copy) are never held, for one "
+        "extra output-layer matmul. Same loss value. Applies to Llama/Mistral/Qwen2/OPT with a plain (no adapter) "
+        "output layer, not under FSDP; elsewhere the plain loss is used. None: off.", min=1)
 
 
 @dataclass

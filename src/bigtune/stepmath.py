@@ -35,6 +35,37 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: bool =
         ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                        shift: bool = True) -> torch.Tensor:
+    """``causal_lm_loss_sum(hidden @ weight.T, labels)`` without ever holding the whole logits.
+
+    ``hidden`` is what the output layer (a bias-free Linear with ``weight``) would receive. The
+    logits and their fp32 copy exist for ``chunk_tokens`` tokens at a time, in forward and in
+    backward: each chunk is checkpointed, so backward recomputes its logits (one extra output-layer
+    matmul, vocab × hidden FLOPs ×2 per token) instead of keeping tokens × vocab × 10 bytes alive.
+    """
+    if shift:
+        # Shift the labels rather than the hidden states: a view, not a copy; the last position
+        # gets IGNORE_INDEX and contributes nothing.
+        pad = torch.full_like(labels[..., :1], IGNORE_INDEX)
+        labels = torch.cat([labels[..., 1:], pad], dim=-1)
+    h = hidden.reshape(-1, hidden.size(-1))
+    y = labels.reshape(-1)
+    from torch.utils.checkpoint import checkpoint
+
+    total = None
+    for start in range(0, h.size(0), chunk_tokens):
+        part = checkpoint(_chunk_loss_sum, h[start:start + chunk_tokens], weight, y[start:start + chunk_tokens],
+                          use_reentrant=False)
+        total = part if total is None else total + part
+    return total
+
+
 def loss_normaliser(micro_batch_labels: Iterable[torch.Tensor], world_size: int = 1,
                     global_token_count: int | None = None, shift: bool = True) -> float:
     """Factor to multiply each micro-batch's summed loss by before backward.
