@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from bigtune import memory as mem
-from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
+from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples, pack_examples
 from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
     forward_inputs, hidden_states_out, load_tokenizer_or_processor, plain_output_head, shifts_labels
 from bigtune.optim import make_optimizer
@@ -149,7 +149,13 @@ def build(recipe: Recipe, fabric) -> Built:
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model))
 
-    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size)
+    if recipe.data.packing:
+        examples = pack_examples(examples, recipe.data.max_seq_length, recipe.seed)
+    grouping = {}
+    if recipe.data.group_by_length:
+        grouping = {"lengths": [len(e.input_ids) for e in examples],
+                    "group_size": 50 * recipe.train.micro_batch_size * fabric.world_size}
+    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size, **grouping)
     loader = torch.utils.data.DataLoader(
         make_dataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
         collate_fn=collator, num_workers=recipe.data.num_workers,
@@ -315,7 +321,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 state.step in (0, 1) or state.step % r.memory.every_steps == 0)
             loss, snaps = train_step(b, batches, monitor, measure, state)
             shape = list(batches[0]["input_ids"].shape)
-            padded = any(x.get("padded", True) for x in batches)
+            # Packed rows attend through an explicit block mask, as padded batches do (for the planner).
+            padded = any(x.get("padded", True) or x.get("packed", False) for x in batches)
             if snaps:
                 per_rank = mem.gather_snapshots(b.fabric, snaps)
                 for rank, rank_snaps in enumerate(per_rank):
@@ -635,6 +642,9 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
     b = build(r, fabric)  # raises on bad data/model before the run dir exists
     for line in b.data_report.lines():
         print(line, flush=True)
+    if r.data.packing:
+        print(f"data.packing: {b.data_report.used} samples in {b.sampler.n} rows of up to {r.data.max_seq_length} "
+              "tokens (train.micro_batch_size counts rows)", flush=True)
     print(f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable), "
           f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
           f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)", flush=True)
