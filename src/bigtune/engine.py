@@ -261,11 +261,13 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
                                                b.recipe.train.loss_chunk_tokens, shift) * scale
             else:
                 loss = causal_lm_loss_sum(logits, batch["labels"], shift) * scale
+            # Backward needs the loss's saved tensors, not the logits: holding them through backward
+            # would add tokens × vocab × bytes to the step's peak.
+            del logits
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             state.phase = "backward"
             fabric.backward(loss)
-        del logits
         loss_total += loss.detach()
         del loss
     if measure:
@@ -367,7 +369,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 tp = throughput(window_tokens, window_samples, dt)
                 rec = {"step": state.step, "epoch": epoch, "loss": mean_loss, "lr": b.scheduler.get_last_lr()[0],
                        "step_time_s": dt / window_steps, **tp,
-                       "mfu": mfu(window_flops / dt, peak_flops), "tokens": state.tokens}
+                       "model_flops_per_s": window_flops / dt, "mfu": mfu(window_flops / dt, peak_flops),
+                       "tokens": state.tokens}
                 run.append_jsonl("metrics.jsonl", rec)
                 run.append_csv("metrics.csv", rec)
                 _tensorboard(run, rec)
