@@ -109,7 +109,9 @@ def large_vocab_model(tmp_path_factory):
     return d
 
 
-def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follows(tmp_path, large_vocab_model):
+@pytest.mark.parametrize("precision, rel", [("32-true", 1e-5), ("bf16-true", 2e-3)])
+def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follows(tmp_path, large_vocab_model,
+                                                                                  precision, rel):
     from conftest import read_jsonl, tiny_overrides
 
     from bigtune.engine import train
@@ -120,7 +122,7 @@ def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follow
         over = tiny_overrides(tmp_path / f"run{chunk}", **{
             "model.name": str(large_vocab_model), "model.init": "random", "data.max_seq_length": 128,
             "train.micro_batch_size": 4, "train.accumulate_grad_batches": 2, "train.loss_chunk_tokens": chunk,
-            "memory.plan": False, "optim.grad_clip": 1.0})
+            "memory.plan": False, "optim.grad_clip": 1.0, "precision": precision})
         s = train({}, over, quiet_recipe=True)
         losses = [m["loss"] for m in read_jsonl(tmp_path / f"run{chunk}" / "metrics.jsonl")]
         snaps = read_jsonl(tmp_path / f"run{chunk}" / "memory.jsonl")
@@ -133,8 +135,8 @@ def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follow
         print(f"loss_chunk_tokens={chunk}: losses {losses}, peak allocated {s['peak_allocated_bytes'] / 2**20:.1f} MiB"
               f" (step 2: measured {measured / 2**20:.2f} MiB, planned {predicted / 2**20:.2f} MiB)")
     (plain, plain_peak, *_), (chunked, chunked_peak, measured, predicted) = runs[None], runs[128]
-    assert chunked == pytest.approx(plain, rel=1e-5)
-    assert chunked_peak < 0.7 * plain_peak
+    assert chunked == pytest.approx(plain, rel=rel)
+    assert chunked_peak < 0.8 * plain_peak  # the fp32 logits (tokens × 16k × 4 bytes) are never whole
     assert abs(predicted - measured) / measured < 0.02, (predicted, measured)
 
 

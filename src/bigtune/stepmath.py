@@ -36,7 +36,9 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: bool =
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = torch.nn.functional.linear(hidden, weight).float()
+    # Fabric hands a bf16-true model's outputs back in fp32: back to the weight's dtype (exact), so the
+    # matmul runs as the output layer's would (autocast still applies under bf16-mixed).
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
     return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
