@@ -45,7 +45,7 @@ from bigtune.data import Collator, build_examples  # noqa: E402
 from bigtune.engine import train  # noqa: E402
 from bigtune.models import apply_peft, build_model, enable_activation_checkpointing, load_tokenizer  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
-from bigtune.stepmath import causal_pairs, flop_shape, training_flops  # noqa: E402
+from bigtune.stepmath import flop_shape, training_flops  # noqa: E402
 
 # Each preset is a set of recipe overrides; both sides read their settings from the resolved recipe.
 PRESETS = {
@@ -191,14 +191,15 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
         model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing)
     shape = flop_shape(model)
 
-    counts = {"on": False, "tokens": torch.zeros((), dtype=torch.long), "flops": 0.0}
+    counts = {"on": False, "tokens": 0, "pairs": 0}
 
     def count(module, args, kwargs):  # every micro-batch forward in the timed window
         if counts["on"]:
-            mask = kwargs["attention_mask"].cpu() if "attention_mask" in kwargs else None
-            n = int(mask.sum())
-            counts["tokens"] += n
-            counts["flops"] += training_flops(shape, n, causal_pairs(mask))
+            # Summed on the device, read once at the end: no host sync in Trainer's loop. FLOPs are
+            # linear in tokens and attended pairs (stepmath.causal_pairs, written out for tensors).
+            mask = kwargs["attention_mask"].long()
+            counts["tokens"] = counts["tokens"] + mask.sum()
+            counts["pairs"] = counts["pairs"] + (mask.cumsum(-1) * mask).sum()
 
     model.register_forward_pre_hook(count, with_kwargs=True)
 
@@ -243,7 +244,8 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
         result = trainer.train()
     peaks = _cuda_peaks()
     seconds = clock.t1 - clock.t0
-    res = {"tokens_per_s": int(counts["tokens"]) / seconds, "model_flops_per_s": counts["flops"] / seconds,
+    flops = training_flops(shape, int(counts["tokens"]), int(counts["pairs"]))
+    res = {"tokens_per_s": int(counts["tokens"]) / seconds, "model_flops_per_s": flops / seconds,
            "timed_steps": r.train.max_steps - warmup, "mean_loss": result.training_loss}
     if peaks:
         res.update(peaks)
