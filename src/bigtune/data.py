@@ -300,8 +300,47 @@ def split_and_select(examples: list, report: DataReport, cfg: DataConfig, seed: 
 
 # -- batching ---------------------------------------------------------------------------------------
 
+@dataclass
+class PackedRow:
+    """Several examples concatenated into one row (data.packing). ``position_ids`` restart at 0 for
+    each example, which is how the model keeps attention inside each one; the first label of each
+    example is IGNORE_INDEX so no example's first token is predicted from the previous one."""
+    input_ids: list[int]
+    labels: list[int]
+    position_ids: list[int]
+    samples: int
+
+
+def pack_examples(examples: list[Example], max_len: int, seed: int) -> list[PackedRow]:
+    """Seeded shuffle, then fill rows of at most ``max_len`` tokens in order (next-fit).
+
+    Each example keeps its own loss targets: labels[0] of an example is never a target unpacked
+    (nothing precedes it), and masking it here keeps it that way packed.
+    """
+    order = list(range(len(examples)))
+    random.Random(seed + 11).shuffle(order)
+    rows: list[PackedRow] = []
+    cur = PackedRow([], [], [], 0)
+    for i in order:
+        e = examples[i]
+        if cur.samples and len(cur.input_ids) + len(e.input_ids) > max_len:
+            rows.append(cur)
+            cur = PackedRow([], [], [], 0)
+        cur.input_ids += e.input_ids
+        cur.labels += [IGNORE_INDEX] + e.labels[1:]
+        cur.position_ids += list(range(len(e.input_ids)))
+        cur.samples += 1
+    if cur.samples:
+        rows.append(cur)
+    return rows
+
+
 class Collator:
-    """Right-pads a list of examples to the longest one; padding gets label -100 and mask 0."""
+    """Right-pads a list of examples to the longest one; padding gets label -100 and mask 0.
+
+    Packed rows (PackedRow) also get ``position_ids``; their padding is one more document (positions
+    from 0) so the model, given position ids and no attention mask, isolates it like the others.
+    """
 
     def __init__(self, pad_id: int, pad_to_multiple_of: int = 1):
         self.pad_id = pad_id
@@ -318,6 +357,16 @@ class Collator:
             ids[i, :k] = torch.tensor(e.input_ids)
             labels[i, :k] = torch.tensor(e.labels)
             mask[i, :k] = 1
+        if isinstance(batch[0], PackedRow):
+            pos = torch.arange(n).repeat(len(batch), 1)
+            for i, e in enumerate(batch):
+                k = len(e.input_ids)
+                pos[i, :k] = torch.tensor(e.position_ids)
+                pos[i, k:] -= k
+            # The attention mask stays out of the forward (padded False): with it, the model would
+            # ignore the document boundaries in position_ids. It still counts the real tokens.
+            return {"input_ids": ids, "attention_mask": mask, "labels": labels, "position_ids": pos,
+                    "padded": False, "packed": True, "samples": sum(e.samples for e in batch)}
         # `padded` lets the model skip the attention mask when every row is full: HF then calls SDPA
         # with is_causal (flash kernels, no S×S mask), saving memory and time.
         return {"input_ids": ids, "attention_mask": mask, "labels": labels,
@@ -327,8 +376,12 @@ class Collator:
 class EpochSampler(torch.utils.data.Sampler[int]):
     """Seeded permutation per epoch that can start mid-epoch, so a resumed run sees the same data."""
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
+    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1,
+                 lengths: Optional[list[int]] = None, group_size: int = 0):
         self.n, self.seed, self.shuffle = n, seed, shuffle
+        # Length grouping (data.group_by_length): within each run of group_size samples of the
+        # permutation, longest first, so a micro-batch holds similar lengths and little padding.
+        self.lengths, self.group_size = lengths, group_size
         self.rank, self.world = rank, world
         self.epoch = 0
         self.start = 0  # first position (in this rank's share) to yield, set on resume
@@ -345,7 +398,13 @@ class EpochSampler(torch.utils.data.Sampler[int]):
             return list(range(self.n))
         # A large odd stride keeps (seed, epoch) pairs from sharing a permutation.
         g = torch.Generator().manual_seed(self.seed + 1_000_003 * self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
+        perm = torch.randperm(self.n, generator=g).tolist()
+        if self.lengths is None or self.group_size <= 1:
+            return perm
+        out = []
+        for i in range(0, self.n, self.group_size):
+            out += sorted(perm[i:i + self.group_size], key=lambda j: -self.lengths[j])
+        return out
 
     def rank_order(self) -> list[int]:
         """This rank's share: every world-th sample of the epoch's permutation, starting at its rank.

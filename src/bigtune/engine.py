@@ -26,15 +26,15 @@ from typing import Any, Optional
 import torch
 
 from bigtune import memory as mem
-from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples
+from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples, pack_examples
 from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
-    forward_inputs, load_tokenizer_or_processor, shifts_labels
+    forward_inputs, hidden_states_out, load_tokenizer_or_processor, plain_output_head, shifts_labels
 from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
 from bigtune.rundir import RunDir, pick_run_dir
-from bigtune.stepmath import GIB, IGNORE_INDEX, causal_lm_loss_sum, human_bytes, loss_normaliser, mfu, model_flops_per_token, \
-    target_token_count, throughput
+from bigtune.stepmath import GIB, IGNORE_INDEX, causal_lm_loss_sum, causal_pairs, chunked_lm_loss_sum, flop_shape, \
+    human_bytes, loss_normaliser, mfu, target_token_count, throughput, training_flops
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
 
@@ -167,7 +167,13 @@ def build(recipe: Recipe, fabric) -> Built:
         model = fabric.setup_module(model)
         optimizer = raw_optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model, lr=recipe.lr))
 
-    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size)
+    if recipe.data.packing:
+        examples = pack_examples(examples, recipe.data.max_seq_length, recipe.seed)
+    grouping = {}
+    if recipe.data.group_by_length:
+        grouping = {"lengths": [len(e.input_ids) for e in examples],
+                    "group_size": 50 * recipe.train.micro_batch_size * fabric.world_size}
+    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size, **grouping)
     loader = torch.utils.data.DataLoader(
         make_dataset(examples), batch_size=recipe.train.micro_batch_size, sampler=sampler,
         collate_fn=collator, num_workers=recipe.data.num_workers,
@@ -260,6 +266,7 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     snaps: list[mem.Snapshot] = []
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
+    head = chunked_loss_head(b.recipe, model)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         padded = batch.get("padded", True)
@@ -270,13 +277,21 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
             snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
         with micro_batch_context(fabric, model, last):
             state.phase = "forward"
-            logits = model(**forward_inputs(batch, padded)).logits
-            loss = causal_lm_loss_sum(logits, batch["labels"], shift, getattr(b, "class_weights", None)) * scale
+            with hidden_states_out(head):
+                logits = model(**forward_inputs(batch, padded)).logits  # the hidden states when chunking
+            if head is not None:
+                with fabric.autocast():  # the output layer computes as it would inside the forward
+                    loss = chunked_lm_loss_sum(logits, head.weight, batch["labels"],
+                                               b.recipe.train.loss_chunk_tokens, shift) * scale
+            else:
+                loss = causal_lm_loss_sum(logits, batch["labels"], shift, getattr(b, "class_weights", None)) * scale
+            # Backward needs the loss's saved tensors, not the logits: holding them through backward
+            # would add tokens × vocab × bytes to the step's peak.
+            del logits
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             state.phase = "backward"
             fabric.backward(loss, **backward_kwargs(fabric))
-        del logits
         loss_total += loss.detach()
         del loss
     if measure:
@@ -306,6 +321,15 @@ def _text_shape(batch: dict) -> list[int]:
     return [int(b), int(n)]
 
 
+def chunked_loss_head(r: Recipe, model) -> Optional[torch.nn.Linear]:
+    """The output layer to compute the loss from in chunks, or None for the plain loss (chunking off,
+    or a model/strategy it does not apply to: see train.loss_chunk_tokens)."""
+    if not r.train.loss_chunk_tokens or r.strategy == "fsdp" or r.strategy.startswith("deepspeed") \
+            or r.model.family != "causal-lm":
+        return None
+    return plain_output_head(model)
+
+
 def windows(b: Built, epoch: int, first_window: int):
     """Yield lists of micro-batches (one list per optimizer step) for ``epoch``, from ``first_window``."""
     k = b.recipe.accumulate
@@ -322,7 +346,8 @@ def windows(b: Built, epoch: int, first_window: int):
 def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMonitor], peak_flops: Optional[float]):
     r = b.recipe
     progress = Progress(b.total_steps)
-    flops_per_token = None
+    shape_for_flops = None
+    window_flops = 0.0
     loss_acc = torch.zeros((), device=b.fabric.device)
     window_tokens = window_samples = 0
     window_t0 = time.perf_counter()
@@ -334,7 +359,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 state.step in (0, 1) or state.step % r.memory.every_steps == 0)
             loss, snaps = train_step(b, batches, monitor, measure, state)
             shape = _text_shape(batches[0])
-            padded = any(x.get("padded", True) for x in batches)
+            # Packed rows attend through an explicit block mask, as padded batches do (for the planner).
+            padded = any(x.get("padded", True) or x.get("packed", False) for x in batches)
             if snaps:
                 per_rank = mem.gather_snapshots(b.fabric, snaps)
                 for rank, rank_snaps in enumerate(per_rank):
@@ -344,11 +370,16 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 print(mem.format_table(snaps, _capacity(b.fabric.device, r)), flush=True)
                 if len(per_rank) > 1:
                     print(mem.format_rank_spread(per_rank), flush=True)
+            # Counted on the host-side batch (still on the CPU): no device sync.
             tokens = sum(int(x["attention_mask"].sum()) for x in batches)  # this rank's; summed at logging
-            samples = sum(x["input_ids"].shape[0] for x in batches) * b.fabric.world_size  # equal shares
-            if flops_per_token is None:
-                seq = max(x["input_ids"].shape[1] for x in batches)
-                flops_per_token = model_flops_per_token(b.model.module, seq) or 0.0
+            # Equal shares per rank; a packed row holds several samples.
+            samples = sum(x.get("samples", x["input_ids"].shape[0]) for x in batches) * b.fabric.world_size
+            if shape_for_flops is None:
+                shape_for_flops = flop_shape(b.model) or False
+            if shape_for_flops:
+                window_flops += sum(training_flops(shape_for_flops, int(x["attention_mask"].sum()),
+                                                   causal_pairs(x["attention_mask"], x.get("position_ids")))
+                                    for x in batches)
             state.tokens += tokens
             state.samples += samples
             window_tokens += tokens
@@ -374,7 +405,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 tp = throughput(window_tokens, window_samples, dt)
                 rec = {"step": state.step, "epoch": epoch, "loss": mean_loss, "lr": b.scheduler.get_last_lr()[0],
                        "step_time_s": dt / window_steps, **tp,
-                       "mfu": mfu(tp["tokens_per_s"], flops_per_token, peak_flops), "tokens": state.tokens}
+                       "model_flops_per_s": window_flops / dt, "mfu": mfu(window_flops / dt, peak_flops),
+                       "tokens": state.tokens}
                 run.append_jsonl("metrics.jsonl", rec)
                 run.append_csv("metrics.csv", rec)
                 _tensorboard(run, rec)
@@ -385,6 +417,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                                 f"{tp['tokens_per_s']:,.0f} tok/s", newline=True)
                 loss_acc.zero_()
                 window_tokens = window_samples = window_steps = 0
+                window_flops = 0.0
                 window_t0 = time.perf_counter()
             elif progress.tty:
                 progress.update(state.step, "", newline=False)
@@ -683,6 +716,9 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
     b = build(r, fabric)  # raises on bad data/model before the run dir exists
     for line in b.data_report.lines():
         print(line, flush=True)
+    if r.data.packing:
+        print(f"data.packing: {b.data_report.used} samples in {b.sampler.n} rows of up to {r.data.max_seq_length} "
+              "tokens (train.micro_batch_size counts rows)", flush=True)
     print(f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable), "
           f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
           f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)", flush=True)

@@ -344,3 +344,44 @@ def forward_inputs(batch: dict, padded: bool) -> dict:
     mask only when some row is padded (then HF can call SDPA with is_causal and no mask tensor)."""
     return {k: v for k, v in batch.items()
             if k != "labels" and (k != "attention_mask" or padded) and isinstance(v, torch.Tensor)}
+
+
+# Model types whose forward returns exactly lm_head(final hidden states) as logits (no soft-capping or
+# scaling after it): for them the loss can be computed from the hidden states in chunks.
+PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
+
+
+def plain_output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
+    """The output layer when it is a plain bias-free Linear at the end of a plain-head model (else None:
+    adapters or quantized layers on the head, or a model type that post-processes its logits)."""
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "config"):
+        m = m.module  # Fabric / DDP wrappers
+    if getattr(getattr(m, "config", None), "model_type", None) not in PLAIN_HEAD_TYPES:
+        return None
+    get = getattr(m, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:  # noqa: E721 - subclasses (bnb) differ
+        return None
+    return head
+
+
+def _pass_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+class hidden_states_out:
+    """Within this context the output layer passes its input through, so the model's ``logits`` are the
+    final hidden states (for a chunked loss). The weights and state dict are untouched."""
+
+    def __init__(self, head: Optional[torch.nn.Module]):
+        self.head = head
+
+    def __enter__(self):
+        if self.head is not None:
+            self.head.forward = _pass_hidden  # an instance attribute shadows the class's forward
+        return self
+
+    def __exit__(self, *exc):
+        if self.head is not None:
+            del self.head.forward

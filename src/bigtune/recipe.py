@@ -105,6 +105,11 @@ class DataConfig:
     num_train_samples: Optional[int] = _f(None, "Keep only this many samples after a seeded shuffle. Lab: "
                                           "num_train_samples.", min=1)
     num_workers: int = _f(0, "DataLoader worker processes. Lab: num_workers.", min=0)
+    packing: bool = _f(False, "Concatenate samples into rows of up to max_seq_length tokens (seeded order), "
+                       "position ids restarting per sample so attention and the loss never cross samples; "
+                       "train.micro_batch_size then counts rows. Less padding, more tokens per step. Causal LMs only.")
+    group_by_length: bool = _f(False, "Put samples of similar length in the same micro-batch (sorted within "
+                               "seeded groups of 50 micro-batches): less padding without packing.")
     val_fraction: float = _f(0.0, "Hold out this fraction of the samples (seeded) for validation; they never "
                              "appear in training batches.", min=0.0)
     val_source: Optional[str] = _f(None, "A separate validation source (same formats as `source`); overrides "
@@ -126,6 +131,11 @@ class TrainConfig:
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward "
                                         "(non-reentrant). Lab: act_ckpt.")
     log_every_steps: int = _f(1, "Print/write loss and throughput every N optimizer steps.", min=1)
+    loss_chunk_tokens: Optional[int] = _f(
+        None, "Compute the cross-entropy from the final hidden states this many tokens at a time, recomputing each "
+        "chunk's logits in backward: the full tokens × vocab logits (and their fp32 copy) are never held, for one "
+        "extra output-layer matmul. Same loss value. Applies to Llama/Mistral/Qwen2/OPT with a plain (no adapter) "
+        "output layer, not under FSDP; elsewhere the plain loss is used. None: off.", min=1)
 
 
 @dataclass
@@ -538,6 +548,10 @@ def check_combinations(r: Recipe) -> list[str]:
         p.append(f"data.val_fraction: {r.data.val_fraction} must be in [0, 1), e.g. 0.1")
     if r.data.val_source and not r.data.val_source.startswith("hf:") and not Path(r.data.val_source).expanduser().exists():
         p.append(f"data.val_source: {r.data.val_source} does not exist")
+    if (r.data.packing or r.data.group_by_length) and r.model.family != "causal-lm":
+        p.append("data.packing / data.group_by_length: only causal-lm models pack or group samples; turn them off")
+    if r.data.packing and r.data.group_by_length:
+        p.append("data.packing with data.group_by_length: packed rows are already full; set only one")
     if r.eval.every_steps and not (r.data.val_fraction or r.data.val_source):
         p.append("eval.every_steps: there is no validation split; set data.val_fraction (e.g. 0.1) or data.val_source")
     p.extend(_check_image_to_text(r))

@@ -6,7 +6,8 @@ used by the engine, the planner and the benchmarks alike; keeping them here stop
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 
@@ -41,6 +42,39 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: bool =
         ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # Fabric hands a bf16-true model's outputs back in fp32: back to the weight's dtype (exact), so the
+    # matmul runs as the output layer's would (autocast still applies under bf16-mixed).
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+                        shift: bool = True) -> torch.Tensor:
+    """``causal_lm_loss_sum(hidden @ weight.T, labels)`` without ever holding the whole logits.
+
+    ``hidden`` is what the output layer (a bias-free Linear with ``weight``) would receive. The
+    logits and their fp32 copy exist for ``chunk_tokens`` tokens at a time, in forward and in
+    backward: each chunk is checkpointed, so backward recomputes its logits (one extra output-layer
+    matmul, vocab × hidden FLOPs ×2 per token) instead of keeping tokens × vocab × 10 bytes alive.
+    """
+    if shift:
+        # Shift the labels rather than the hidden states: a view, not a copy; the last position
+        # gets IGNORE_INDEX and contributes nothing.
+        pad = torch.full_like(labels[..., :1], IGNORE_INDEX)
+        labels = torch.cat([labels[..., 1:], pad], dim=-1)
+    h = hidden.reshape(-1, hidden.size(-1))
+    y = labels.reshape(-1)
+    from torch.utils.checkpoint import checkpoint
+
+    total = None
+    for start in range(0, h.size(0), chunk_tokens):
+        part = checkpoint(_chunk_loss_sum, h[start:start + chunk_tokens], weight, y[start:start + chunk_tokens],
+                          use_reentrant=False)
+        total = part if total is None else total + part
+    return total
+
+
 def loss_normaliser(micro_batch_labels: Iterable[torch.Tensor], world_size: int = 1,
                     global_token_count: int | None = None, shift: bool = True) -> float:
     """Factor to multiply each micro-batch's summed loss by before backward.
@@ -56,30 +90,81 @@ def loss_normaliser(micro_batch_labels: Iterable[torch.Tensor], world_size: int 
     return world_size / max(n, 1)
 
 
+# -- FLOPs -------------------------------------------------------------------------------------------
+#
+# Convention (model FLOPs, what MFU divides by): a matmul with an m×n weight costs 2·m·n FLOPs per
+# token forward; backward costs 2·m·n for the input gradient plus 2·m·n for the weight gradient,
+# the latter only when the weight trains (a frozen LoRA base skips it). Causal attention costs, per
+# layer and per (query, key) pair it actually attends, 2·d for q·k and 2·d for p·v forward (d: the
+# query width, heads × head_dim; grouped K/V heads change the projections, not this), and twice
+# that backward. A causal sequence of n tokens has n(n+1)/2 pairs; packed documents attend only
+# within themselves. Recomputation (activation checkpointing) is not model work and is not counted.
+
+
+@dataclass(frozen=True)
+class FlopShape:
+    """The sizes a decoder's training FLOPs depend on."""
+    n_layers: int
+    attn_dim: int                    # num_attention_heads × head_dim
+    trainable_matmul_params: int     # weights of Linear layers that receive gradients
+    frozen_matmul_params: int        # Linear weights that only pass gradients through
+
+
+def training_flops(shape: FlopShape, tokens: int | float, causal_pairs: int | float, backward: bool = True) -> float:
+    """Model FLOPs of a forward (+ backward) over ``tokens`` tokens attending ``causal_pairs`` pairs."""
+    matmul = 2.0 * (shape.trainable_matmul_params + shape.frozen_matmul_params) * tokens
+    attention = 4.0 * shape.n_layers * shape.attn_dim * causal_pairs
+    if not backward:
+        return matmul + attention
+    matmul_bwd = (4.0 * shape.trainable_matmul_params + 2.0 * shape.frozen_matmul_params) * tokens
+    return matmul + matmul_bwd + 3.0 * attention
+
+
+def causal_pairs(attention_mask: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> int:
+    """(query, key) pairs a causal model attends in a batch: each real token sees itself and the
+    earlier tokens of its own document, i.e. its position + 1. Padding (mask 0) attends nothing."""
+    mask = attention_mask.long()
+    pos = position_ids if position_ids is not None else mask.cumsum(-1) - 1
+    return int(((pos + 1) * mask).sum())
+
+
 def decoder_flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int,
                             backward: bool = True) -> float:
-    """Model FLOPs per token of a decoder-only transformer (forward, or forward + backward).
+    """FLOPs per token of a fully trained decoder on full rows of ``seq_len`` tokens (planner use)."""
+    shape = FlopShape(n_layers, hidden, n_matmul_params, 0)
+    return training_flops(shape, seq_len, seq_len * (seq_len + 1) / 2, backward) / seq_len
 
-    2 FLOPs per weight per token for every matmul weight, plus causal attention scores and their
-    weighted sum: 2·2·s·h per layer for full attention, halved because only the lower triangle is
-    useful work. Backward costs twice the forward. This is the MFU convention (no recomputation).
-    """
-    forward = 2.0 * n_matmul_params + 2.0 * n_layers * seq_len * hidden
-    return forward * (3.0 if backward else 1.0)
+
+def flop_shape(model: torch.nn.Module) -> Optional[FlopShape]:
+    """FlopShape of a Hugging Face decoder (wrapped or not); None when its config lacks the sizes."""
+    m = model
+    while not hasattr(m, "config") and hasattr(m, "module"):
+        m = m.module
+    cfg = getattr(m, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not layers or not heads or not hidden:
+        return None
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    trainable = frozen = 0
+    for mod in model.modules():
+        # Every Linear weight does a matmul per token; the input embedding is a lookup, not a matmul.
+        if isinstance(mod, torch.nn.Linear):
+            if mod.weight.requires_grad:
+                trainable += mod.weight.numel()
+            else:
+                frozen += mod.weight.numel()
+    return FlopShape(int(layers), int(heads * head_dim), trainable, frozen)
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
-    """FLOPs per trained token for a Hugging Face decoder model (None when the shape is unknown)."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
+    """FLOPs per trained token on full rows of ``seq_len`` tokens (None when the shape is unknown)."""
+    shape = flop_shape(model)
+    if shape is None:
         return None
-    layers = getattr(cfg, "num_hidden_layers", None)
-    hidden = getattr(cfg, "hidden_size", None)
-    if not layers or not hidden:
-        return None
-    # Every Linear weight does a matmul per token; the input embedding is a lookup, not a matmul.
-    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    return decoder_flops_per_token(n, layers, hidden, seq_len)
+    return training_flops(shape, seq_len, seq_len * (seq_len + 1) / 2) / seq_len
 
 
 def throughput(tokens: int, samples: int, seconds: float) -> dict[str, float]:
@@ -87,11 +172,11 @@ def throughput(tokens: int, samples: int, seconds: float) -> dict[str, float]:
     return {"tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds}
 
 
-def mfu(tokens_per_s: float, flops_per_token: float | None, peak_flops: float | None, n_devices: int = 1) -> float | None:
+def mfu(flops_per_s: float | None, peak_flops: float | None, n_devices: int = 1) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the devices' peak (None when unknown)."""
-    if not flops_per_token or not peak_flops:
+    if not flops_per_s or not peak_flops:
         return None
-    return tokens_per_s * flops_per_token / (peak_flops * n_devices)
+    return flops_per_s / (peak_flops * n_devices)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
