@@ -317,9 +317,9 @@ def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict):
 
 def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
     """(LM linear numel, vision+Q-Former linear numel, largest quantizable linear, quantizable linears)."""
-    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    lm = vision = largest = 0
-    quant = []
+    from bigtune.planner import quantized_linears
+
+    lm = vision = 0
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear):
             continue
@@ -328,32 +328,18 @@ def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
             vision += n
         else:
             lm += n
-        # transformers' bitsandbytes loading keeps the output head and _keep_in_fp32_modules unquantized.
-        if name.endswith("lm_head") or name.endswith("score") or name.endswith("classifier") or \
-                any(k in name.split(".") for k in keep):
-            continue
-        quant.append(mod.weight)
-        largest = max(largest, n)
+    # the same rule as training plans: what transformers' bitsandbytes loading quantizes
+    quant = [mod.weight for _, mod in quantized_linears(model)]
+    largest = max((w.numel() for w in quant), default=0)
     return lm, vision, largest, quant
 
 
 def quantized_weight_delta(weights: list, quantize: str, double_quant: bool) -> int:
-    """Bytes bitsandbytes loading saves on the given linear weights (negative).
+    """Bytes bitsandbytes loading saves on the given linear weights (negative); the byte rule is the
+    training planner's ``packed_weight_bytes``."""
+    from bigtune.planner import packed_weight_bytes
 
-    4-bit: n/2 bytes + one fp32 scale per 64 weights (double quantization: a uint8 scale per 64 and an
-    fp32 one per 256 of those, + the 256-entry nested code) + the 16-entry fp32 code; int8: n bytes +
-    one fp32 scale per row. Same rules as the training planner's ``quantized_parameter_delta``.
-    """
-    delta = 0
-    for w in weights:
-        n = w.numel()
-        if quantize == "int8":
-            new = n + w.shape[0] * 4
-        else:
-            blocks = -(-n // 64)
-            new = n // 2 + (blocks + 4 * -(-blocks // 256) + 1024 if double_quant else 4 * blocks) + 64
-        delta += new - n * w.element_size()
-    return delta
+    return sum(packed_weight_bytes(w, quantize, double_quant) - w.numel() * w.element_size() for w in weights)
 
 
 def simulate(config, family: str, w: Workload, cuda: bool, attn_implementation: str = "sdpa") -> InferSim:

@@ -354,16 +354,30 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
 EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
 
 
-def _quantized_linears(model: torch.nn.Module):
+OUTPUT_HEADS = ("lm_head", "score", "classifier")  # output layers bitsandbytes loading leaves unquantized
+
+
+def quantized_linears(model: torch.nn.Module):
     """(name, module) of the nn.Linear layers bitsandbytes quantizes: all but the output head, the
-    adapters, and the model's _keep_in_fp32_modules (BLIP-2: the Q-Former and its queries; T5: the
-    feed-forward output projections), matched by name component as transformers does."""
+    adapters, and every (sub)model's _keep_in_fp32_modules (BLIP-2: the Q-Former and its queries; T5:
+    the feed-forward output projections), matched by name component as transformers does."""
     keep = {k for m in model.modules() for k in (getattr(type(m), "_keep_in_fp32_modules", None) or ())}
+    keep.update(OUTPUT_HEADS)
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Linear) or "lora_" in name or name.endswith("lm_head") \
-                or name.endswith("lm_head.base_layer") or keep & set(name.split(".")):
+        if not isinstance(mod, torch.nn.Linear) or "lora_" in name or keep & set(name.split(".")):
             continue
         yield name, mod
+
+
+def packed_weight_bytes(w: torch.Tensor, quantize: str, double_quant: bool) -> int:
+    """Bytes of one linear weight after bitsandbytes loading: int8 = n + an fp32 scale per row; 4-bit =
+    n/2 + one fp32 absmax per 64 weights (double quantization: a uint8 per 64 and an fp32 per 256 of
+    those, + the 256-entry nested code) + the 16-entry fp32 NF4/FP4 code."""
+    n = w.numel()
+    if quantize == "int8":
+        return n + w.shape[0] * 4
+    blocks = -(-n // 64)
+    return n // 2 + (blocks + 4 * -(-blocks // 256) + 1024 if double_quant else 4 * blocks) + 64
 
 
 class _Fake4bitMatmul(torch.autograd.Function):
@@ -386,7 +400,7 @@ def _emulate_4bit(model: torch.nn.Module, compute: torch.dtype) -> None:
     """Make a fake model behave like a QLoRA base for memory: peft's k-bit preparation keeps every
     weight that is not quantized in fp32 (so hidden states run in fp32 between the 4-bit matmuls),
     and each 4-bit layer casts its input to the compute dtype and its output back to the input's."""
-    quantized = dict(_quantized_linears(model))
+    quantized = dict(quantized_linears(model))
     ids = {id(m.weight) for m in quantized.values()}
     for p in model.parameters():
         if id(p) not in ids and p.dtype in (torch.float16, torch.bfloat16):
@@ -404,7 +418,7 @@ def _emulate_4bit(model: torch.nn.Module, compute: torch.dtype) -> None:
 def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quant: bool) -> int:
     """Bytes that loading the base with bitsandbytes changes, relative to the simulated model.
 
-    Every quantized nn.Linear (see _quantized_linears) becomes 4-bit (n/2 bytes + one scale per 64
+    Every quantized nn.Linear (see quantized_linears) becomes 4-bit (n/2 bytes + one scale per 64
     weights: fp32, or uint8 with an fp32 scale per 256 scales under double quantization) or int8
     (n bytes + an fp32 scale per row); peft's k-bit preparation casts the remaining 16-bit weights
     (embeddings, norms, head) to fp32. For 4-bit the simulation already ran that way
@@ -413,17 +427,10 @@ def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quan
     """
     delta = 0
     quantized_ids = set()
-    for name, mod in _quantized_linears(model):
+    for name, mod in quantized_linears(model):
         w = mod.weight
-        n = w.numel()
         quantized_ids.add(id(w))
-        if quantize == "int8":
-            new = n + w.shape[0] * 4
-        else:
-            blocks = -(-n // 64)
-            # + the 16-entry fp32 NF4/FP4 code per layer, and the 256-entry nested code with double quant
-            new = n // 2 + (blocks + 4 * -(-blocks // 256) + 1024 if double_quant else 4 * blocks) + 64
-        delta += new - n * w.element_size()
+        delta += packed_weight_bytes(w, quantize, double_quant) - w.numel() * w.element_size()
     for name, p in model.named_parameters():
         if id(p) not in quantized_ids and "lora_" not in name and p.dtype in (torch.float16, torch.bfloat16):
             delta += p.numel() * (4 - p.element_size())
