@@ -166,3 +166,24 @@ def test_plan_only_answers_which_rungs_fit_before_renting_the_gpu(tmp_path, caps
     states = sum(xxl["phases"]["after_optimizer"][c] for c in ("parameters", "gradients", "optimizer_device"))
     assert xxl["fits"] is False and states > xxl["capacity"]
     assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
+def test_llm_multi_ladder_validates_and_plans(capsys, monkeypatch, tmp_path):
+    path = ROOT / "ladders" / "llm-multi.yaml"
+    s = read_sweep(path)
+    assert [v.name for v in s.variants] == ["1-one-gpu", "2-ddp-x4", "3-fsdp-x4", "4-fsdp-x4-bs8",
+                                            "5-13b-zero3-offload"]
+    refused = validate(s, True)
+    assert list(refused) == ["5-13b-zero3-offload"]  # DeepSpeed needs CUDA: recorded, not dropped
+    monkeypatch.chdir(tmp_path)
+    rc = sweep_cli(["sweep", str(path), "--plan-only", "h100-80gb", "--json", "--only", "2-ddp-x4",
+                    "5-13b-zero3-offload"])
+    plans = {p["variant"]: p for p in json.loads(capsys.readouterr().out)["plans"]}
+    assert rc == 0
+    ddp, zero3 = plans["2-ddp-x4"], plans["5-13b-zero3-offload"]
+    # ZeRO-3 with offload keeps no parameters or Adam state on the GPU: a 13B model needs less device
+    # memory per GPU than DDP's replicated 7B, and the offloaded state is reported as host RAM.
+    last = zero3["phases"]["after_optimizer"]
+    assert last["parameters"] == 0 and last["optimizer_device"] == 0 and last["optimizer_cpu"] > 0
+    assert 0 < zero3["peak_allocated"] < ddp["peak_allocated"] and zero3["fits"] is True
+    assert all(ph["allocated"] > 0 for ph in zero3["phases"].values())

@@ -639,10 +639,15 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         moved /= target.gpus
     t_opt = moved / (target.gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_BW_EFFICIENCY)
     host = states.get("optimizer_cpu", 0)
+    split, moved = shard_layout(target.strategy)
+    if "optimizer_device" in moved:  # ZeRO offload: each process updates its shard on the CPU
+        host += states["optimizer_device"] / target.gpus
     if host:
         # CPU-offloaded update: the CPU reads and writes its state once, gradients go down and the
         # updated weights come back over PCIe (both assumed rates, see the constants).
-        t_opt += 2 * host / (HOST_UPDATE_GBS * 1e9) + (states["gradients"] + states["parameters"]) / (PCIE_GBS * 1e9)
+        shard = target.gpus if "gradients" in split else 1
+        t_opt += 2 * host / (HOST_UPDATE_GBS * 1e9) + \
+            (states["gradients"] + states["parameters"]) / shard / (PCIE_GBS * 1e9)
     t_comm = 0.0
     if target.gpus > 1 and target.gpu.interconnect_gbs:
         grad_bytes = states["gradients"]
@@ -697,15 +702,18 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     if sim is None:
         sim = simulate_full_depth(recipe, config, cuda, padded=padded)
     phases, peak, notes = _shard(sim, recipe, target, total_blocks(config))
+    simulated_host = max((ph.get("optimizer_cpu", 0) for ph in sim.phases.values()), default=0)
+    if cuda and simulated_host:
+        # The simulation runs on one (fake) CPU, where an offloading optimizer's state shares the
+        # memory counters; on a GPU it lives in host RAM, so it leaves the device's allocated and peak.
+        # (State that _shard moves off the device for ZeRO offload was never counted there.)
+        phases = copy.deepcopy(phases)
+        for name, ph in phases.items():
+            for c in ("allocated", "peak_allocated"):
+                ph[c] -= sim.phases[name].get("optimizer_cpu", 0)
+        peak -= simulated_host
     host = max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
     if cuda and host:
-        # The simulation runs on one (fake) CPU, where offloaded optimizer state shares the memory
-        # counters; on a GPU it lives in host RAM, so it leaves the device's allocated and peak.
-        phases = copy.deepcopy(phases)
-        for ph in phases.values():
-            for c in ("allocated", "peak_allocated"):
-                ph[c] -= ph.get("optimizer_cpu", 0)
-        peak -= host
         notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
     if recipe.model.quantize != "none":
         notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic" + (

@@ -905,7 +905,8 @@ def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[s
         try:
             r = load_recipe(sweep.base, {**sweep.overrides_for(v, tiny), "accelerator": "cpu"}, check=False)
             n = r.world_size
-            strategy = r.strategy if r.strategy in ("ddp", "fsdp") else ("ddp" if n > 1 else "single")
+            strategy = r.strategy if r.strategy in ("ddp", "fsdp") or r.strategy.startswith("deepspeed") \
+                else ("ddp" if n > 1 else "single")
             if r.model.name not in configs:
                 configs[r.model.name] = resolve_config(r)
             p = plan(r, Target("cuda", gpu, n, strategy), v.name, config=configs[r.model.name])
