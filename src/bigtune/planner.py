@@ -114,6 +114,7 @@ class Sim:
     numel: int
     matmul_numel: int
     parts: dict[str, int] = field(default_factory=dict)
+    block_numel: int = 0  # elements inside the repeated blocks FSDP shards one by one (the rest is the root)
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,12 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
                                family=family)
         numel = sum(p.numel() for p in model.parameters())
         parts = _matmul_parts(model)
+        from bigtune.dist import decoder_blocks
+
+        try:
+            block_numel = sum(p.numel() for blk in decoder_blocks(model) for p in blk.parameters())
+        except ValueError:
+            block_numel = 0
         wrapped = fabric.setup_module(model)
         opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -348,7 +355,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             for c in ("optimizer_device", "allocated", "peak_allocated"):
                 ph[c] += extra
         peak += extra
-    return Sim(steady, peak, numel, sum(parts.values()), parts)
+    return Sim(steady, peak, numel, sum(parts.values()), parts, block_numel)
 
 
 EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
@@ -480,7 +487,8 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
     parts = {k: ext(lambda x, k=k: x.parts.get(k, 0)) for k in base.parts}
     # The step's peak is at least every phase's: max and extrapolation do not commute exactly.
     peak = max([ext(lambda x: x.peak_allocated)] + [ph["peak_allocated"] for ph in phases.values()])
-    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts)
+    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts,
+               ext(lambda x: x.block_numel))
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -567,9 +575,12 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     es = 4 if recipe.precision == "32-true" else 2
     buffers = 0
     if "parameters" in split:
-        # Each rank all-gathers one block's full parameters (two in flight with prefetch) and
-        # reduce-scatters its gradients: about 3 blocks of unsharded weights in compute precision.
-        buffers += int(3 * sim.numel / max(1, n_layers) * es)
+        # Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
+        # and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
+        # norm, head) stay gathered from the root's forward through its backward.
+        per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
+        root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
+        buffers += int((root + 2 * per_block) * es)
     if target.strategy.startswith("deepspeed"):
         from bigtune.dist import BUCKET_ELEMENTS
 
@@ -797,7 +808,7 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
         return int(round(a + (b - a) * t))
 
     phases = {ph: {c: f(lo.phases[ph][c], hi.phases[ph][c]) for c in CATEGORIES} for ph in lo.phases}
-    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel)
+    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.parts, lo.block_numel)
 
 
 def _sim_key(r: Recipe, micro: int) -> str:
