@@ -1,4 +1,4 @@
-"""Task metrics, computed by maintained libraries (scikit-learn, sacrebleu, rouge-score), never by hand.
+"""Task metrics, computed by maintained libraries (torchmetrics, sacrebleu, rouge-score), never by hand.
 
 * classification: accuracy, macro-F1 (every class weighs the same, so a model that ignores a rare
   class is seen), per-class F1 and the confusion matrix (rows: true class, columns: predicted);
@@ -27,20 +27,30 @@ def _need(module: str, package: str):
 
 
 def classification_metrics(y_true: Sequence[int], y_pred: Sequence[int], label_names: Sequence[str]) -> dict:
-    """accuracy, macro_f1, per-class F1 and the confusion matrix over class indices 0..K-1."""
-    _need("sklearn", "scikit-learn")
-    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
+    """accuracy, macro_f1, per-class F1 and the confusion matrix over class indices 0..K-1.
 
-    labels = list(range(len(label_names)))
-    y_true, y_pred = list(map(int, y_true)), list(map(int, y_pred))
-    if not y_true:
+    torchmetrics (Lightning's own metrics library; scikit-learn would add SciPy to every install, and
+    Lightning then imports SciPy at start-up: +1.4 s on every command). Macro-F1 is the plain mean of
+    the per-class F1 over all K classes, a class never seen nor predicted counting 0 (scikit-learn's
+    zero_division=0), so a model that ignores a class is penalised.
+    """
+    import torch
+
+    _need("torchmetrics", "torchmetrics")
+    from torchmetrics.functional.classification import multiclass_accuracy, multiclass_confusion_matrix, \
+        multiclass_f1_score
+
+    k = len(label_names)
+    if not len(y_true):
         raise ValueError("classification_metrics: no samples to score")
-    per_class = f1_score(y_true, y_pred, labels=labels, average=None, zero_division=0)
+    t = torch.tensor([int(x) for x in y_true])
+    p = torch.tensor([int(x) for x in y_pred])
+    per_class = multiclass_f1_score(p, t, num_classes=k, average="none", zero_division=0).tolist()
     return {
-        "accuracy": float(accuracy_score(y_true, y_pred)),
-        "macro_f1": float(f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)),
+        "accuracy": float(multiclass_accuracy(p, t, num_classes=k, average="micro")),
+        "macro_f1": float(sum(per_class) / k),
         "f1_per_class": {str(n): float(f) for n, f in zip(label_names, per_class)},
-        "confusion_matrix": confusion_matrix(y_true, y_pred, labels=labels).tolist(),
+        "confusion_matrix": multiclass_confusion_matrix(p, t, num_classes=k).tolist(),
         "label_names": [str(n) for n in label_names],
         "samples": len(y_true),
     }
