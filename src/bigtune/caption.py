@@ -20,10 +20,8 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Optional
-
-from bigtune.infer import InferError, _adapter_base, _atomic_write, _check_model_folder, _resolve_device, \
-    _torch_dtype
+from bigtune.infer import InferError, _adapter_base, _atomic_write, _resolve_device, _torch_dtype, attach_adapter, \
+    locate_model
 
 
 def expand_images(items: list[str]) -> list[str]:
@@ -67,35 +65,13 @@ def _load_model(source: str, torch_dtype, device: str):
 
 def load_captioner(path_or_run: str, dtype: str = "auto", device: str = "auto"):
     """(model, processor) in eval mode from a run directory, model folder or adapter folder."""
-    path = Path(path_or_run).expanduser()
-    if not path.is_dir():
-        raise InferError(f"--model {path_or_run}: not a folder; give a bigtune run directory, a Hugging Face model "
-                         "folder or an adapter folder")
+    folder, adapter = locate_model(path_or_run)
     device = _resolve_device(device)
     torch_dtype = _torch_dtype(dtype, device)
-    adapter: Optional[Path] = None
-    if (path / "adapter_config.json").is_file():
-        adapter = path
-    elif (path / "config.json").is_file():
-        _check_model_folder(path)
-        return _load_model(str(path), torch_dtype, device).eval(), _load_processor(path)
-    elif (path / "model" / "config.json").is_file():
-        _check_model_folder(path / "model")
-        return _load_model(str(path / "model"), torch_dtype, device).eval(), _load_processor(path / "model")
-    elif (path / "adapter" / "adapter_config.json").is_file():
-        adapter = path / "adapter"
-    else:
-        raise InferError(f"{path} holds no model: expected config.json (a model), adapter_config.json (an adapter) "
-                         "or a bigtune run directory with model/ or adapter/")
-    from peft import PeftModel
-
+    if folder is not None:
+        return _load_model(str(folder), torch_dtype, device).eval(), _load_processor(folder)
     base = _adapter_base(adapter)
-    model = _load_model(base, torch_dtype, device)
-    try:
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
-    except Exception as e:
-        raise InferError(f"could not attach adapter {adapter} to base {base} ({type(e).__name__}: "
-                         f"{str(e)[:300]})") from e
+    model = attach_adapter(_load_model(base, torch_dtype, device), adapter, base)
     return model.to(device).eval(), _load_processor(adapter, base if Path(base).is_dir() else None)
 
 

@@ -227,14 +227,11 @@ def load_classifier(path_or_run: str, dtype: str = "auto", device: str = "auto")
     """(model, tokenizer, label names) in eval mode from a model folder, run directory or adapter folder."""
     from transformers import AutoModelForSequenceClassification
 
-    from bigtune.infer import InferError, _adapter_base, _check_model_folder, _load_tokenizer, _resolve_device, \
-        _torch_dtype
+    from bigtune.infer import InferError, _adapter_base, _load_tokenizer, _resolve_device, _torch_dtype, \
+        attach_adapter, locate_model
     from bigtune.models import label_config
 
-    path = Path(path_or_run).expanduser()
-    if not path.is_dir():
-        raise InferError(f"--model {path_or_run}: not a folder; give a bigtune run directory (runs/NAME), its "
-                         "model/ folder or an adapter folder")
+    folder, adapter = locate_model(path_or_run)
     device = _resolve_device(device)
     torch_dtype = _torch_dtype(dtype, device)
 
@@ -246,37 +243,15 @@ def load_classifier(path_or_run: str, dtype: str = "auto", device: str = "auto")
             raise InferError(f"could not load a sequence-classification model from {source!r} "
                              f"({type(e).__name__}: {str(e)[:300]})") from e
 
-    adapter: Optional[Path] = None
-    folder = None
-    if (path / "adapter_config.json").is_file():
-        adapter = path
-    elif (path / "config.json").is_file():
-        folder = path
-    elif (path / "model" / "config.json").is_file():
-        folder = path / "model"
-    elif (path / "adapter" / "adapter_config.json").is_file():
-        adapter = path / "adapter"
-    else:
-        raise InferError(f"{path} holds no model: expected config.json (a model), adapter_config.json (an adapter) "
-                         "or a bigtune run directory with model/ or adapter/")
     if folder is not None:
-        _check_model_folder(folder)
         if not is_classifier_folder(folder):
             raise InferError(f"{folder} is not a sequence-classification model (config.json architectures: "
                              f"{_config_of(folder).get('architectures')}); use `bigtune generate` for language "
                              "models, `bigtune caption` for image-to-text ones")
         model, tok = load(str(folder)), _load_tokenizer(folder)
     else:
-        from peft import PeftModel
-
         base = _adapter_base(adapter)
-        names = _run_label_names(adapter.parent) or None
-        model = load(base, names)
-        try:
-            model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
-        except Exception as e:
-            raise InferError(f"could not attach adapter {adapter} to base {base} ({type(e).__name__}: "
-                             f"{str(e)[:300]})") from e
+        model = attach_adapter(load(base, _run_label_names(adapter.parent) or None), adapter, base)
         tok = _load_tokenizer(adapter, base if Path(base).is_dir() else None)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token

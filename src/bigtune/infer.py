@@ -153,13 +153,10 @@ def _finish(model, tokenizer):
     return model, tokenizer
 
 
-def load_for_inference(path_or_run: str, dtype: str = "auto", device: str = "auto"):
-    """(model, tokenizer) ready for ``generate``/``evaluate``, in eval mode, tokenizer padding on the left.
-
-    ``path_or_run``: a Hugging Face model folder (config.json + safetensors), a bigtune run directory
-    (``model/``, or ``adapter/`` on top of ``base/`` or the base named in adapter_config.json), or a
-    peft adapter folder. Adapters are attached with peft and not merged.
-    """
+def locate_model(path_or_run: str) -> tuple[Optional[Path], Optional[Path]]:
+    """(model folder, None) or (None, adapter folder) for what ``--model`` names: a Hugging Face model
+    folder, a peft adapter folder, or a bigtune run directory (its ``model/``, else its ``adapter/``).
+    One clear error otherwise. Shared by generate/eval, caption and predict."""
     path = Path(path_or_run).expanduser()
     if not path.exists():
         raise InferError(f"{path_or_run}: no such file or folder; give a Hugging Face model folder, a bigtune run "
@@ -167,39 +164,47 @@ def load_for_inference(path_or_run: str, dtype: str = "auto", device: str = "aut
     if not path.is_dir():
         raise InferError(f"{path_or_run} is a file; give the folder that holds config.json (a model), "
                          "adapter_config.json (an adapter) or recipe.yaml (a bigtune run)")
-    device = _resolve_device(device)
-    torch_dtype = _torch_dtype(dtype, device)
-
-    adapter: Optional[Path] = None
     if (path / "adapter_config.json").is_file():
-        adapter = path
-    elif (path / "config.json").is_file():
-        _check_model_folder(path)
-        model = _load_model(str(path), torch_dtype, device)
-        return _finish(model, _load_tokenizer(path))
-    elif (path / "model" / "config.json").is_file():
-        _check_model_folder(path / "model")
-        model = _load_model(str(path / "model"), torch_dtype, device)
-        return _finish(model, _load_tokenizer(path / "model"))
-    elif (path / "adapter" / "adapter_config.json").is_file():
-        adapter = path / "adapter"
-    elif (path / "recipe.yaml").is_file() or (path / "summary.json").is_file():
+        return None, path
+    for folder in (path, path / "model"):
+        if (folder / "config.json").is_file():
+            _check_model_folder(folder)
+            return folder, None
+    if (path / "adapter" / "adapter_config.json").is_file():
+        return None, path / "adapter"
+    if (path / "recipe.yaml").is_file() or (path / "summary.json").is_file():
         raise InferError(f"run {path} holds no trained model (no model/ or adapter/ folder); train it with "
                          "checkpoint.save_model=true")
-    else:
-        raise InferError(f"{path} is neither a model folder (config.json + *.safetensors), an adapter folder "
-                         "(adapter_config.json) nor a bigtune run directory (model/ or adapter/); point at one of "
-                         "those")
+    raise InferError(f"{path} is neither a model folder (config.json + *.safetensors), an adapter folder "
+                     "(adapter_config.json) nor a bigtune run directory (model/ or adapter/); point at one of "
+                     "those")
 
+
+def attach_adapter(model, adapter: Path, base: str):
+    """``model`` (the base) with the peft adapter at ``adapter`` attached, not merged."""
     from peft import PeftModel
 
-    base = _adapter_base(adapter)
-    model = _load_model(base, torch_dtype, device)
     try:
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     except Exception as e:
         raise InferError(f"could not attach adapter {adapter} to base {base} ({type(e).__name__}: {str(e)[:300]}); "
                          "check that the adapter was trained on this base model") from e
+
+
+def load_for_inference(path_or_run: str, dtype: str = "auto", device: str = "auto"):
+    """(model, tokenizer) ready for ``generate``/``evaluate``, in eval mode, tokenizer padding on the left.
+
+    ``path_or_run``: a Hugging Face model folder (config.json + safetensors), a bigtune run directory
+    (``model/``, or ``adapter/`` on top of ``base/`` or the base named in adapter_config.json), or a
+    peft adapter folder. Adapters are attached with peft and not merged.
+    """
+    folder, adapter = locate_model(path_or_run)
+    device = _resolve_device(device)
+    torch_dtype = _torch_dtype(dtype, device)
+    if folder is not None:
+        return _finish(_load_model(str(folder), torch_dtype, device), _load_tokenizer(folder))
+    base = _adapter_base(adapter)
+    model = attach_adapter(_load_model(base, torch_dtype, device), adapter, base)
     model.to(device)
     base_dir = Path(base) if Path(base).is_dir() else base
     return _finish(model, _load_tokenizer(adapter, base_dir))
