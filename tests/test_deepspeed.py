@@ -251,7 +251,64 @@ def test_planner_models_zero_sharding_and_offload():
     assert z3["after_backward"]["parameters"] == 100 * mb
     off, peak_off, notes = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3_offload"), n_layers=10)
     b = off["after_backward"]
-    assert b["parameters"] == 0 and b["optimizer_device"] == 0 and b["optimizer_cpu"] == 200 * mb
+    # the state's quarter and the pinned fp32 gradient partition the CPU update reads
+    assert b["parameters"] == 0 and b["optimizer_device"] == 0 and b["optimizer_cpu"] == (800 + 400) * mb // 4
     assert peak_off < peak3 and any("CPU RAM" in n for n in notes)
     one, _, _ = _shard(sim, r, Target("cuda", None, 1, "deepspeed_stage_2_offload"), n_layers=10)
-    assert one["after_backward"]["optimizer_device"] == 0 and one["after_backward"]["optimizer_cpu"] == 800 * mb
+    assert one["after_backward"]["optimizer_device"] == 0 and one["after_backward"]["optimizer_cpu"] == 1200 * mb
+
+
+def test_planner_gives_16bit_zero_fp32_masters_and_fp32_state():
+    """DeepSpeed under bf16 (true or mixed): 16-bit weights and gradients, fp32 masters + fp32 Adam
+    state in the optimizer; offload moves those and the fp32 gradient partition to host RAM."""
+    from bigtune.planner import Sim, Target, _shard, simulation_recipe
+
+    mb = 2**20
+    # A bf16-true single-device step of a 100 Mi-parameter model: 2-byte weights, gradients and Adam moments.
+    ph = {"parameters": 200 * mb, "gradients": 200 * mb, "optimizer_device": 400 * mb, "optimizer_cpu": 0,
+          "activations": 100 * mb}
+    ph["allocated"] = sum(ph.values())
+    ph["peak_allocated"] = ph["phase_peak"] = ph["allocated"] + 50 * mb
+    phases = {p: dict(ph) for p in ("before_forward", "after_forward", "after_backward", "after_optimizer")}
+    for p in ("before_forward", "after_optimizer"):
+        phases[p]["gradients"] = 0
+    sim = Sim(phases, ph["peak_allocated"], numel=100 * mb, matmul_numel=90 * mb)
+    r = _recipe(precision="bf16-mixed")
+    assert simulation_recipe(r, "deepspeed_stage_2").precision == "bf16-true"  # no autocast under DeepSpeed
+    assert simulation_recipe(r, "fsdp").precision == "bf16-mixed"
+    z2, peak2, notes = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
+    a = z2["after_backward"]
+    # fp32 m and v (2 × the bf16 ones) + fp32 masters (4 bytes per trained weight), each rank a quarter
+    assert a["optimizer_device"] == (2 * 400 + 4 * 100) * mb // 4
+    assert a["gradients"] == 200 * mb // 4 and z2["after_optimizer"]["gradients"] == 0
+    assert a["parameters"] == 200 * mb and any("fp32 master" in n for n in notes)
+    off, peak_off, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_2_offload"), n_layers=10)
+    b = off["after_backward"]
+    assert b["optimizer_device"] == 0 and b["gradients"] == 0
+    assert b["optimizer_cpu"] == (2 * 400 + 4 * 100 + 4 * 100) * mb // 4  # + the pinned fp32 gradient partition
+    assert peak_off < peak2
+    z3, _, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3"), n_layers=10)
+    assert z3["before_forward"]["gradients"] == 200 * mb // 4  # ZeRO-3's flat gradient buffer persists
+    # 32-true has no masters: the state is the simulated fp32 state, split
+    full, _, _ = _shard(sim, _recipe(precision="32-true"), Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
+    assert full["after_backward"]["optimizer_device"] == 400 * mb // 4
+
+
+@needs_ds
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_2_offload"])
+def test_planned_zero_categories_match_a_real_bf16_mixed_run(tmp_path, strategy):
+    """Real DeepSpeed (2 CPU ranks, bf16-mixed): measured masters/state/gradients vs the plan."""
+    if strategy.endswith("offload"):
+        _cpu_adam_or_skip()
+    run = tmp_path / "run"
+    over = {**COMMON, "devices": 2, "train.max_steps": 2, "memory.every_steps": 1, "memory.plan": True,
+            "precision": "bf16-mixed", "strategy": strategy, "output_dir": str(run)}
+    _bigtune(tmp_path, "train", *_args(over), on_cpu_deepspeed=True)
+    plan = json.loads((run / "summary.json").read_text())["plan"]
+    for phase, cats in plan["phases"].items():
+        for c in ("parameters", "optimizer_device"):
+            m, p = cats[c]["measured"], cats[c]["predicted"]
+            assert p == pytest.approx(m, rel=0.01), (phase, c, m, p)
+        # gradient partitions are padded for alignment by DeepSpeed: within a few percent
+        assert cats["gradients"]["predicted"] == pytest.approx(cats["gradients"]["measured"], rel=0.06, abs=64)
+    assert abs(plan["peak_error_pct"]) < 5.0

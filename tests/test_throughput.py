@@ -69,6 +69,19 @@ def test_flops_of_packed_and_padded_rows_and_frozen_weights():
     assert training_flops(shape, tokens=0, causal_pairs=1) == 3 * 4 * 8
 
 
+
+def test_flops_count_zero3_partitioned_weights_at_their_real_size():
+    # Under ZeRO-3 a weight is an empty placeholder; DeepSpeed keeps its real size in ds_numel. The
+    # MFU must not drop to zero because the weights are partitioned.
+    model, _ = tiny_llama()
+    full = flop_shape(model)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            n = mod.weight.numel()
+            mod.weight = torch.nn.Parameter(torch.empty(0), requires_grad=mod.weight.requires_grad)
+            mod.weight.ds_numel = n
+    assert flop_shape(model) == full and full.trainable_matmul_params > 0
+
 # -- chunked cross-entropy ------------------------------------------------------------------------------
 
 def test_chunked_loss_equals_the_plain_loss_with_gradients():

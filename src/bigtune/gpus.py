@@ -51,6 +51,7 @@ __all__ = [
     "detect_gpu",
     "peak_flops",
     "normalize_name",
+    "cublas_workspace_bytes",
 ]
 
 _GIB = 2**30
@@ -675,3 +676,14 @@ def peak_flops(gpu: GPU, precision: str, allow_tf32: bool = False) -> float | No
     else:
         tflops = gpu.tf32_tflops if (allow_tf32 and gpu.tf32_tflops) else gpu.fp32_tflops
     return None if tflops is None else tflops * 1e12
+
+
+def cublas_workspace_bytes(gpu: GPU | None) -> int:
+    """Bytes of one cuBLAS workspace as PyTorch sizes it (no CUBLAS_WORKSPACE_CONFIG set).
+
+    PyTorch takes each (cuBLAS handle, stream) pair's workspace from its caching allocator, so it
+    counts in ``memory_allocated`` and stays cached for the run: ``:4096:8`` (32 MiB) on Hopper
+    (sm90: H100, H200, GH200), ``:4096:2:16:8`` (8 MiB + 128 KiB) elsewhere.
+    """
+    hopper = gpu is not None and re.match(r"g?h(100|200)", gpu.key) is not None
+    return 4096 * 1024 * 8 if hopper else 4096 * 1024 * 2 + 16 * 1024 * 8

@@ -47,6 +47,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._refs: dict[int, Any] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.window_peak = 0  # the most since reset_window(): one phase of a step
         self._generation = 0
 
     # Storages are keyed by id(); the weak-reference callback removes the key when the storage
@@ -81,6 +82,8 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue
             self._sizes[key] = size
             self.live_bytes += size
+        if self.live_bytes > self.window_peak:
+            self.window_peak = self.live_bytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             if self.cap_bytes is not None and self.live_bytes > self.cap_bytes:
@@ -89,14 +92,17 @@ class LiveTensorTracker(TorchDispatchMode):
                     f"({self.cap_bytes / GIB:.3f} GiB)")
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
+        self.peak_bytes = self.window_peak = self.live_bytes
+
+    def reset_window(self) -> None:
+        self.window_peak = self.live_bytes
 
     def clear(self) -> None:
         self._generation += 1
         self._sizes.clear()
         self._refs.clear()
         self.live_bytes = 0
-        self.peak_bytes = 0
+        self.peak_bytes = self.window_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -118,9 +124,39 @@ class Snapshot:
     reserved: Optional[int]
     peak_reserved: Optional[int]
     device: str
+    # The most allocated since the previous phase's snapshot (CPU tracker only; the planner uses it
+    # to tell a forward peak from a backward one): None where the allocator cannot say.
+    phase_peak: Optional[int] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def zero_tensors(optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """What a DeepSpeed ZeRO optimizer holds outside the parameters and torch's optimizer state:
+    (fp32 master partitions, flat gradient partitions, communication buckets); empty lists otherwise.
+
+    The masters are optimizer state; the gradient partitions (bf16/fp32 flat buffers, and a master's
+    fp32 gradient while it steps) are gradients; the reduce buckets are communication buffers, which
+    stay in "activations" (the lab's "Other" on several GPUs), as in the planner.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric wraps optimizers
+    masters = [t for t in (getattr(inner, "single_partition_of_fp32_groups", None)
+                           or getattr(inner, "fp32_partitioned_groups_flat", None) or [])
+               if isinstance(t, torch.Tensor)]
+    grads = [m.grad for m in masters if m.grad is not None]
+    for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
+        t = getattr(inner, name, None)
+        if isinstance(t, torch.Tensor):
+            grads.append(t)
+    # Reduced gradients waiting for the step: per group a list of tensors, or a flat buffer with them.
+    for group in (getattr(inner, "averaged_gradients", None) or {}).values():
+        flat = getattr(group, "flat_partition", None)
+        grads += [t for t in ([flat] if isinstance(flat, torch.Tensor) else list(group or []))
+                  if isinstance(t, torch.Tensor)]
+    buckets = [t for b in (getattr(inner, "ipg_buckets", None) or {}).values()
+               for t in getattr(b, "buffer", []) if isinstance(t, torch.Tensor)]
+    return masters, grads, buckets
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -133,22 +169,24 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     quant = [t for p in params for t in _quant_state_tensors(p)]
     opt_dev: list[torch.Tensor] = []
     opt_cpu: list[torch.Tensor] = []
+
+    def place(t: torch.Tensor) -> list[torch.Tensor]:
+        # A 0-dim CPU `step` counter, or ZeRO-offloaded state, sits in host RAM even for CUDA training.
+        return opt_cpu if (t.device.type == "cpu" and device_type != "cpu") else opt_dev
+
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric wraps optimizers
-    # DeepSpeed ZeRO: the fp32 master partitions (stage 1/2, stage 3) are optimizer state too.
-    masters = getattr(inner, "single_partition_of_fp32_groups", None) or \
-        getattr(inner, "fp32_partitioned_groups_flat", None) or []
+    masters, zero_grads, _ = zero_tensors(optimizer)
     for t in masters:
-        if isinstance(t, torch.Tensor):
-            (opt_cpu if (t.device.type == "cpu" and device_type != "cpu") else opt_dev).append(t)
+        place(t).append(t)
+    for t in zero_grads:  # offloaded ZeRO gradient partitions live in host RAM beside the optimizer
+        (grads if place(t) is opt_dev else opt_cpu).append(t)
     if getattr(inner, "offloaded", False):
         opt_cpu += inner.cpu_state_tensors()
     elif optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    # A 0-dim CPU `step` counter sits on the CPU even for CUDA training: it is
-                    # optimizer state in host RAM like any other.
-                    (opt_cpu if (v.device.type == "cpu" and device_type != "cpu") else opt_dev).append(v)
+                    place(v).append(v)
     return {
         "parameters": storage_bytes(params + quant),
         "gradients": storage_bytes(grads),
@@ -189,7 +227,8 @@ class MemoryMonitor:
             return
         assert self.tracker is not None
         self.tracker.clear()
-        existing: list[Any] = list(model.parameters()) + list(model.buffers())
+        existing: list[Any] = [getattr(p, "ds_tensor", p) for p in model.parameters()] + list(model.buffers())
+        existing += [t for group in zero_tensors(optimizer) for t in group]  # DeepSpeed's own buffers
         existing += [p.grad for p in model.parameters() if p.grad is not None]
         existing += [t for p in model.parameters() for t in _quant_state_tensors(p)]
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -212,6 +251,7 @@ class MemoryMonitor:
 
     def snapshot(self, step: int, phase: str, model: torch.nn.Module, optimizer) -> Snapshot:
         states = model_state_bytes(model, optimizer, self.device.type)
+        phase_peak = None
         if self.is_cuda:
             allocated = torch.cuda.memory_allocated(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -220,13 +260,15 @@ class MemoryMonitor:
         else:
             assert self.tracker is not None
             allocated, peak = self.tracker.live_bytes, self.tracker.peak_bytes
+            phase_peak = self.tracker.window_peak
+            self.tracker.reset_window()
             reserved = peak_reserved = None  # no caching allocator on the CPU
         on_device = states["parameters"] + states["gradients"] + states["optimizer_device"]
         if not self.is_cuda:
             on_device += states["optimizer_cpu"]  # on a CPU run, "offloaded" state shares the same memory
         snap = Snapshot(step=step, phase=phase, activations=max(0, allocated - on_device), allocated=allocated,
                         peak_allocated=peak, reserved=reserved, peak_reserved=peak_reserved,
-                        device=str(self.device), **states)
+                        device=str(self.device), phase_peak=phase_peak, **states)
         self.last = snap
         return snap
 

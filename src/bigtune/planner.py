@@ -40,11 +40,13 @@ from bigtune.recipe import Recipe, load_recipe
 GIB = 1024**3
 CONFIG_DIR = Path(__file__).resolve().parent / "assets" / "configs"
 CATEGORIES = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
-              "peak_allocated")
+              "peak_allocated", "phase_peak")
 
 # --- assumptions for CUDA targets (not seen by simulation; uncalibrated until GPU runs are committed) ---
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)   # CUDA context + cuBLAS/cuDNN handles outside PyTorch's allocator
 RESERVED_OVER_ALLOCATED = 1.05        # caching-allocator fragmentation: reserved ≈ 1.05 × peak allocated
+ZERO_ALTERNATIVE = "deepspeed_stage_3_offload"  # the DeepSpeed strategy --alternatives tries on several GPUs
+CUBLAS_HANDLES = 2                    # cuBLAS workspaces a training step creates (see plan())
 FIT_MARGIN = 0.02                     # keep 2 % of the card free before calling a plan FITS
 ASSUMED_MFU = 0.45                    # fraction of dense peak FLOP/s a fine-tuning step reaches
 ASSUMED_BW_EFFICIENCY = 0.7           # fraction of DRAM bandwidth the optimizer's update reaches
@@ -345,14 +347,14 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     if quantize != "none":
         delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant)
         for ph in steady.values():
-            for c in ("parameters", "allocated", "peak_allocated"):
+            for c in ("parameters", "allocated", "peak_allocated", "phase_peak"):
                 ph[c] += delta
         peak += delta
     if eight_bit:
         shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
         extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
         for ph in steady.values():
-            for c in ("optimizer_device", "allocated", "peak_allocated"):
+            for c in ("optimizer_device", "allocated", "peak_allocated", "phase_peak"):
                 ph[c] += extra
         peak += extra
     return Sim(steady, peak, numel, sum(parts.values()), parts, block_numel)
@@ -562,6 +564,35 @@ def shard_layout(strategy: str) -> tuple[set[str], set[str]]:
     return set(), set()
 
 
+def zero_masters(recipe: Recipe, strategy: str) -> bool:
+    """DeepSpeed with a 16-bit precision keeps fp32 master weights and fp32 optimizer state.
+
+    DeepSpeed casts the module to bf16/fp16 itself and runs no autocast, so for it "-mixed" and
+    "-true" are the same step: 16-bit weights, activations and gradients; the ZeRO optimizer
+    holds an fp32 copy of its partition of the weights, steps fp32 state on it (from an fp32 copy
+    of the gradient partition) and writes the 16-bit weights back.
+    """
+    return strategy.startswith("deepspeed") and recipe.precision != "32-true"
+
+
+def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
+    """The recipe whose single-device step the simulation runs for ``strategy``.
+
+    Under DeepSpeed a 16-bit mixed precision runs as true 16-bit (see zero_masters), and an
+    offloaded ZeRO always steps with DeepSpeed's CPU Adam (the engine allows nothing else there).
+    """
+    mixed = zero_masters(recipe, strategy) and recipe.precision.endswith("-mixed")
+    adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
+    if not (mixed or adam):
+        return recipe
+    r = copy.deepcopy(recipe)
+    if mixed:
+        r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
+    if adam:
+        r.optim.name = "adamw"
+    return r
+
+
 def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
     """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
@@ -569,54 +600,96 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     n = target.gpus
     notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
     split, moved = shard_layout(target.strategy)
+    zero_offload = target.strategy.startswith("deepspeed") and "optimizer_device" in moved
+    if target.device != "cuda":
+        moved = set()  # on a CPU, "offloaded" state shares the one memory (and the engine counts it so)
     phases = copy.deepcopy(sim.phases)
     if not split:
         return phases, sim.peak_allocated, notes
     es = 4 if recipe.precision == "32-true" else 2
-    buffers = 0
+    gather = bucket = 0
     if "parameters" in split:
         # Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
         # and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
         # norm, head) stay gathered from the root's forward through its backward.
         per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
         root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
-        buffers += int((root + 2 * per_block) * es)
-    if target.strategy.startswith("deepspeed"):
+        gather = int((root + 2 * per_block) * es)
+    deepspeed = target.strategy.startswith("deepspeed")
+    if deepspeed:
         from bigtune.dist import BUCKET_ELEMENTS
 
-        # ZeRO reduces gradients through one bucket of reduce_bucket_size elements (capped by the model).
-        buffers += min(BUCKET_ELEMENTS, sim.numel) * es
+        # ZeRO reduces gradients through one bucket of reduce_bucket_size elements (capped by the
+        # model), allocated for the backward and released after it.
+        bucket = min(BUCKET_ELEMENTS, sim.numel) * es
+    masters = zero_masters(recipe, target.strategy)
+    trainable = sim.phases["after_backward"]["gradients"] // es  # elements that get gradients
+    offload = "optimizer_device" in moved
+    # ZeRO-2 keeps a gradient partition from backward to the step; ZeRO-3 one persistent flat
+    # buffer; with the optimizer offloaded, reduced gradients go straight to pinned fp32 host memory.
+    grads_persist = deepspeed and ("parameters" in split or zero_offload)
+    persistent_grads = 4 * trainable if zero_offload else es * trainable
 
-    def on_device(ph: dict, c: str) -> int:
-        if c in moved:
+    def full_states(ph: dict) -> dict[str, int]:
+        """The model states of one unsharded device under this strategy's precision handling."""
+        st = {c: ph[c] for c in STATES}
+        if grads_persist:
+            st["gradients"] = persistent_grads
+        if masters:
+            # fp32 state: twice the simulated 16-bit optimizer state, plus the fp32 master weights
+            st["optimizer_device"] = 2 * ph["optimizer_device"] + 4 * trainable
+        return st
+
+    def on_device(st: dict, c: str) -> int:
+        if c in moved or (c == "gradients" and deepspeed and offload):
             return 0
-        return -(-ph[c] // n) if c in split else ph[c]
+        return -(-st[c] // n) if c in split else st[c]
+
+    def device_states(ph: dict) -> int:
+        st = full_states(ph)
+        return sum(on_device(st, c) for c in STATES)
 
     def states(ph: dict) -> int:
         return sum(ph[c] for c in STATES)
 
-    def device_states(ph: dict) -> int:
-        return sum(on_device(ph, c) for c in STATES)
-
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-    # Peaks are cumulative over the step; split each into model states (sharded / offloaded) and the rest.
-    fwd = device_states(f) + (f["peak_allocated"] - states(f)) + buffers
-    bwd = device_states(b_) + max(0, b_["peak_allocated"] - states(b_)) + buffers
+
+    def high(ph: dict) -> int:  # the phase's own high-water mark (cumulative if the simulation lacks it)
+        return ph.get("phase_peak") or ph["peak_allocated"]
+
+    # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
+    fwd = device_states(f) + (high(f) - states(f)) + gather
+    bwd = device_states(b_) + max(0, high(b_) - states(b_)) + gather + bucket
     # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
-    update_tmp = 0 if "optimizer_device" in moved else -(-max(0, o["peak_allocated"] - states(o)) // n)
+    update_tmp = 0 if "optimizer_device" in moved else -(-max(0, high(o) - states(o)) // n)
+    if masters and "optimizer_device" not in moved:
+        # The update runs on fp32 state (temporaries twice the size) from an fp32 copy of the
+        # gradient partition, made while the 16-bit partition still exists.
+        update_tmp = 2 * update_tmp + -(-4 * trainable // n)
     opt = device_states(o) + update_tmp
     peak = max(fwd, bwd, opt)
-    for ph in phases.values():
+    # Each phase's peak is the highest point of the step so far.
+    cumulative = {"after_forward": fwd, "after_backward": max(fwd, bwd), "after_optimizer": peak}
+    for name, ph in phases.items():
         full = states(ph)
-        cpu = ph["optimizer_device"] if "optimizer_device" in moved else 0
+        st = full_states(ph)
+        cpu = st["optimizer_device"] if offload else 0
+        if deepspeed and offload:
+            cpu += persistent_grads  # the fp32 gradient partition the CPU update reads, pinned in host RAM
         for c in STATES:
-            ph[c] = on_device(ph, c)
+            ph[c] = on_device(st, c)
+        if deepspeed and not grads_persist and name in ("before_forward", "after_optimizer"):
+            ph["gradients"] = 0  # ZeRO-2 frees its gradient partition in the step
         ph["optimizer_cpu"] += -(-cpu // n)
-        ph["allocated"] += states(ph) - full + buffers
-        ph["activations"] += buffers
-        ph["peak_allocated"] = min(ph["peak_allocated"], peak)
+        ph["allocated"] += states(ph) - full + gather
+        ph["activations"] += gather
+        ph["phase_peak"] = None  # not meaningful after the analytic split
+        ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
     what = " and ".join(sorted(split))
-    notes.append(f"{target.strategy}: {what} / {n}; + {buffers / GIB:.2f} GiB gather/reduce buffers")
+    notes.append(f"{target.strategy}: {what} / {n}; + {(gather + bucket) / GIB:.2f} GiB gather/reduce buffers")
+    if masters:
+        notes.append(f"{target.strategy} with {recipe.precision}: 16-bit weights and gradients, fp32 master "
+                     "weights and optimizer state (DeepSpeed's mixed precision; no autocast)")
     if moved:
         notes.append(f"{target.strategy}: {' and '.join(sorted(moved))} held in CPU RAM (not in device memory)")
     return phases, peak, notes
@@ -710,9 +783,13 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     t0 = time.perf_counter()
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
+    sim_recipe = simulation_recipe(recipe, target.strategy)
     if sim is None:
-        sim = simulate_full_depth(recipe, config, cuda, padded=padded)
+        sim = simulate_full_depth(sim_recipe, config, cuda, padded=padded)
     phases, peak, notes = _shard(sim, recipe, target, total_blocks(config))
+    if sim_recipe.optim.name != recipe.optim.name:
+        notes.append(f"{target.strategy} steps with DeepSpeed's CPU Adam, not optim.name={recipe.optim.name}: "
+                     "planned with Adam state")
     simulated_host = max((ph.get("optimizer_cpu", 0) for ph in sim.phases.values()), default=0)
     if cuda and simulated_host:
         # The simulation runs on one (fake) CPU, where an offloading optimizer's state shares the
@@ -720,8 +797,9 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
         # (State that _shard moves off the device for ZeRO offload was never counted there.)
         phases = copy.deepcopy(phases)
         for name, ph in phases.items():
-            for c in ("allocated", "peak_allocated"):
-                ph[c] -= sim.phases[name].get("optimizer_cpu", 0)
+            for c in ("allocated", "peak_allocated", "phase_peak"):
+                if ph.get(c) is not None:
+                    ph[c] -= sim.phases[name].get("optimizer_cpu", 0)
         peak -= simulated_host
     host = max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
     if cuda and host:
@@ -732,6 +810,18 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
             if recipe.model.quantize == "int8" else "; 4-bit matmuls emulated (fp32 hidden states, dequantized "
             "weight in backward)"))
     if cuda:
+        # Forward runs on the main thread and backward on autograd's device thread: two cuBLAS handles
+        # on one stream, each with its own workspace from the caching allocator, alive from step 0 on.
+        from bigtune.gpus import cublas_workspace_bytes
+
+        workspaces = CUBLAS_HANDLES * cublas_workspace_bytes(target.gpu)
+        phases = copy.deepcopy(phases)
+        for ph in phases.values():
+            for c in ("activations", "allocated", "peak_allocated"):
+                ph[c] += workspaces
+        peak += workspaces
+        notes.append(f"cuBLAS workspaces {workspaces / 2**20:.0f} MiB ({CUBLAS_HANDLES} handles: forward and "
+                     "autograd threads) included under activations")
         reserved = int(peak * RESERVED_OVER_ALLOCATED)
         overhead = CUDA_CONTEXT_BYTES
         notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated and CUDA context "
@@ -850,7 +940,8 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
 
     Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
-    optimizer × micro batch; multi-GPU variants (DDP, FSDP) keep the recipe's precision. Micro batches
+    optimizer × micro batch, plus one GPU with ZeRO-2 and the optimizer offloaded; multi-GPU variants
+    (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision. Micro batches
     between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
     "interpolated"); everything else is simulated.
     """
@@ -892,10 +983,20 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
             r_g = _variant_recipe(recipe, over)
             key = _sim_key(r_g, m)
             jobs[key] = (r_g, m)
-            for strategy in ("ddp", "fsdp"):
+            for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
+                # DeepSpeed's step may differ from the recipe's (true 16-bit, CPU Adam): its own simulation.
+                r_s = simulation_recipe(r_g, strategy)
+                k_s = _sim_key(r_s, m)
+                jobs[k_s] = (r_s, m)
                 todo.append((f"{recipe.precision}, {gpus} GPUs {strategy}, micro {m} × acc {per // m}", over, gpus,
-                             strategy, key))
+                             strategy, k_s))
         gpus *= 2
+    # One GPU with ZeRO-2 and the optimizer in CPU RAM (the lab's DeepSpeed rung), the recipe's micro batch.
+    r_1 = simulation_recipe(recipe, "deepspeed_stage_2_offload")
+    k_1 = _sim_key(r_1, m0)
+    jobs[k_1] = (r_1, m0)
+    todo.append((f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}", {}, 1,
+                 "deepspeed_stage_2_offload", k_1))
     # Model states alone are a lower bound on the peak: variants whose states cannot fit are
     # dropped before any simulation (for a 70B model that is most single-GPU variants).
     n_evaluated = len(todo)
@@ -903,7 +1004,11 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     cap = target.capacity_bytes
     if cap is not None:
         def hopeless(r: Recipe, gpus: int, strategy: str) -> bool:
-            return state_bytes_lower_bound(r, numel) / (gpus if strategy == "fsdp" else 1) > cap
+            if strategy.endswith("_offload"):  # only the 16-bit weights must stay (ZeRO-3: a shard of them)
+                es = 4 if r.precision == "32-true" else 2
+                return numel * es / (gpus if "stage_3" in strategy else 1) > cap
+            sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
+            return state_bytes_lower_bound(r, numel) / (gpus if sharded else 1) > cap
         todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1]), t[2], t[3])]
         needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
         jobs = {k: v for k, v in jobs.items() if k in needed}

@@ -152,10 +152,12 @@ def flop_shape(model: torch.nn.Module) -> Optional[FlopShape]:
     for mod in model.modules():
         # Every Linear weight does a matmul per token; the input embedding is a lookup, not a matmul.
         if isinstance(mod, torch.nn.Linear):
+            # ZeRO-3 leaves an empty placeholder in each weight and records the real size as ds_numel.
+            n = getattr(mod.weight, "ds_numel", None) or mod.weight.numel()
             if mod.weight.requires_grad:
-                trainable += mod.weight.numel()
+                trainable += n
             else:
-                frozen += mod.weight.numel()
+                frozen += n
     return FlopShape(int(layers), int(heads * head_dim), trainable, frozen)
 
 
