@@ -74,6 +74,13 @@ PUBLISHED_PARAMS = {
     "openlm-research/open_llama_13b": 13_015_864_320,
     "meta-llama/Llama-2-70b-hf": 68_976_648_192,
     "meta-llama/Meta-Llama-3-8B": 8_030_261_248,
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,
+    "mistralai/Mistral-7B-v0.1": 7_241_732_096,
+    "Qwen/Qwen2.5-7B": 7_615_616_512,
+    "Qwen/Qwen2.5-1.5B": 1_543_714_304,
+    "microsoft/phi-2": 2_779_683_840,
+    "microsoft/phi-1_5": 1_418_270_720,
+    "google/gemma-2b": 2_506_172_416,
 }
 
 

@@ -244,6 +244,7 @@ def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
 
 
 DEFAULT_TARGETS = {"llama": ["q_proj", "v_proj"], "mistral": ["q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
+                   "qwen2": ["q_proj", "v_proj"], "gemma": ["q_proj", "v_proj"], "phi": ["q_proj", "v_proj"],
                    "t5": ["q", "v"], "bert": ["query", "value"], "roberta": ["query", "value"],
                    "distilbert": ["q_lin", "v_lin"], "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"],
                    # BLIP-2: adapters on the language model's attention queries/values only (the usual BLIP-2
