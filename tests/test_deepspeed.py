@@ -295,7 +295,7 @@ def test_planner_gives_16bit_zero_fp32_masters_and_fp32_state():
 
 
 @needs_ds
-@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_2_offload"])
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3"])
 def test_planned_zero_categories_match_a_real_bf16_mixed_run(tmp_path, strategy):
     """Real DeepSpeed (2 CPU ranks, bf16-mixed): measured masters/state/gradients vs the plan."""
     if strategy.endswith("offload"):
@@ -312,3 +312,31 @@ def test_planned_zero_categories_match_a_real_bf16_mixed_run(tmp_path, strategy)
         # gradient partitions are padded for alignment by DeepSpeed: within a few percent
         assert cats["gradients"]["predicted"] == pytest.approx(cats["gradients"]["measured"], rel=0.06, abs=64)
     assert abs(plan["peak_error_pct"]) < 5.0
+
+
+def test_zero_tensors_reads_deepspeeds_buffers_without_iterating_them():
+    """The memory table's view of a ZeRO optimizer: masters, gradient partitions, reduce buckets.
+    A flat buffer is taken whole (iterating a 200 M-element bucket would make 200 M views)."""
+    from types import SimpleNamespace
+
+    from bigtune.memory import model_state_bytes, zero_tensors
+
+    master = torch.zeros(10)
+    master.grad = torch.zeros(10)
+    flat = torch.zeros(6, dtype=torch.bfloat16)
+    z3 = SimpleNamespace(fp32_partitioned_groups_flat=[master], grad_partitions_flat_buffer=flat,
+                         averaged_gradients={0: torch.zeros(3)},
+                         ipg_buckets={torch.bfloat16: SimpleNamespace(buffer=torch.empty(1000))},
+                         state={})
+    masters, grads, buckets = zero_tensors(SimpleNamespace(optimizer=z3))
+    assert [t is master for t in masters] == [True] and len(buckets) == 1 and buckets[0].numel() == 1000
+    assert {id(t) for t in grads} == {id(master.grad), id(flat), id(z3.averaged_gradients[0])}
+    z2 = SimpleNamespace(single_partition_of_fp32_groups=[master], grads_in_partition=None,
+                         averaged_gradients={0: [torch.zeros(2), torch.zeros(2)]},
+                         ipg_buckets={torch.bfloat16: SimpleNamespace(buffer=[torch.empty(4), torch.empty(4)])},
+                         state={})
+    masters, grads, buckets = zero_tensors(z2)
+    assert len(grads) == 3 and len(buckets) == 2
+    sizes = model_state_bytes(torch.nn.Linear(2, 2, bias=False), z2, "cpu")
+    assert sizes["optimizer_device"] == 40 and sizes["gradients"] == 40 + 16  # master fp32; its grad + 2 lists
+    assert zero_tensors(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)) == ([], [], [])

@@ -150,12 +150,22 @@ def zero_tensors(optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], lis
         if isinstance(t, torch.Tensor):
             grads.append(t)
     # Reduced gradients waiting for the step: per group a list of tensors, or a flat buffer with them.
-    for group in (getattr(inner, "averaged_gradients", None) or {}).values():
+    averaged = getattr(inner, "averaged_gradients", None)
+    for group in (averaged.values() if isinstance(averaged, dict) else []):
         flat = getattr(group, "flat_partition", None)
-        grads += [t for t in ([flat] if isinstance(flat, torch.Tensor) else list(group or []))
-                  if isinstance(t, torch.Tensor)]
-    buckets = [t for b in (getattr(inner, "ipg_buckets", None) or {}).values()
-               for t in getattr(b, "buffer", []) if isinstance(t, torch.Tensor)]
+        if isinstance(group, torch.Tensor):
+            grads.append(group)
+        elif isinstance(flat, torch.Tensor):
+            grads.append(flat)
+        elif isinstance(group, (list, tuple)):
+            grads += [t for t in group if isinstance(t, torch.Tensor)]
+    buckets: list[torch.Tensor] = []
+    for b in (getattr(inner, "ipg_buckets", None) or {}).values():
+        buf = getattr(b, "buffer", None)  # ZeRO-3: one flat tensor; ZeRO-1/2: a list of them
+        if isinstance(buf, torch.Tensor):
+            buckets.append(buf)  # (never iterate a tensor here: that would make one view per element)
+        elif isinstance(buf, (list, tuple)):
+            buckets += [t for t in buf if isinstance(t, torch.Tensor)]
     return masters, grads, buckets
 
 

@@ -607,7 +607,7 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     if not split:
         return phases, sim.peak_allocated, notes
     es = 4 if recipe.precision == "32-true" else 2
-    gather = bucket = 0
+    gather = bucket = persistent_bucket = 0
     if "parameters" in split:
         # Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
         # and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
@@ -619,9 +619,16 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     if deepspeed:
         from bigtune.dist import BUCKET_ELEMENTS
 
-        # ZeRO reduces gradients through one bucket of reduce_bucket_size elements (capped by the
-        # model), allocated for the backward and released after it.
-        bucket = min(BUCKET_ELEMENTS, sim.numel) * es
+        # ZeRO reduces gradients through buckets of reduce_bucket_size elements (capped by the model):
+        # ZeRO-3 keeps one for the whole run; ZeRO-2 allocates its buckets for each backward and
+        # frees them after it. (ZeRO-2 with overlap_comm asks for two, but meanwhile frees each
+        # weight's gradient once copied: one bucket's worth matched 2-rank runs, two overshot by 10 %.)
+        # ZeRO-3's all-gathered weights live only from a block's forward to its backward.
+        one = min(BUCKET_ELEMENTS, sim.numel) * es
+        if "parameters" in split:
+            persistent_bucket = one
+        else:
+            bucket = one
     masters = zero_masters(recipe, target.strategy)
     trainable = sim.phases["after_backward"]["gradients"] // es  # elements that get gradients
     offload = "optimizer_device" in moved
@@ -658,15 +665,15 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         return ph.get("phase_peak") or ph["peak_allocated"]
 
     # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
-    fwd = device_states(f) + (high(f) - states(f)) + gather
-    bwd = device_states(b_) + max(0, high(b_) - states(b_)) + gather + bucket
+    fwd = device_states(f) + (high(f) - states(f)) + gather + persistent_bucket
+    bwd = device_states(b_) + max(0, high(b_) - states(b_)) + gather + bucket + persistent_bucket
     # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
     update_tmp = 0 if "optimizer_device" in moved else -(-max(0, high(o) - states(o)) // n)
     if masters and "optimizer_device" not in moved:
         # The update runs on fp32 state (temporaries twice the size) from an fp32 copy of the
         # gradient partition, made while the 16-bit partition still exists.
         update_tmp = 2 * update_tmp + -(-4 * trainable // n)
-    opt = device_states(o) + update_tmp
+    opt = device_states(o) + update_tmp + persistent_bucket
     peak = max(fwd, bwd, opt)
     # Each phase's peak is the highest point of the step so far.
     cumulative = {"after_forward": fwd, "after_backward": max(fwd, bwd), "after_optimizer": peak}
@@ -681,12 +688,16 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         if deepspeed and not grads_persist and name in ("before_forward", "after_optimizer"):
             ph["gradients"] = 0  # ZeRO-2 frees its gradient partition in the step
         ph["optimizer_cpu"] += -(-cpu // n)
-        ph["allocated"] += states(ph) - full + gather
-        ph["activations"] += gather
+        # Buffers alive at this phase boundary: FSDP keeps the root's weights gathered; ZeRO-3
+        # releases its gathers and keeps its bucket.
+        live = (gather if not deepspeed or name == "after_forward" else 0) + persistent_bucket
+        ph["allocated"] += states(ph) - full + live
+        ph["activations"] += live
         ph["phase_peak"] = None  # not meaningful after the analytic split
         ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
     what = " and ".join(sorted(split))
-    notes.append(f"{target.strategy}: {what} / {n}; + {(gather + bucket) / GIB:.2f} GiB gather/reduce buffers")
+    notes.append(f"{target.strategy}: {what} / {n}; + {(gather + bucket + persistent_bucket) / GIB:.2f} GiB "
+                 "gather/reduce buffers")
     if masters:
         notes.append(f"{target.strategy} with {recipe.precision}: 16-bit weights and gradients, fp32 master "
                      "weights and optimizer state (DeepSpeed's mixed precision; no autocast)")
