@@ -128,9 +128,12 @@ def test_bundled_blip2_configs_have_the_published_sizes():
 
 
 def test_blip2_physics_on_real_shapes():
-    base = load_recipe(ROOT / "recipes" / "blip2-opt-2.7b.yaml", {"accelerator": "cpu", "train.micro_batch_size": 4})
+    lab = load_recipe(ROOT / "recipes" / "blip2-opt-2.7b.yaml", {"accelerator": "cpu", "train.micro_batch_size": 4})
+    base = load_recipe(lab.to_dict(), {"model.freeze_vision": True})
     cfg = resolve_config(base)
     target = Target("cuda", find_gpu("h100-80gb"), 1)
+    # the lab trains every part (nothing frozen): all 3.74 B parameters get fp32 gradients
+    assert plan(lab, target, config=cfg).phases["after_backward"]["gradients"] / 4 == pytest.approx(3.745e9, rel=0.01)
     fp32 = plan(base, target, config=cfg)
     bf16 = plan(load_recipe(base.to_dict(), {"precision": "bf16-true"}), target, config=cfg)
     lora = plan(load_recipe(base.to_dict(), {"peft.method": "lora"}), target, config=cfg)

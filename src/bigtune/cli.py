@@ -7,6 +7,7 @@ Exit codes: 0 ok · 1 unexpected error · 2 bad input (recipe, data, model, argu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def _cmd_plan(args) -> int:
 
         return main_plan_inference(args, r, target)
     config = resolve_config(r)
-    p = plan(r, target, config=config)
+    p = plan(r, target, config=config, workers=min(2, os.cpu_count() or 1))
     alts = alternatives(r, target, max_gpus=args.max_gpus, config=config) if args.alternatives else None
     if args.json:
         out = {"plan": p.to_dict()}

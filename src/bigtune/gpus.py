@@ -52,6 +52,7 @@ __all__ = [
     "peak_flops",
     "normalize_name",
     "cublas_workspace_bytes",
+    "compute_capability",
 ]
 
 _GIB = 2**30
@@ -687,3 +688,23 @@ def cublas_workspace_bytes(gpu: GPU | None) -> int:
     """
     hopper = gpu is not None and re.match(r"g?h(100|200)", gpu.key) is not None
     return 4096 * 1024 * 8 if hopper else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+# CUDA compute capability per catalog entry (NVIDIA's "CUDA GPUs" table): it decides which fused
+# attention kernels exist (flash needs 8.0+, bf16 in the memory-efficient kernel too).
+_COMPUTE_CAPABILITY = {
+    "v100-sxm2-16gb": (7, 0), "v100-sxm2-32gb": (7, 0), "t4-16gb": (7, 5),
+    "a10-24gb": (8, 6), "a10g-24gb": (8, 6), "rtx-a6000-48gb": (8, 6), "rtx-3090-24gb": (8, 6),
+    "rtx-4090-24gb": (8, 9), "l4-24gb": (8, 9), "l40s-48gb": (8, 9),
+    "a100-sxm-40gb": (8, 0), "a100-pcie-40gb": (8, 0), "a100-sxm-80gb": (8, 0), "a100-pcie-80gb": (8, 0),
+    "h100-pcie-80gb": (9, 0), "h100-sxm-80gb": (9, 0), "h100-nvl-94gb": (9, 0),
+    "h200-sxm-141gb": (9, 0), "h200-nvl-141gb": (9, 0), "gh200-96gb": (9, 0), "b200-180gb": (10, 0),
+}
+
+
+def compute_capability(gpu: GPU | None) -> tuple[int, int]:
+    """(major, minor) of a catalog GPU (a custom GPU inherits its base's); a GPU known only by its
+    memory is taken to be Ampere or newer (8.0), as any card rented for fine-tuning today is."""
+    if gpu is None:
+        return (8, 0)
+    return _COMPUTE_CAPABILITY.get(gpu.key.split("-custom-")[0], (8, 0))

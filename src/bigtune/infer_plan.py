@@ -40,7 +40,7 @@ from unittest import mock
 import torch
 
 from bigtune.planner import (CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED, PlanError, Target,
-                             resolve_config_name)
+                             resolve_config_name, target_arch)
 from bigtune.recipe import Recipe
 
 TASKS = ("generate", "caption", "predict")
@@ -342,9 +342,13 @@ def quantized_weight_delta(weights: list, quantize: str, double_quant: bool) -> 
     return sum(packed_weight_bytes(w, quantize, double_quant) - w.numel() * w.element_size() for w in weights)
 
 
-def simulate(config, family: str, w: Workload, cuda: bool, attn_implementation: str = "sdpa") -> InferSim:
-    """Run one batch of ``w`` on fake tensors with ``config`` as given (no depth change)."""
+def simulate(config, family: str, w: Workload, cuda: bool, attn_implementation: str = "sdpa",
+             arch: Optional[tuple[int, int]] = None) -> InferSim:
+    """Run one batch of ``w`` on fake tensors with ``config`` as given (no depth change); on a CUDA
+    target of compute capability ``arch`` attention takes the math path wherever CUDA would."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bigtune.cuda_kernels import cuda_attention
 
     from bigtune.memory import LiveTensorTracker
     from bigtune.stepmath import storage_bytes
@@ -357,7 +361,8 @@ def simulate(config, family: str, w: Workload, cuda: bool, attn_implementation: 
 
     no_trunc_init = mock.patch.dict(TORCH_INIT_FUNCTIONS, {"trunc_normal_": lambda tensor, **_: tensor})
     phases: dict[str, int] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad():
+    kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad(), kernels:
         model = build_inference_model(config, family, w.dtype, attn_implementation)
         inputs = make_inputs(config, w)
         tracker = LiveTensorTracker(round_to=512 if cuda else 1)
@@ -377,7 +382,8 @@ def simulate(config, family: str, w: Workload, cuda: bool, attn_implementation: 
     return InferSim(phases, weights, kv, numel, lm_mm, vis_mm, largest if w.quantize != "none" else 0)
 
 
-def simulate_full_depth(config, family: str, w: Workload, cuda: bool, attn_implementation: str = "sdpa") -> InferSim:
+def simulate_full_depth(config, family: str, w: Workload, cuda: bool, attn_implementation: str = "sdpa",
+                        arch: Optional[tuple[int, int]] = None) -> InferSim:
     """Simulate shallow language models and extrapolate every byte count linearly to the real depth.
 
     Values at depths 2 and 3 give the per-layer increment: from the second layer on, layers are
@@ -388,9 +394,9 @@ def simulate_full_depth(config, family: str, w: Workload, cuda: bool, attn_imple
     n = lm_layers(config)
     d = 2
     if n <= d + 1:
-        return simulate(config, family, w, cuda, attn_implementation)
-    a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation).scalars()
-    b = simulate(_with_depth(config, d + 1), family, w, cuda, attn_implementation).scalars()
+        return simulate(config, family, w, cuda, attn_implementation, arch)
+    a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation, arch).scalars()
+    b = simulate(_with_depth(config, d + 1), family, w, cuda, attn_implementation, arch).scalars()
     full = {k: int(a[k] + (b[k] - a[k]) * (n - d)) for k in a}
     full["largest_linear"] = max(a["largest_linear"], b["largest_linear"])
     return InferSim.from_scalars(full)
@@ -550,7 +556,7 @@ def plan_inference(recipe: Recipe, target: Target, w: Workload, config=None, sea
     config = config if config is not None else resolve_config_name(recipe.model)
     attn = attn_implementation or recipe.model.attn_implementation
     cuda = target.device == "cuda"
-    sim = simulate_full_depth(config, family, w, cuda, attn)
+    sim = simulate_full_depth(config, family, w, cuda, attn, target_arch(target))
     peak, reserved, overhead, total = _totals(sim, cuda)
     phase = max(sim.phases, key=sim.phases.get)
     kv = kv_cache_bytes(config, w)
@@ -590,8 +596,8 @@ def largest_batch(config, family: str, w: Workload, target: Target, attn: str, s
     cap = target.capacity_bytes * (1 - FIT_MARGIN)
 
     def sim_at(b: int) -> InferSim:
-        return sim_at_w if b == w.batch_size else simulate_full_depth(config, family,
-                                                                     dataclasses.replace(w, batch_size=b), cuda, attn)
+        return sim_at_w if b == w.batch_size else simulate_full_depth(
+            config, family, dataclasses.replace(w, batch_size=b), cuda, attn, target_arch(target))
 
     def fits(s: InferSim) -> bool:
         return _totals(s, cuda)[3] <= cap

@@ -38,8 +38,12 @@ class LiveTensorTracker(TorchDispatchMode):
     ``live_bytes`` is what is alive now, ``peak_bytes`` the most since ``reset_peak()``.
     """
 
-    def __init__(self, cap_bytes: Optional[int] = None, round_to: int = 1):
+    def __init__(self, cap_bytes: Optional[int] = None, round_to: int = 1, events: Optional[list] = None):
         super().__init__()
+        # With a list, every registration and death is appended in order, as ("alloc", serial,
+        # nbytes) / ("free", serial): the planner replays it through allocator.CachingAllocator.
+        self.events = events
+        self._serial: dict[int, int] = {}
         self.cap_bytes = cap_bytes
         # The planner sets 512 to emulate the CUDA caching allocator, which rounds every block up.
         self.round_to = round_to
@@ -59,6 +63,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self._refs.pop(key, None)
         if size is not None:
             self.live_bytes -= size
+            if self.events is not None:
+                self.events.append(("free", self._serial.pop(key)))
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -82,6 +88,9 @@ class LiveTensorTracker(TorchDispatchMode):
                 continue
             self._sizes[key] = size
             self.live_bytes += size
+            if self.events is not None:
+                self._serial[key] = len(self.events)
+                self.events.append(("alloc", len(self.events), st.nbytes()))
         if self.live_bytes > self.window_peak:
             self.window_peak = self.live_bytes
         if self.live_bytes > self.peak_bytes:
@@ -101,6 +110,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._generation += 1
         self._sizes.clear()
         self._refs.clear()
+        self._serial.clear()
         self.live_bytes = 0
         self.peak_bytes = self.window_peak = 0
 

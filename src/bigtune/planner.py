@@ -20,6 +20,7 @@ the optimizer's memory traffic at an assumed fraction of the bandwidth, plus com
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -117,6 +118,9 @@ class Sim:
     matmul_numel: int
     parts: dict[str, int] = field(default_factory=dict)
     block_numel: int = 0  # elements inside the repeated blocks FSDP shards one by one (the rest is the root)
+    attention: tuple[str, ...] = ()  # SDPA kernels CUDA would pick (cuda_kernels.sdpa_backend); () on a CPU
+    reserved: int = 0         # peak reserved by the CUDA caching allocator replayed over the step (0: not replayed)
+    in_use: int = 0           # its peak bytes of segments holding a live block (what must fit; see allocator.py)
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,8 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     q, vc = int(cfg.num_query_tokens), cfg.vision_config
     image = torch.full((b_size, q), int(cfg.image_token_index))
     caption = torch.randint(3, min(cfg.text_config.vocab_size, int(cfg.image_token_index)), (b_size, seq), generator=g)
-    pixels = torch.randn(b_size, int(getattr(vc, "num_channels", 3)), vc.image_size, vc.image_size, generator=g)
+    # A shape only: simulate() swaps in a fake tensor (see there).
+    pixels = torch.empty(b_size, int(getattr(vc, "num_channels", 3)), vc.image_size, vc.image_size)
     if getattr(cfg.text_config, "is_encoder_decoder", False):
         ids = torch.cat([image, torch.ones(b_size, 1, dtype=torch.long)], 1)
         dec = torch.cat([torch.zeros(b_size, 1, dtype=torch.long), caption[:, :-1]], 1)
@@ -235,20 +240,25 @@ def _matmul_parts(model: torch.nn.Module) -> dict[str, int]:
 
 
 def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: bool,
-             micro_batch: Optional[int] = None, padded: bool = False) -> Sim:
+             micro_batch: Optional[int] = None, padded: bool = False,
+             arch: Optional[tuple[int, int]] = None, trace: bool = False) -> Sim:
     """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
     to ``depths`` blocks (an int sets every stack).
 
     The optimizer state is created first (one update with zero gradients), so the simulated step is
-    like the engine's step 1 and later: its peak is the run's peak. Accumulation windows are
+    like the engine's step 1 and later: its peak is the run's peak. On a CUDA target of compute
+    capability ``arch`` (default 8.0), attention takes the math path wherever CUDA would
+    (cuda_kernels). With ``trace`` (CUDA targets), ``Sim.reserved`` is the caching allocator's peak
+    reserved over the weights and steps 0-2 (allocator.replay). Accumulation windows are
     simulated with two micro-batches: from the second one on, gradients are held during forward,
     and a third micro-batch repeats the second one's memory exactly.
     """
     from lightning.fabric import Fabric
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from bigtune.cuda_kernels import cuda_attention
     from bigtune.engine import LoopState, train_step
-    from bigtune.memory import MemoryMonitor
+    from bigtune.memory import LiveTensorTracker, MemoryMonitor
     from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
         freeze_parts, label_config, weights_dtype
     from bigtune.optim import make_optimizer
@@ -304,7 +314,9 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
     no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init():
+    # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
+    kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), kernels as attention:
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):
@@ -326,30 +338,49 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             block_numel = sum(p.numel() for blk in decoder_blocks(model) for p in blk.parameters())
         except ValueError:
             block_numel = 0
+        for batch in batches:
+            if "pixel_values" in batch:
+                # Fake pixels: a real tensor would be really converted (Fabric casts float inputs), and
+                # that parallel work starts OpenMP's threads, after which a forked worker hangs.
+                batch["pixel_values"] = torch.empty(batch["pixel_values"].shape)
         wrapped = fabric.setup_module(model)
         opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
-        if family == "image-to-text":
-            # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
-            # encoder's own token table is never used) and so no optimizer state: take a real step 0.
-            train_step(built, batches, None, False, LoopState(step=0), tokens)
-        else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
-            for p in wrapped.parameters():
-                if p.requires_grad:  # frozen (base) weights never get gradients
-                    p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
-        _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+        # On a CUDA target every storage's birth and death is recorded from the weights on, through
+        # a real step 0 (the optimizer state is then created where a GPU creates it: after a
+        # backward), for the caching-allocator replay below.
+        events: Optional[list] = [] if cuda and trace else None
+        trace_mode = LiveTensorTracker(events=events) if events is not None else contextlib.nullcontext()
+        if events is not None:
+            trace_mode.track(list(wrapped.parameters()) + list(wrapped.buffers()))  # loaded in this order
+        with trace_mode:
+            if family == "image-to-text" or events is not None:
+                # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
+                # encoder's own token table is never used) and so no optimizer state: take a real step 0.
+                train_step(built, batches, None, False, LoopState(step=0), tokens)
+            else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
+                for p in wrapped.parameters():
+                    if p.requires_grad:  # frozen (base) weights never get gradients
+                        p.grad = torch.zeros_like(p)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            step1 = len(events) if events is not None else 0
+            monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
+            _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
+    reserved = in_use = 0
+    if events is not None:
+        reserved, in_use = _replay_steady(events, step1)
     if quantize != "none":
         delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant)
         for ph in steady.values():
             for c in ("parameters", "allocated", "peak_allocated", "phase_peak"):
                 ph[c] += delta
         peak += delta
+        # weights are whole long-lived blocks: the allocator holds about as much less
+        reserved, in_use = (max(0, x + delta) if x else 0 for x in (reserved, in_use))
     if eight_bit:
         shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
         extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
@@ -357,7 +388,22 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             for c in ("optimizer_device", "allocated", "peak_allocated", "phase_peak"):
                 ph[c] += extra
         peak += extra
-    return Sim(steady, peak, numel, sum(parts.values()), parts, block_numel)
+        reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
+    return Sim(steady, peak, numel, sum(parts.values()), parts, block_numel, tuple(sorted(attention)),
+               reserved, in_use)
+
+
+def _replay_steady(events: list, step1: int) -> tuple[int, int]:
+    """(peak reserved, peak in-use segment bytes) of the CUDA caching allocator over the weights, step
+    0, step 1 and a step 2 identical to step 1 (reserved can still grow once the cache holds step 1's
+    pattern; it does not after that)."""
+    from bigtune.allocator import replay
+
+    born = {e[1] for e in events[step1:] if e[0] == "alloc"}
+    offset = len(events)
+    again = [(e[0], e[1] + offset, *e[2:]) for e in events[step1:] if e[1] in born]
+    stats = replay(events + again).stats
+    return stats.peak_reserved, stats.peak_in_use
 
 
 EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
@@ -461,7 +507,7 @@ def eight_bit_state_bytes(numels: list[int], min_8bit_size: int = 4096, block: i
 
 
 def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False,
-                        micro_batch: Optional[int] = None) -> Sim:
+                        micro_batch: Optional[int] = None, arch: Optional[tuple[int, int]] = None) -> Sim:
     """The step at the model's real depth, from simulations of shallow copies.
 
     Memory is linear in the depth of each repeated stack (every block adds the same parameters,
@@ -472,13 +518,13 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
     stacks = model_stacks(config)
     full = {st: get_depth(config, st) for st in stacks}
     if all(full[st] <= 2 * st.period for st in stacks):
-        return simulate(recipe, config, full, cuda, micro_batch, padded)
+        return simulate(recipe, config, full, cuda, micro_batch, padded, arch)
     unit = {st: min(st.period, full[st]) for st in stacks}
-    base = simulate(recipe, config, unit, cuda, micro_batch, padded)
+    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch)
     grown = []
     for st in stacks:
         if full[st] > unit[st]:
-            sim = simulate(recipe, config, {**unit, st: unit[st] + st.period}, cuda, micro_batch, padded)
+            sim = simulate(recipe, config, {**unit, st: unit[st] + st.period}, cuda, micro_batch, padded, arch)
             grown.append((sim, (full[st] - unit[st]) / st.period))
 
     def ext(get) -> int:
@@ -487,10 +533,74 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
 
     phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
     parts = {k: ext(lambda x, k=k: x.parts.get(k, 0)) for k in base.parts}
-    # The step's peak is at least every phase's: max and extrapolation do not commute exactly.
-    peak = max([ext(lambda x: x.peak_allocated)] + [ph["peak_allocated"] for ph in phases.values()])
+    # Max and extrapolation do not commute: which phase holds the step's peak can change with depth
+    # (shallow, the logits' backward; deep, the optimizer's temporaries over all the weights). Each
+    # phase's own high-water mark sits at the same point of the step at every depth, so it
+    # extrapolates; the step's peak is the highest of them, and each phase's cumulative peak the
+    # highest so far.
+    running = 0
+    for name in PHASES:
+        if name in phases:
+            ph = phases[name]
+            running = max(running, ph["allocated"], ph["phase_peak"] or 0)
+            ph["peak_allocated"] = max(ph["peak_allocated"], running)
+    peak = max(ext(lambda x: x.peak_allocated), running)
     return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts,
-               ext(lambda x: x.block_numel))
+               ext(lambda x: x.block_numel), base.attention, ext(lambda x: x.reserved),
+               ext(lambda x: x.in_use))
+
+
+RESERVED_DEPTHS = (4, 8)  # units of depth per stack in the two traced simulations reserved is estimated from
+
+
+def estimate_reserved(recipe: Recipe, config, sim: Sim, arch: Optional[tuple[int, int]],
+                      padded: bool = False, micro_batch: Optional[int] = None,
+                      workers: int = 1) -> tuple[int, int, list[str]]:
+    """(peak reserved, peak in-use segment bytes, notes) on a CUDA device for the full-depth step
+    ``sim``, from the caching allocator replayed over traced simulations (allocator.py).
+
+    Which cached block each request reuses depends on the whole sequence, so reserved is not exactly
+    linear in depth the way allocated bytes are: between 1 and 2 layers its increment can be off by
+    half a layer's activations. Two deeper traced simulations (every stack at 4 and at 8 units) average
+    that out. On TinyLlama shapes the estimate came within 3 % of a replay of the full-depth step
+    (tests/test_allocator.py; within 1 % for bf16-true, bf16-mixed and checkpointing at 22 layers).
+    """
+    stacks = model_stacks(config)
+    full = {st: get_depth(config, st) for st in stacks}
+
+    def at(units: int) -> dict:
+        return {st: min(full[st], units * st.period) for st in stacks}
+
+    a_depths, b_depths = (at(u) for u in RESERVED_DEPTHS)
+    how = f"caching-allocator replay of a step simulated {b_depths[stacks[-1]]} blocks deep"
+    if b_depths == full:
+        b = simulate(recipe, config, b_depths, True, micro_batch, padded, arch, trace=True)
+        return b.reserved, b.in_use, [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
+    args = [(recipe, config, d, True, micro_batch, padded, arch, True) for d in (a_depths, b_depths)]
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("fork")) as ex:
+            a, b = ex.map(_traced_sim, args)
+    else:
+        a, b = map(_traced_sim, args)
+
+    def extrapolate(get) -> int:
+        # Two extrapolations that err differently when reuse jumps between depths: growing with
+        # allocated at the rate seen between the two depths, and the deeper one's ratio to allocated.
+        slope = (get(b) - get(a)) / max(1, b.peak_allocated - a.peak_allocated)
+        by_slope = get(b) + slope * (sim.peak_allocated - b.peak_allocated)
+        by_ratio = sim.peak_allocated * get(b) / max(1, b.peak_allocated)
+        return max(sim.peak_allocated, int((by_slope + by_ratio) / 2))
+
+    reserved, in_use = extrapolate(lambda x: x.reserved), extrapolate(lambda x: x.in_use)
+    return reserved, min(in_use, reserved), [f"reserved from a {how} and one {a_depths[stacks[-1]]} deep, "
+                                             "extrapolated to full depth"]
+
+
+def _traced_sim(args: tuple) -> Sim:
+    return simulate(*args[:7], trace=args[7])
 
 
 # -- the plan -------------------------------------------------------------------------------------------
@@ -513,6 +623,13 @@ class Target:
         return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy})" if self.gpus > 1 else "")
 
 
+def target_arch(target: "Target") -> Optional[tuple[int, int]]:
+    """The compute capability a CUDA target's kernels are chosen for (None on a CPU)."""
+    from bigtune.gpus import compute_capability
+
+    return compute_capability(target.gpu) if target.device == "cuda" else None
+
+
 @dataclass
 class Plan:
     recipe_name: str
@@ -532,6 +649,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     overrides: dict[str, Any] = field(default_factory=dict)
     plan_seconds: float = 0.0
+    # What must fit the device (FITS/OOM): the allocator's in-use segments at the peak + context; less
+    # than peak_total, which is what a device with room to spare ends up reserving.
+    needed_total: Optional[int] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -785,19 +905,25 @@ def image_to_text_flops_per_sample(config, parts: dict[str, int], recipe: Recipe
 
 
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
-         config=None, sim: Optional[Sim] = None, padded: bool = False) -> Plan:
+         config=None, sim: Optional[Sim] = None, padded: bool = False, workers: int = 1) -> Plan:
     """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
 
-    ``sim`` reuses a simulation of the same single-device step; ``padded`` plans batches that hold
-    padding (the attention then gets an explicit mask, which can cost more on some kernels).
+    ``sim`` reuses a simulation of the same single-device step (reserved then comes from a fixed
+    ratio instead of an allocator replay); ``padded`` plans batches that hold padding (the attention
+    then gets an explicit mask, which can cost more on some kernels). ``workers`` > 1 runs the
+    replay's two simulations in forked processes (never after CUDA is initialised).
     """
     t0 = time.perf_counter()
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     sim_recipe = simulation_recipe(recipe, target.strategy)
-    if sim is None:
-        sim = simulate_full_depth(sim_recipe, config, cuda, padded=padded)
+    own_sim = sim is None
+    if own_sim:
+        sim = simulate_full_depth(sim_recipe, config, cuda, padded=padded, arch=target_arch(target))
     phases, peak, notes = _shard(sim, recipe, target, total_blocks(config))
+    if "math" in sim.attention:
+        notes.append("attention: no fused CUDA kernel takes these inputs on this GPU (cuda_kernels.sdpa_backend), "
+                     "so SDPA runs its math path: fp32 scores of seq × seq per head saved in every layer")
     if sim_recipe.optim.name != recipe.optim.name:
         notes.append(f"{target.strategy} steps with DeepSpeed's CPU Adam, not optim.name={recipe.optim.name}: "
                      "planned with Adam state")
@@ -833,18 +959,37 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
         peak += workspaces
         notes.append(f"cuBLAS workspaces {workspaces / 2**20:.0f} MiB ({CUBLAS_HANDLES} handles: forward and "
                      "autograd threads) included under activations")
-        reserved = int(peak * RESERVED_OVER_ALLOCATED)
+        cap = target.capacity_bytes
+        if own_sim and not simulated_host and not (cap is not None and peak > cap):
+            # The single-device step replayed through the caching allocator; several devices keep its
+            # reserved/allocated ratio (their sharded peak is analytic).
+            replayed, in_use, how = estimate_reserved(sim_recipe, config, sim, target_arch(target), padded,
+                                                      workers=workers)
+            if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+                reserved, needed = replayed + workspaces, in_use + workspaces
+            else:
+                ratio = replayed / max(1, sim.peak_allocated)
+                reserved, needed = int(peak * ratio), int(peak * in_use / max(1, sim.peak_allocated))
+                how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
+            notes.extend(how)
+            notes.append(f"FITS/OOM by the {needed / GIB:.2f} GiB of segments in use at the peak: near the capacity "
+                         "PyTorch frees its wholly cached segments and retries, so the rest of reserved need not fit")
+        else:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
+            reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
+            notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed)")
         overhead = CUDA_CONTEXT_BYTES
-        notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated and CUDA context "
-                     f"{CUDA_CONTEXT_BYTES / GIB:.1f} GiB are assumptions until calibrated on GPU runs")
+        notes.append(f"CUDA context {CUDA_CONTEXT_BYTES / GIB:.1f} GiB is an assumption until calibrated on GPU "
+                     "runs; the allocator replay has not been checked against a GPU yet")
     else:
         reserved, overhead = None, 0
+        needed = peak
     total = (reserved if reserved is not None else peak) + overhead
     cap = target.capacity_bytes
-    fits = None if cap is None else total <= cap * (1 - FIT_MARGIN)
+    fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
     step, tps, tnotes = _time(recipe, sim, target, config)
     return Plan(recipe_name=recipe.name, target=target.label(), variant=variant, phases=phases, peak_allocated=peak,
                 peak_reserved=reserved, overhead=overhead, peak_total=total, capacity=cap, fits=fits,
+                needed_total=needed + overhead,
                 parameters_total=sim.numel, step_time_s=step, tokens_per_s=tps,
                 tokens_per_step=recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
                 * target.gpus, notes=notes + tnotes, overrides=overrides or {},
@@ -909,7 +1054,8 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
         return int(round(a + (b - a) * t))
 
     phases = {ph: {c: f(lo.phases[ph][c], hi.phases[ph][c]) for c in CATEGORIES} for ph in lo.phases}
-    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.parts, lo.block_numel)
+    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.parts, lo.block_numel,
+               lo.attention, f(lo.reserved, hi.reserved), f(lo.in_use, hi.in_use))
 
 
 def _sim_key(r: Recipe, micro: int) -> str:
@@ -919,7 +1065,8 @@ def _sim_key(r: Recipe, micro: int) -> str:
                        r.optim.implementation, r.data.max_seq_length, micro, min(k, 2)])
 
 
-def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int) -> dict[str, Sim]:
+def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,
+              arch: Optional[tuple[int, int]] = None) -> dict[str, Sim]:
     """Simulate every (recipe, micro batch) job, in parallel worker processes when there are several cores."""
     if workers > 1 and len(jobs) > 1:
         import multiprocessing as mp
@@ -927,15 +1074,15 @@ def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: 
 
         # fork: the children inherit the imported libraries instead of importing them again (seconds).
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
-            futs = {k: ex.submit(_sim_job, r, config, cuda, m) for k, (r, m) in jobs.items()}
+            futs = {k: ex.submit(_sim_job, r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
             return {k: f.result() for k, f in futs.items()}
-    return {k: _sim_job(r, config, cuda, m) for k, (r, m) in jobs.items()}
+    return {k: _sim_job(r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
 
 
-def _sim_job(recipe: Recipe, config, cuda: bool, micro: int) -> Sim:
+def _sim_job(recipe: Recipe, config, cuda: bool, micro: int, arch: Optional[tuple[int, int]] = None) -> Sim:
     r = copy.deepcopy(recipe)
     r.train.micro_batch_size = micro
-    return simulate_full_depth(r, config, cuda)
+    return simulate_full_depth(r, config, cuda, arch=arch)
 
 
 class Alternatives(list):
@@ -1023,7 +1170,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1]), t[2], t[3])]
         needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
         jobs = {k: v for k, v in jobs.items() if k in needed}
-    sims = _run_sims(jobs, config, cuda, workers)
+    sims = _run_sims(jobs, config, cuda, workers, target_arch(target))
     plans = []
     for label, over, gpus, strategy, how in todo:
         if isinstance(how, tuple):
@@ -1061,8 +1208,9 @@ def format_plan(p: Plan) -> str:
                     f"{p.peak_total / GIB:.2f} GiB" if p.peak_reserved is not None else ""))
     if p.capacity is not None:
         verdict = "FITS" if p.fits else "OOM"
-        lines.append(f"{verdict}: {p.peak_total / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
-                     f"({100 * p.peak_total / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})")
+        need = p.needed_total or p.peak_total
+        lines.append(f"{verdict}: needs {need / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
+                     f"({100 * need / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})")
     if p.step_time_s:
         lines.append(f"step ≈ {p.step_time_s:.3f} s, ≈ {p.tokens_per_s:,.0f} tokens/s "
                      f"({p.tokens_per_step:,} tokens per optimizer step)")

@@ -920,7 +920,8 @@ def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[s
             else:
                 verdict = "FITS" if row["fits"] else "OOM"
                 step = f"{row['step_time_s']:.2f} s/step" if row.get("step_time_s") else "-"
-                print(f"{v.name[:28]:<28} {verdict:<5} peak {human_bytes(row['peak_total']):>11} of "
+                need = row.get("needed_total") or row["peak_total"]
+                print(f"{v.name[:28]:<28} {verdict:<5} needs {human_bytes(need):>11} of "
                       f"{human_bytes(row['capacity'])} on {n}× {gpu.key}  {step}", flush=True)
     if as_json:
         print(json.dumps({"sweep": sweep.name, "gpu": gpu.key, "plans": out}, indent=2))

@@ -1,0 +1,86 @@
+"""Which attention kernel CUDA would run, for simulations that run on a CPU.
+
+The planner simulates a training step on fake *CPU* tensors. For attention that is harmless as
+long as CUDA would also pick a fused kernel: PyTorch's CPU flash kernel, CUDA's flash kernel and
+its memory-efficient kernel all save the output and a per-row log-sum-exp, never the
+sequence × sequence scores. But on some GPUs, dtypes and head layouts no fused CUDA kernel
+applies, and ``scaled_dot_product_attention`` falls back to its *math* path, which materialises
+the scores, upcasts 16-bit inputs to fp32 first (unless
+``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``) and saves the fp32 softmax for
+backward: per layer ``batch × heads × seq² × 4`` bytes that the CPU simulation would never show.
+
+The rules below follow PyTorch's ``sdp_utils.cpp`` (flash → memory-efficient → math; cuDNN
+attention, preferred on some Hopper set-ups, saves what flash saves):
+
+* flash: compute capability ≥ 8.0, fp16/bf16, no explicit mask, head dim ≤ 256; grouped-query
+  attention (fewer key/value heads) allowed.
+* memory-efficient: compute capability ≥ 5.0; fp16 and fp32 everywhere, bf16 only from 8.0;
+  masks allowed; grouped-query heads only from ``MEM_EFFICIENT_GQA_TORCH`` on.
+* otherwise math.
+
+So the math path is what runs for bf16 on a V100 or T4 (no bf16 in either fused kernel below
+sm80) and for fp32 on a grouped-query model (TinyLlama, Llama-3, Mistral, Qwen2) when
+transformers passes ``enable_gqa`` (it does when a batch has no padding mask).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+# PyTorch PR #191085 (July 2026) taught the CUDA memory-efficient kernel grouped-query heads; we
+# assume it ships in 2.13. Before it, fp32 with enable_gqa=True falls back to math (reported on
+# torch 2.11 in public issues).
+MEM_EFFICIENT_GQA_TORCH = (2, 13)
+
+
+def _torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def sdpa_backend(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                 enable_gqa: bool, arch: tuple[int, int],
+                 torch_version: Optional[tuple[int, int]] = None) -> str:
+    """'flash', 'efficient' or 'math': the kernel CUDA picks for these inputs on a GPU of
+    compute capability ``arch`` (PyTorch's priority order, see the module docstring)."""
+    dtype = query.dtype
+    head_dim = query.shape[-1]
+    gqa = query.shape[-3] != key.shape[-3]
+    if gqa and not enable_gqa:
+        return "math"  # different head counts without enable_gqa: only the math path broadcasts
+    if arch >= (8, 0) and dtype in (torch.float16, torch.bfloat16) and attn_mask is None and head_dim <= 256:
+        return "flash"
+    version = torch_version or _torch_version()
+    efficient_dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if arch >= (8, 0) else ())
+    if arch >= (5, 0) and dtype in efficient_dtypes and (not gqa or version >= MEM_EFFICIENT_GQA_TORCH):
+        return "efficient"
+    return "math"
+
+
+@contextlib.contextmanager
+def cuda_attention(arch: Optional[tuple[int, int]]):
+    """Yields the set of kernel names chosen so far. Within this block, ``F.scaled_dot_product_attention`` takes the math path wherever CUDA on
+    ``arch`` would (fused kernels stay on PyTorch's CPU flash kernel, which saves the same)."""
+    used: set[str] = set()
+    if arch is None:
+        yield used
+        return
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        backend = sdpa_backend(query, key, attn_mask, enable_gqa, arch)
+        used.add(backend)
+        if backend != "math":
+            return fused(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield used
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = fused

@@ -1,0 +1,86 @@
+"""Attention kernels CUDA would pick, emulated in the planner's CPU simulation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bigtune.cuda_kernels import sdpa_backend
+from bigtune.engine import train
+from bigtune.gpus import compute_capability, find_gpu, CATALOG
+from bigtune.planner import Target, plan, resolve_config, simulate_full_depth
+from bigtune.recipe import load_recipe
+from conftest import ROOT
+
+A100, V100, T4 = (8, 0), (7, 0), (7, 5)
+
+
+def _qk(dtype, kv_heads=8):
+    return torch.empty(2, 8, 16, 64, dtype=dtype), torch.empty(2, kv_heads, 16, 64, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, kv, mask, gqa, arch, version, expected", [
+    (torch.bfloat16, 8, False, False, A100, (2, 11), "flash"),
+    (torch.bfloat16, 2, False, True, A100, (2, 11), "flash"),       # flash takes grouped-query heads
+    (torch.bfloat16, 8, True, False, A100, (2, 11), "efficient"),   # a mask rules flash out
+    (torch.float32, 8, False, False, A100, (2, 11), "efficient"),   # no fp32 flash
+    (torch.float32, 2, False, True, A100, (2, 11), "math"),         # fp32 GQA before mem-efficient GQA
+    (torch.float32, 2, False, True, A100, (2, 13), "efficient"),
+    (torch.bfloat16, 2, False, False, A100, (2, 13), "math"),       # unequal heads without enable_gqa
+    (torch.bfloat16, 8, False, False, V100, (2, 11), "math"),       # no bf16 fused kernel below sm80
+    (torch.bfloat16, 8, False, False, T4, (2, 11), "math"),
+    (torch.float16, 8, False, False, V100, (2, 11), "efficient"),
+    (torch.float16, 8, True, False, T4, (2, 11), "efficient"),
+])
+def test_sdpa_backend_rules(dtype, kv, mask, gqa, arch, version, expected):
+    q, k = _qk(dtype, kv)
+    m = torch.ones(2, 1, 16, 16, dtype=torch.bool) if mask else None
+    assert sdpa_backend(q, k, m, gqa, arch, version) == expected
+
+
+def test_every_catalog_gpu_has_a_compute_capability():
+    for key, gpu in CATALOG.items():
+        assert compute_capability(gpu) >= (7, 0), key
+    assert compute_capability(find_gpu("v100-32gb")) == (7, 0)
+    assert compute_capability(find_gpu("h100-80gb")) == (9, 0)
+
+
+def test_math_path_simulation_equals_the_real_math_kernel(tmp_path):
+    """The planner's emulated math attention (fake tensors) saves exactly what the real math kernel
+    saves: a CPU run forced onto SDPA's math backend measures the same peak as a simulation told the
+    GPU is a V100 (bf16: no fused kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"text": f"plate {i} of soup with basil " * 30}) + "\n" for i in range(32)))
+    over = {"model.name": "tiny-llama", "data.source": str(data), "data.max_seq_length": 64,
+            "train.micro_batch_size": 4, "train.max_steps": 3, "train.max_epochs": None, "memory.every_steps": 1,
+            "checkpoint.save_model": False, "accelerator": "cpu", "precision": "bf16-true",
+            "output_dir": str(tmp_path / "run"), "memory.plan": False}
+    with sdpa_kernel([SDPBackend.MATH]):
+        measured = train({}, over, quiet_recipe=True)["peak_allocated_bytes"]
+    r = load_recipe({}, over)
+    cfg = resolve_config(r)
+    math = simulate_full_depth(r, cfg, cuda=False, arch=V100)
+    fused = simulate_full_depth(r, cfg, cuda=False)
+    assert math.attention == ("math",) and fused.attention == ()
+    assert abs(math.peak_allocated - measured) / measured < 0.005, (math.peak_allocated, measured)
+    assert math.peak_allocated > fused.peak_allocated
+
+
+def test_v100_bf16_plans_the_saved_fp32_scores():
+    """TinyLlama shapes, bf16, batch 8 × 512: on a V100 every layer saves its fp32 attention
+    probabilities (22 layers × 8 × 32 heads × 512² × 4 bytes = 5.5 GiB) that an A100 (flash) does not."""
+    r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", {"precision": "bf16-true", "train.micro_batch_size": 8,
+                                                     "data.max_seq_length": 512})
+    cfg = resolve_config(r)
+    v100 = plan(r, Target("cuda", find_gpu("v100-32gb")), config=cfg)
+    a100 = plan(r, Target("cuda", find_gpu("a100-80gb")), config=cfg)
+    probs = cfg.num_hidden_layers * 8 * cfg.num_attention_heads * 512 ** 2 * 4
+    extra = v100.peak_allocated - a100.peak_allocated
+    assert probs <= extra <= 1.5 * probs, (extra, probs)
+    assert any("math path" in n for n in v100.notes) and not any("math path" in n for n in a100.notes)
+    # the model states do not depend on the attention kernel
+    assert v100.model_states == a100.model_states
