@@ -917,6 +917,14 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
     out["measured_peak_allocated_all_steps"] = max(s["peak_allocated"] for s in snaps)
     out["predicted_peak_allocated_like_for_like"] = like.peak_allocated
     out["peak_error_pct"] = 100.0 * (like.peak_allocated - measured) / measured if measured else None
+    reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
+    if reserved and like.peak_reserved:
+        # CUDA only: the caching allocator's figure against the plan's replay of it (all steps: reserved
+        # only grows), and what the plan said must fit
+        out["measured_peak_reserved"] = max(reserved)
+        out["predicted_peak_reserved_like_for_like"] = like.peak_reserved
+        out["predicted_needed_like_for_like"] = like.needed_total
+        out["reserved_error_pct"] = 100.0 * (like.peak_reserved - max(reserved)) / max(reserved)
     return out
 
 
@@ -935,6 +943,9 @@ def format_comparison(c: dict) -> str:
                  f"{human_bytes(c['predicted_peak_allocated_like_for_like'])} ({c['peak_error_pct']:+.2f}%)"
                  + (f"; worst case (full max_seq_length) {human_bytes(c['predicted_peak_allocated'])}"
                     if shape else ""))
+    if "measured_peak_reserved" in c:
+        lines.append(f"peak reserved: measured {human_bytes(c['measured_peak_reserved'])}, predicted "
+                     f"{human_bytes(c['predicted_peak_reserved_like_for_like'])} ({c['reserved_error_pct']:+.2f}%)")
     return "\n".join(lines)
 
 
