@@ -212,6 +212,22 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
 
 
+def _keep_every_layer():
+    """LayerDrop as transformers 5.17 writes it (OPT and others) draws ``torch.rand([])`` in every training
+    forward and branches on the value, which a fake tensor does not have (the plan was unavailable for
+    every OPT and BLIP-2 OPT model). Here a 0-dim draw is a known 1.0 (a constant fake tensor, which
+    comparisons can read): no layer is ever dropped, the worst case a plan is for."""
+    real = torch.rand
+
+    def rand(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
+        if len(shape) == 0:
+            return torch.tensor(1.0, dtype=kwargs.get("dtype"))
+        return real(*size, **kwargs)
+
+    return mock.patch("torch.rand", rand)
+
+
 def _no_init():
     """Skip weight initialisation (truncated-normal init branches on values, which fake tensors
     lack) but keep the rest of ``init_weights``: weight tying decides what memory exists."""
@@ -304,7 +320,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
     no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init():
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), _keep_every_layer():
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):
@@ -487,8 +503,15 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
 
     phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
     parts = {k: ext(lambda x, k=k: x.parts.get(k, 0)) for k in base.parts}
-    # The step's peak is at least every phase's: max and extrapolation do not commute exactly.
-    peak = max([ext(lambda x: x.peak_allocated)] + [ph["peak_allocated"] for ph in phases.values()])
+    # The step's peak is at least every phase's: max and extrapolation do not commute exactly. A phase's own
+    # high-water mark (phase_peak: linear in depth, e.g. the optimizer's temporaries) can then exceed the
+    # extrapolated running peak, where shallow copies peaked elsewhere (in forward): the running peak of a
+    # step includes every earlier phase's own peak (a deep 7B at batch 8 was 0.75 GiB short without this).
+    running = 0
+    for ph in phases.values():
+        running = max(running, ph["peak_allocated"], ph.get("phase_peak") or 0)
+        ph["peak_allocated"] = running
+    peak = max(ext(lambda x: x.peak_allocated), running)
     return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts,
                ext(lambda x: x.block_numel))
 
