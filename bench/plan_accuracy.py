@@ -1,13 +1,26 @@
-"""Planner accuracy on the GPU this runs on: measured peak memory per category vs `bigtune plan`.
+"""Planner accuracy on the GPU this runs on: measured memory and step time vs `bigtune plan`.
 
-    python bench/plan_accuracy.py [--quick] [--only NAME ...] [--out bench/results]
+    python bench/plan_accuracy.py [--budget-s 510] [--only NAME ...] [--resume FILE] [--out DIR]
+    python bench/plan_accuracy.py --smoke [--out DIR]          # CPU, tiny presets (CI: tests/test_bench_smoke.py)
+    python bench/plan_accuracy.py --list                       # the case matrix, in run order
+    python bench/plan_accuracy.py --check-plans [--gpu h100-80gb]   # CPU: plan every GPU case, check `expect`
 
-Each case trains a real architecture with random weights (model.init=random: no download) for a few
-steps on full-length synthetic text, in its own process so an OOM is a result, then reads the run's
-summary.json: measured per-phase categories and peak allocated/reserved beside the plan's prediction
-for the same batch shape. Prints a table and the median / worst absolute error of peak allocated, and
-writes bench/results/plan_accuracy-<gpu>.json with the command. Needs a CUDA GPU; on a CPU it says so
-and exits 0 without results (use the CPU tests for the CPU path).
+Each case trains a real architecture with random weights (model.init=random: no download, no hub: the
+bundled configs, bigtune's tiny tokenizer, BLIP's image processor at the model's image size) for a few
+steps on full-length synthetic data (LLMs: text longer than max_seq_length; BLIP-2: the bundled photos
+with captions longer than max_seq_length, so no batch is padded), in its own process (an OOM or a hang
+is a result, not the end of the run), with a time limit per case. It then reads the run's summary.json
+and metrics.jsonl: per phase and category measured vs predicted, peak allocated, peak reserved and the
+device's memory in use (cudaMemGetInfo, what nvidia-smi shows) beside the plan's allocated, reserved
+and total, and the measured step time and tokens/s beside the plan's roofline time.
+
+Cases run in the order of CASES (most informative first). ``--budget-s`` stops starting cases whose
+estimated time no longer fits (they are written as ``skipped``); the JSON is rewritten atomically after
+every case, so a command killed at its limit keeps every finished row. ``--resume FILE`` keeps the rows
+of an earlier result file and runs only the cases it has not finished.
+
+Writes <out>/plan_accuracy-<gpu>.json (<out> defaults to bench/results). Without a CUDA GPU (and
+without --smoke) it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +29,8 @@ import argparse
 import datetime
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,121 +40,519 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
+OPENLLAMA3B, OPENLLAMA7B = "openlm-research/open_llama_3b", "openlm-research/open_llama_7b"
+BLIP2_RECIPE = "recipes/blip2-opt-2.7b.yaml"   # the lab's BLIP-2 recipe (Q-Former + OPT trained, vision frozen)
+LORA = {"peft.method": "lora", "peft.r": 16, "peft.alpha": 32, "peft.dropout": 0.05}
 
-# name: recipe overrides (every case: random init, seq 512, 4 steps, memory every step)
-CASES = {
-    "tinyllama-bf16true-adamw-b4": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.micro_batch_size": 4},
-    "tinyllama-32true-adamw-b2": {"model.name": TINYLLAMA, "precision": "32-true", "train.micro_batch_size": 2},
-    "tinyllama-bf16mixed-adamw-b4": {"model.name": TINYLLAMA, "precision": "bf16-mixed", "train.micro_batch_size": 4},
-    "tinyllama-bf16true-sgd-b8": {"model.name": TINYLLAMA, "precision": "bf16-true", "optim.name": "sgd",
-                                  "train.micro_batch_size": 8},
-    "tinyllama-bf16true-adamw-ckpt-b8": {"model.name": TINYLLAMA, "precision": "bf16-true",
-                                         "train.activation_checkpointing": True, "train.micro_batch_size": 8},
-    "tinyllama-bf16true-adamw-b4-acc2": {"model.name": TINYLLAMA, "precision": "bf16-true",
-                                         "train.micro_batch_size": 4, "train.accumulate_grad_batches": 2},
-    "opt1.3b-bf16true-adamw-b4": {"model.name": "facebook/opt-1.3b", "precision": "bf16-true",
-                                  "train.micro_batch_size": 4},
-    "openllama3b-bf16true-adamw-b2": {"model.name": "openlm-research/open_llama_3b", "precision": "bf16-true",
-                                      "train.micro_batch_size": 2},
-    "openllama7b-bf16true-sgd-b2": {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true",
-                                    "optim.name": "sgd", "train.micro_batch_size": 2},
-    "openllama7b-bf16true-adamw-ckpt-b4": {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true",
-                                           "train.activation_checkpointing": True, "train.micro_batch_size": 4},
+# One case: recipe overrides (over), the base recipe (None: the built-in defaults; BLIP2_RECIPE for the
+# lab's), the kind of data it needs, what `bigtune plan --gpu h100-80gb` predicts (expect: fit | oom;
+# checked by --check-plans), an estimated and a maximum time on an H100 (seconds, process start included).
+# Every case adds: random init, data.max_seq_length (LLM 512, BLIP-2 50 as the lab), memory every step.
+# Order = run order: the first cases are the ones the planner is judged on most (lab rungs, the largest
+# models near capacity), then the rest of the matrix, then OOM checks.
+CASES: dict[str, dict] = {
+    "tinyllama-bf16true-adamw-b4": {
+        "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.micro_batch_size": 4},
+        "note": "baseline: the smallest real LLM; checks the whole path first", "est": 45, "timeout": 150},
+    "blip2opt2.7b-bf16true-adamw-b16-acc4": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        "note": "lab rung 5 (bs 16/4, bf16-true)", "est": 75, "timeout": 240},
+    "openllama7b-bf16true-adamw-ckpt-b4": {
+        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.activation_checkpointing": True,
+                 "train.micro_batch_size": 4},
+        "note": "7B full fine-tune, AdamW, near capacity (reserved/fragmentation matter here)",
+        "est": 90, "timeout": 300},
+    "blip2opt2.7b-32true-adamw-b16": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"precision": "32-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 1},
+        "note": "lab rung 2 (bs 16/1, fp32)", "est": 75, "timeout": 240},
+    "openllama7b-bf16true-lora-b4": {
+        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.micro_batch_size": 4, **LORA},
+        "note": "7B LoRA r16 (q, v), frozen bf16 base", "est": 75, "timeout": 240},
+    "blip2opt2.7b-bf16mixed-adamw-b16-acc4": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"precision": "bf16-mixed", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        "note": "lab rung 6 (bs 16/4, bf16-mixed: fp32 weights, autocast)", "est": 80, "timeout": 240},
+    "blip2opt2.7b-bf16true-adamw-ckpt-b16": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 1,
+                 "train.activation_checkpointing": True},
+        "note": "lab rung 5 shape + activation checkpointing", "est": 70, "timeout": 240},
+    "blip2flant5xxl-bf16true-sgd-b32-acc2": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"model.name": "Salesforce/blip2-flan-t5-xxl", "precision": "bf16-true", "optim.name": "sgd",
+                 "train.micro_batch_size": 32, "train.accumulate_grad_batches": 2},
+        "note": "lab rung 10 (flan-t5-xxl, SGD, bs 32/2): encoder-decoder, planned at 96% of the card",
+        "est": 110, "timeout": 300},
+    "openllama7b-bf16true-sgd-b2": {
+        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "optim.name": "sgd",
+                 "train.micro_batch_size": 2},
+        "note": "7B, SGD (no optimizer state), no checkpointing", "est": 80, "timeout": 240},
+    "blip2opt6.7b-bf16true-adamw-b32-acc2": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"model.name": "Salesforce/blip2-opt-6.7b", "precision": "bf16-true", "train.micro_batch_size": 32,
+                 "train.accumulate_grad_batches": 2},
+        "note": "lab rung 7 (opt-6.7b, bs 32/2, bf16-true)", "est": 100, "timeout": 300},
+    "tinyllama-32true-adamw-b4": {
+        "over": {"model.name": TINYLLAMA, "precision": "32-true", "train.micro_batch_size": 4},
+        "note": "fp32 weights, gradients, AdamW state", "est": 45, "timeout": 150},
+    "tinyllama-bf16mixed-adamw-b4": {
+        "over": {"model.name": TINYLLAMA, "precision": "bf16-mixed", "train.micro_batch_size": 4},
+        "note": "fp32 weights with bf16 autocast copies", "est": 45, "timeout": 150},
+    "openllama3b-32true-sgd-b2": {
+        "over": {"model.name": OPENLLAMA3B, "precision": "32-true", "optim.name": "sgd",
+                 "train.micro_batch_size": 2},
+        "note": "3B in fp32 (SGD: fp32 AdamW state would not fit)", "est": 70, "timeout": 240},
+    "openllama7b-bf16true-adamw-b8": {
+        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.micro_batch_size": 8},
+        "note": "7B AdamW without checkpointing at batch 8 (planned at 83% of the card)", "est": 100, "timeout": 300},
+    "openllama3b-bf16true-adamw-b2": {
+        "over": {"model.name": OPENLLAMA3B, "precision": "bf16-true", "train.micro_batch_size": 2},
+        "note": "3B full fine-tune", "est": 60, "timeout": 200},
+    "tinyllama-bf16true-sgd-b8": {
+        "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "optim.name": "sgd", "train.micro_batch_size": 8},
+        "note": "SGD, larger batch (activations dominate)", "est": 45, "timeout": 150},
+    "tinyllama-bf16true-adamw-ckpt-b8": {
+        "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.activation_checkpointing": True,
+                 "train.micro_batch_size": 8},
+        "note": "activation checkpointing", "est": 45, "timeout": 150},
+    "tinyllama-bf16true-adamw-b4-acc2": {
+        "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.micro_batch_size": 4,
+                 "train.accumulate_grad_batches": 2},
+        "note": "gradient accumulation", "est": 45, "timeout": 150},
+    "opt1.3b-bf16true-adamw-b4": {
+        "over": {"model.name": "facebook/opt-1.3b", "precision": "bf16-true", "train.micro_batch_size": 4},
+        "note": "another architecture (OPT, learned positions, tied output layer)", "est": 45, "timeout": 150},
+    "openllama7b-32true-lora-b2": {
+        "over": {"model.name": OPENLLAMA7B, "precision": "32-true", "train.micro_batch_size": 2, **LORA},
+        "note": "7B LoRA on an fp32 base", "est": 80, "timeout": 240},
+    "blip2opt2.7b-32true-adamw-b64": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"precision": "32-true", "train.micro_batch_size": 64, "train.accumulate_grad_batches": 1},
+        "note": "lab rung 1 (bs 64/1, fp32)", "est": 90, "timeout": 300},
+    "blip2flant5xxl-32true-lora-b32-acc2": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"model.name": "Salesforce/blip2-flan-t5-xxl", "precision": "32-true", "train.micro_batch_size": 32,
+                 "train.accumulate_grad_batches": 2, **LORA},
+        "note": "OOM check: lab rung 14 (flan-t5-xxl LoRA r16 on q, v, fp32, bs 32/2)", "expect": "oom",
+        "est": 120, "timeout": 300},
+    "blip2flant5xxl-bf16true-adamw-b32-acc2": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"model.name": "Salesforce/blip2-flan-t5-xxl", "precision": "bf16-true",
+                 "train.micro_batch_size": 32, "train.accumulate_grad_batches": 2},
+        "note": "OOM check: lab rung 8 (flan-t5-xxl, AdamW, bs 32/2, bf16-true)", "expect": "oom",
+        "est": 120, "timeout": 300},
 }
-QUICK = ["tinyllama-bf16true-adamw-b4", "tinyllama-32true-adamw-b2", "tinyllama-bf16true-adamw-ckpt-b8"]
+
+# --smoke: the same machinery on the CPU with tiny presets (seconds per case). The last one must run
+# out of memory (memory.cap_gib below what step 0 needs): the OOM row is part of what CI checks.
+SMOKE_CASES: dict[str, dict] = {
+    "smoke-tiny-llama-32true-adamw-b4": {
+        "over": {"model.name": "tiny-llama", "precision": "32-true", "train.micro_batch_size": 4},
+        "note": "smoke: causal LM", "est": 20, "timeout": 120},
+    "smoke-tiny-opt-bf16true-sgd-ckpt-b4": {
+        "over": {"model.name": "tiny-opt", "precision": "bf16-true", "optim.name": "sgd",
+                 "train.activation_checkpointing": True, "train.micro_batch_size": 4},
+        "note": "smoke: OPT, SGD, checkpointing", "est": 20, "timeout": 120},
+    "smoke-tiny-blip2-opt-32true-adamw-b4-acc2": {
+        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "over": {"model.name": "tiny-blip2-opt", "precision": "32-true", "train.micro_batch_size": 4,
+                 "train.accumulate_grad_batches": 2},
+        "note": "smoke: BLIP-2 on the lab's recipe", "est": 25, "timeout": 120},
+    "smoke-tiny-llama-oom": {
+        "over": {"model.name": "tiny-llama", "precision": "32-true", "train.micro_batch_size": 4,
+                 "memory.cap_gib": 0.0005},
+        "note": "smoke: an out-of-memory row (memory.cap_gib 0.5 MiB)", "expect": "oom", "est": 20, "timeout": 120},
+}
+
+SEQ = {"llm": 512, "blip2": 50}
+SMOKE_SEQ = {"llm": 64, "blip2": 12}
+_clock = time.perf_counter  # the budget's clock (tests replace it)
 
 
-def run_case(name: str, over: dict, data: Path, work: Path, steps: int) -> dict:
+# -- data ---------------------------------------------------------------------------------------------
+
+def write_data(work: Path) -> dict[str, Path]:
+    """Synthetic full-length data: every record is longer than any max_seq_length used here."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from bigtune.imagedata import DEMO_IMAGES
+
+    text = work / "long.jsonl"
+    text.write_text("".join(json.dumps({"text": f"sample {i}: " + "a plate of tomato soup with basil. " * 120}) + "\n"
+                            for i in range(256)))
+    images = sorted((DEMO_IMAGES / "images").glob("*.png"))
+    captions = work / "long_captions.jsonl"
+    captions.write_text("".join(
+        json.dumps({"image": str(images[i % len(images)]),
+                    "text": f"a plate {i} of tomato soup with basil and bread on a wooden table " * 4}) + "\n"
+        for i in range(512)))
+    return {"llm": text, "blip2": captions}
+
+
+def case_recipe(case: dict, data: dict[str, Path], out_dir: Path, name: str, steps: int, accelerator: str,
+                smoke: bool) -> tuple[str | None, dict]:
+    """(base recipe path or None, overrides) for one case, as `bigtune train` gets them."""
+    kind = case.get("kind", "llm")
+    over = {"model.init": "random", "data.source": str(data[kind]), "data.val_fraction": 0.0,
+            "data.max_seq_length": (SMOKE_SEQ if smoke else SEQ)[kind], "train.max_steps": steps,
+            "train.max_epochs": None, "memory.every_steps": 1, "memory.plan": True,
+            # an OOM is a result here; the in-process search for fitting variants would hold the GPU for minutes
+            "memory.oom_alternatives": False, "checkpoint.enabled": False,
+            "checkpoint.save_model": False, "accelerator": accelerator, "output_dir": str(out_dir), "name": name,
+            "train.log_every_steps": 1}
+    if kind == "blip2" and not smoke:
+        # images are decoded and resized to 224 px per sample: in the training process that would add to the
+        # measured step time what the time model does not plan (the lab sets num_workers too)
+        over["data.num_workers"] = 4
+    over.update(case["over"])
+    recipe = case.get("recipe")
+    return (str(ROOT / recipe) if recipe else None), over
+
+
+def _value(v) -> str:
+    return json.dumps(v) if v is None or isinstance(v, bool) else str(v)
+
+
+# -- one case -----------------------------------------------------------------------------------------
+
+def run_process(args: list[str], timeout: float, env: dict | None = None, cwd: str | None = None) -> dict:
+    """Run a command in its own process group; on timeout kill the whole group (DataLoader workers,
+    compile workers) so the GPU memory is released. Returns returncode, stdout, stderr, timed_out."""
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return {"returncode": p.returncode, "stdout": out, "stderr": err, "timed_out": False}
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return {"returncode": p.returncode, "stdout": out, "stderr": err, "timed_out": True}
+
+
+def run_case(name: str, case: dict, data: dict[str, Path], work: Path, steps: int, timeout: float,
+             accelerator: str, smoke: bool, log: Path | None = None) -> dict:
     out_dir = work / name
-    base = {"model.init": "random", "data.source": str(data), "data.max_seq_length": 512, "train.max_steps": steps,
-            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cuda",
-            "output_dir": str(out_dir), "name": name, "train.log_every_steps": 1}
-    base.update(over)
-    args = [sys.executable, "-m", "bigtune", "train"]
-    for k, v in base.items():
-        args += ["--set", f"{k}={'null' if v is None else v}"]
+    recipe, over = case_recipe(case, data, out_dir, name, steps, accelerator, smoke)
+    args = [sys.executable, "-m", "bigtune", "train"] + ([recipe] if recipe else [])
+    for k, v in over.items():
+        args += ["--set", f"{k}={_value(v)}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                                                      if x), PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    res = subprocess.run(args, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
-    row: dict = {"case": name, "overrides": over, "exit_code": res.returncode, "seconds": time.perf_counter() - t0}
+    res = run_process(args, timeout, env=env, cwd=str(work))
+    if log is not None:  # every case's own output, for reading what a surprising number came from
+        with open(log, "a") as f:
+            f.write(f"\n===== {name}: {'TIMED OUT' if res['timed_out'] else 'finished'} (limit {timeout:.0f} s), "
+                    f"exit {res['returncode']}\n$ {' '.join(args)}\n{res['stdout']}\n----- stderr\n"
+                    f"{res['stderr'][-20000:]}\n")
+    row: dict = {"case": name, "note": case.get("note"), "expect": case.get("expect", "fit"),
+                 "recipe": case.get("recipe"), "overrides": case["over"],
+                 "max_seq_length": over["data.max_seq_length"], "exit_code": res["returncode"],
+                 "seconds": round(time.perf_counter() - t0, 2), "timeout_s": round(timeout, 1)}
     summary_path = out_dir / "summary.json"
-    if not summary_path.exists():
+    if res["timed_out"]:
+        row["status"] = "timeout"
+    elif not summary_path.exists():
         row["status"] = "no-summary"
-        row["stderr_tail"] = res.stderr[-2000:]
+    if "status" in row:
+        row["stdout_tail"] = res["stdout"][-1500:]
+        row["stderr_tail"] = res["stderr"][-2500:]
         return row
     s = json.loads(summary_path.read_text())
-    row["status"] = s["status"]
-    plan = s.get("plan") or {}
-    row["measured_peak_allocated"] = plan.get("measured_peak_allocated")
-    row["predicted_peak_allocated"] = plan.get("predicted_peak_allocated_like_for_like")
-    row["peak_error_pct"] = plan.get("peak_error_pct")
-    row["phases"] = plan.get("phases")
-    row["measured_peak_reserved"] = s.get("peak_reserved_bytes")
-    row["predicted_peak_total"] = plan.get("predicted_peak_total")
-    row["tokens_per_s"] = s.get("tokens_per_s")
-    row["mfu"] = s.get("mfu")
-    row["step_time_s"] = s.get("step_time_s")
-    if s["status"] == "oom":
-        row["oom"] = s.get("oom")
+    metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (out_dir / "metrics.jsonl").exists() else []
+    row.update(row_from_summary(s, metrics))
+    if row["status"] == "error":
+        row["stderr_tail"] = res["stderr"][-2500:]
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="three TinyLlama cases only")
-    ap.add_argument("--only", nargs="*", help="case names to run")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = ap.parse_args()
+def row_from_summary(s: dict, metrics: list[dict]) -> dict:
+    """The measured and predicted numbers of one run, and the errors computed from them."""
+    plan = s.get("plan") or {}
+    row: dict = {"status": s["status"], "steps": s.get("steps"), "device": (s.get("device") or {}).get("name"),
+                 "parameters": s.get("parameters")}
+    row["measured_peak_allocated"] = plan.get("measured_peak_allocated")
+    row["predicted_peak_allocated"] = plan.get("predicted_peak_allocated_like_for_like")
+    row["predicted_peak_allocated_worst_case"] = plan.get("predicted_peak_allocated")
+    row["measured_peak_reserved"] = plan.get("measured_peak_reserved")
+    row["predicted_peak_reserved"] = plan.get("predicted_peak_reserved_like_for_like")
+    row["measured_device_used"] = plan.get("measured_device_used")
+    row["predicted_peak_total"] = plan.get("predicted_peak_total_like_for_like", plan.get("predicted_peak_total"))
+    row["predicted_fits"] = plan.get("predicted_fits")
+    row["replanned_at_batch_shape"] = plan.get("replanned_at_batch_shape")
+    row["peak_error_pct"] = error_pct(row["predicted_peak_allocated"], row["measured_peak_allocated"])
+    row["reserved_error_pct"] = error_pct(row["predicted_peak_reserved"], row["measured_peak_reserved"])
+    row["total_error_pct"] = error_pct(row["predicted_peak_total"], row["measured_device_used"])
+    # calibration inputs for the planner's CUDA assumptions (RESERVED_OVER_ALLOCATED, CUDA_CONTEXT_BYTES)
+    row["measured_reserved_over_allocated"] = ratio(row["measured_peak_reserved"], row["measured_peak_allocated"])
+    row["measured_outside_allocator"] = (row["measured_device_used"] - row["measured_peak_reserved"]
+                                         if row["measured_device_used"] is not None
+                                         and row["measured_peak_reserved"] is not None else None)
+    row["phases"] = plan.get("phases")
+    # Time: the steady steps only (the first ones include cuBLAS/allocator warm-up and the first snapshot).
+    timed = steady_steps(metrics)
+    if timed:
+        seconds = sum(m["step_time_s"] for m in timed)
+        row["timed_steps"] = [m["step"] for m in timed]
+        row["measured_step_time_s"] = statistics.median(m["step_time_s"] for m in timed)
+        row["measured_tokens_per_s"] = sum(m["tokens_per_s"] * m["step_time_s"] for m in timed) / seconds
+        mfus = [m["mfu"] for m in timed if m.get("mfu") is not None]
+        row["measured_mfu"] = statistics.median(mfus) if mfus else None
+    else:
+        row["measured_step_time_s"] = row["measured_tokens_per_s"] = row["measured_mfu"] = None
+    row["predicted_step_time_s"] = plan.get("predicted_step_time_s")
+    row["predicted_tokens_per_s"] = plan.get("predicted_tokens_per_s")
+    row["step_time_error_pct"] = error_pct(row["predicted_step_time_s"], row["measured_step_time_s"])
+    row["run_step_time_s"] = s.get("step_time_s")  # the engine's own mean over all steps (warm-up included)
+    if s["status"] == "oom":
+        oom = dict(s.get("oom") or {})
+        oom["alternatives"] = (oom.get("alternatives") or [])[:5]
+        row["oom"] = oom
+    if s.get("error"):
+        row["error"] = s["error"]
+    return row
+
+
+def steady_steps(metrics: list[dict]) -> list[dict]:
+    """metrics.jsonl rows (one per step when log_every_steps is 1) after the first two steps, or the
+    last row when the run is that short."""
+    rows = [m for m in metrics if m.get("step_time_s")]
+    if not rows:
+        return []
+    steady = [m for m in rows if m["step"] > 2]
+    return steady or rows[-1:]
+
+
+def error_pct(predicted, measured):
+    if predicted is None or not measured:
+        return None
+    return 100.0 * (predicted - measured) / measured
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+def stats(values: list[float]) -> dict:
+    if not values:
+        return {"cases": 0, "median_abs_pct": None, "worst_abs_pct": None, "mean_pct": None}
+    return {"cases": len(values), "median_abs_pct": statistics.median(abs(v) for v in values),
+            "worst_abs_pct": max(abs(v) for v in values), "mean_pct": statistics.fmean(values)}
+
+
+def result_record(rows: list[dict], device: str, argv: list[str], started: float) -> dict:
     import torch
 
-    if not torch.cuda.is_available():
-        print("plan_accuracy: no CUDA GPU here; nothing measured (the CPU path is checked by tests/test_planner.py)")
+    def col(key):
+        return [r[key] for r in rows if r.get(key) is not None]
+
+    errors = {"peak_allocated": stats(col("peak_error_pct")), "peak_reserved": stats(col("reserved_error_pct")),
+              "device_total": stats(col("total_error_pct")), "step_time": stats(col("step_time_error_pct"))}
+    cal = {"reserved_over_allocated_median": _median(col("measured_reserved_over_allocated")),
+           "outside_allocator_bytes_median": _median(col("measured_outside_allocator")),
+           "mfu_median": _median(col("measured_mfu"))}
+    versions = {"torch": torch.__version__}
+    for mod in ("transformers", "lightning", "peft"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            versions[mod] = None
+    status_counts: dict[str, int] = {}
+    for r in rows:
+        status_counts[r["status"]] = status_counts.get(r["status"], 0) + 1
+    return {"device": device, **versions, "date": datetime.date.today().isoformat(),
+            "command": "python bench/plan_accuracy.py " + " ".join(argv), "elapsed_s": round(time.time() - started, 1),
+            # peak allocated: kept at the top level as before
+            "median_abs_error_pct": errors["peak_allocated"]["median_abs_pct"],
+            "worst_abs_error_pct": errors["peak_allocated"]["worst_abs_pct"],
+            "cases_compared": errors["peak_allocated"]["cases"],
+            "errors": errors, "calibration": cal, "status_counts": status_counts,
+            "expectation_mismatches": [r["case"] for r in rows if r["status"] in ("ok", "oom")
+                                       and (r["status"] == "oom") != (r.get("expect") == "oom")],
+            "cases": rows}
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def write_json(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def slug(device: str) -> str:
+    s = re.sub(r"[^a-z0-9._-]+", "-", device.lower().replace("nvidia", "")).strip("-._")
+    return s or "device"
+
+
+def print_row(row: dict) -> None:
+    """One line per case: measured / predicted (error) for peak allocated, peak reserved, the device's
+    memory in use (nvidia-smi) against the plan's total, and the steady step time."""
+    sizes = [row.get(k) for k in ("measured_peak_allocated", "predicted_peak_allocated", "measured_peak_reserved",
+                                  "predicted_peak_reserved", "measured_device_used", "predicted_peak_total")]
+    unit, div = ("GiB", 2**30) if max((x for x in sizes if x is not None), default=0) >= 2**30 else ("MiB", 2**20)
+
+    def mem(n):
+        return "      -" if n is None else f"{n / div:7.2f}"
+
+    def pct(x):
+        return "     -" if x is None else f"{x:+6.1f}"
+
+    def sec(x):
+        return "     -" if x is None else f"{x:6.3f}"
+
+    expect = "" if row.get("expect", "fit") == "fit" else f" (expect {row['expect']})"
+    if row["status"] == "skipped":
+        print(f"{row['case']:<42} skipped  {row.get('reason', '')}", flush=True)
+        return
+    print(f"{row['case']:<42} {row['status']:<8} alloc {mem(row.get('measured_peak_allocated'))} / "
+          f"{mem(row.get('predicted_peak_allocated'))} {pct(row.get('peak_error_pct'))}%  reserved "
+          f"{mem(row.get('measured_peak_reserved'))} / {mem(row.get('predicted_peak_reserved'))} "
+          f"{pct(row.get('reserved_error_pct'))}%  device {mem(row.get('measured_device_used'))} / "
+          f"{mem(row.get('predicted_peak_total'))} {pct(row.get('total_error_pct'))}% {unit}  step "
+          f"{sec(row.get('measured_step_time_s'))} / {sec(row.get('predicted_step_time_s'))} s  "
+          f"[{row['seconds']:.0f}s]{expect}", flush=True)
+
+
+def print_summary(record: dict) -> None:
+    for key, label in (("peak_allocated", "peak allocated"), ("peak_reserved", "peak reserved"),
+                       ("device_total", "device total"), ("step_time", "step time")):
+        e = record["errors"][key]
+        if e["cases"]:
+            print(f"{label} error over {e['cases']} cases: median |err| {e['median_abs_pct']:.2f}%, worst "
+                  f"{e['worst_abs_pct']:.2f}%, mean {e['mean_pct']:+.2f}%")
+        else:
+            print(f"{label} error: no case compared")
+    print(f"statuses: {record['status_counts']}; expectation mismatches: {record['expectation_mismatches'] or 'none'}")
+
+
+def check_plans(names: list[str], cases: dict, gpu_name: str, smoke: bool) -> int:
+    """Plan each case for the GPU here on the CPU (what the GPU run will predict) and check `expect`."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from bigtune.gpus import find_gpu
+    from bigtune.planner import Target, plan
+    from bigtune.recipe import load_recipe
+
+    gpu = find_gpu(gpu_name)
+    bad = 0
+    with tempfile.TemporaryDirectory() as d:
+        data = write_data(Path(d))
+        for name in names:
+            case = cases[name]
+            recipe, over = case_recipe(case, data, Path(d) / name, name, 4, "auto", smoke)
+            t0 = time.perf_counter()
+            p = plan(load_recipe(recipe, over), Target("cuda", gpu))
+            verdict = "fit" if p.fits else "oom"
+            ok = verdict == case.get("expect", "fit")
+            bad += not ok
+            step = f"{p.step_time_s:.3f}" if p.step_time_s else "-"
+            print(f"{name:<42} allocated {p.peak_allocated / 2**30:6.2f} total {p.peak_total / 2**30:6.2f} of "
+                  f"{p.capacity / 2**30:.2f} GiB -> {verdict:<3} (expect {case.get('expect', 'fit')}) step {step} s"
+                  f"{'' if ok else '  MISMATCH'}  [{time.perf_counter() - t0:.1f}s]", flush=True)
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny presets (CI)")
+    ap.add_argument("--only", nargs="*", help="case names to run (in the given order)")
+    ap.add_argument("--skip", nargs="*", default=[], help="case names not to run")
+    ap.add_argument("--steps", type=int, help="optimizer steps per case (default 6; --smoke 3)")
+    ap.add_argument("--budget-s", type=float, help="start no case whose estimate would end past this many seconds "
+                    "from the start (the rest are written as skipped)")
+    ap.add_argument("--case-timeout-s", type=float, help="override every case's own time limit")
+    ap.add_argument("--resume", help="an earlier result JSON: keep its finished rows, run only the other cases")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for plan_accuracy-<gpu>.json")
+    ap.add_argument("--case-log", help="append every case's stdout and stderr to this file")
+    ap.add_argument("--list", action="store_true", help="print the cases in run order and exit")
+    ap.add_argument("--check-plans", action="store_true", help="plan every case on this CPU for --gpu, check expect")
+    ap.add_argument("--gpu", default="h100-80gb", help="catalog GPU for --check-plans")
+    args = ap.parse_args(argv)
+    cases = SMOKE_CASES if args.smoke else CASES
+    unknown = [n for n in (args.only or []) + args.skip if n not in cases]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; --list shows them")
+    names = [n for n in (args.only or list(cases)) if n not in args.skip]
+    if args.list:
+        for i, n in enumerate(names, 1):
+            c = cases[n]
+            print(f"{i:>2} {n:<42} expect {c.get('expect', 'fit'):<3} est {c['est']:>3}s max {c['timeout']:>3}s  "
+                  f"{c.get('note', '')}")
         return 0
-    names = args.only or (QUICK if args.quick else list(CASES))
-    gpu_name = torch.cuda.get_device_name(0)
+    if args.check_plans:
+        return check_plans(names, cases, args.gpu, args.smoke)
+
+    import torch
+
+    if args.smoke:
+        accelerator, device = "cpu", "cpu"
+    elif torch.cuda.is_available():
+        accelerator, device = "cuda", torch.cuda.get_device_name(0)
+    else:
+        print("plan_accuracy: no CUDA GPU here; nothing measured (use --smoke for the CPU path, --check-plans for "
+              "the plans)")
+        return 0
+    steps = args.steps or (3 if args.smoke else 6)
+    path = Path(args.out) / f"plan_accuracy-{slug(device)}{'-smoke' if args.smoke else ''}.json"
+    started = time.time()
+    t0 = _clock()
+    spent = {"s": 0.0, "est": 0.0}  # wall seconds and estimates of the cases run by this command
+    rows: list[dict] = []
+    done: set[str] = set()
+    if args.resume:
+        prev = json.loads(Path(args.resume).read_text())
+        rows = [r for r in prev["cases"] if r["status"] not in ("skipped",)]
+        done = {r["case"] for r in rows}
+        print(f"resume: {len(done)} finished case(s) from {args.resume}", flush=True)
+    print(f"plan_accuracy on {device}: {len(names)} cases, {steps} steps each, budget "
+          f"{args.budget_s or 'none'} s; writing {path}", flush=True)
+    print("per case: measured / predicted (error) for peak allocated, peak reserved, device memory in use "
+          "(nvidia-smi) vs the plan's total; steady step time; [wall seconds]", flush=True)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        data = work / "long.jsonl"
-        # Every record is longer than 512 tokens: all micro-batches are full length, no padding.
-        data.write_text("".join(json.dumps({"text": f"sample {i}: " + "a plate of tomato soup with basil. " * 120})
-                                + "\n" for i in range(256)))
-        rows = []
+        data = write_data(work)
         for name in names:
-            row = run_case(name, CASES[name], data, work, args.steps)
+            if name in done:
+                continue
+            case = cases[name]
+            timeout = args.case_timeout_s or case["timeout"]
+            if args.budget_s is not None:
+                left = args.budget_s - (_clock() - t0)
+                # the estimates scaled by how long this machine took for the cases so far (within 0.5-1.5x)
+                pace = min(1.5, max(0.5, spent["s"] / spent["est"])) if spent["est"] else 1.0
+                need = case["est"] * pace
+                if left < need:
+                    rows.append({"case": name, "note": case.get("note"), "expect": case.get("expect", "fit"),
+                                 "status": "skipped", "reason": f"time budget: {left:.0f} s left, estimate "
+                                 f"{need:.0f} s"})
+                    print_row(rows[-1])
+                    write_json(path, result_record(rows, device, argv, started))
+                    continue
+                timeout = min(timeout, left)
+            c0 = _clock()
+            row = run_case(name, case, data, work, steps, timeout, accelerator, args.smoke,
+                           Path(args.case_log) if args.case_log else None)
+            spent["s"] += _clock() - c0
+            spent["est"] += case["est"]
             rows.append(row)
-            _write(args.out, gpu_name, rows)  # after every case: a time limit loses nothing finished
-            err = row.get("peak_error_pct")
-            print(f"{name:<40} {row['status']:<6} measured {_gib(row.get('measured_peak_allocated'))} "
-                  f"predicted {_gib(row.get('predicted_peak_allocated'))} "
-                  f"error {'-' if err is None else f'{err:+.2f}%'}  reserved {_gib(row.get('measured_peak_reserved'))}"
-                  f"  tok/s {row.get('tokens_per_s') or 0:,.0f}", flush=True)
-    result, path = _write(args.out, gpu_name, rows)
-    print(f"peak allocated error over {result['cases_compared']} cases: median {result['median_abs_error_pct']}, "
-          f"worst {result['worst_abs_error_pct']}")
+            write_json(path, result_record(rows, device, argv, started))  # after every case: a kill loses nothing
+            print_row(row)
+    record = result_record(rows, device, argv, started)
+    write_json(path, record)
+    print_summary(record)
     print(f"wrote {path}")
     return 0
-
-
-def _write(out_dir: str, gpu_name: str, rows: list[dict]) -> tuple[dict, Path]:
-    import torch
-
-    errs = [abs(r["peak_error_pct"]) for r in rows if r.get("peak_error_pct") is not None]
-    result = {"gpu": gpu_name, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-              "command": "python bench/plan_accuracy.py " + " ".join(sys.argv[1:]),
-              "median_abs_error_pct": statistics.median(errs) if errs else None,
-              "worst_abs_error_pct": max(errs) if errs else None, "cases_compared": len(errs), "cases": rows}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = gpu_name.lower().replace("nvidia", "").strip().replace(" ", "-")
-    path = out / f"plan_accuracy-{slug}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
-    return result, path
-
-
-def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2**30:7.2f} GiB"
 
 
 if __name__ == "__main__":

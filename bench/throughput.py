@@ -176,7 +176,7 @@ class _HFCollator:
 
 
 def run_hf(over: dict, warmup: int, out: Path) -> dict:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     r = load_recipe({}, over)
     cuda = r.accelerator == "cuda" or (r.accelerator == "auto" and torch.cuda.is_available())
@@ -219,19 +219,7 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
 
     clock = Clock()
     bf16_model = r.precision == "bf16-true"
-    args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=r.train.micro_batch_size,
-        gradient_accumulation_steps=r.accumulate, max_steps=r.train.max_steps, learning_rate=r.optim.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=r.optim.weight_decay,
-        adam_beta1=r.optim.betas[0], adam_beta2=r.optim.betas[1], adam_epsilon=r.optim.eps,
-        max_grad_norm=r.optim.grad_clip or 0.0,
-        optim="adamw_torch_fused" if r.optim.implementation == "fused" else "adamw_torch",
-        bf16=r.precision == "bf16-mixed", fp16=False, use_cpu=not cuda,
-        gradient_checkpointing=r.train.activation_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        dataloader_num_workers=r.data.num_workers, dataloader_pin_memory=cuda, remove_unused_columns=False,
-        report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True,
-        seed=r.seed, torch_compile=False)
+    args = hf_training_args(r, out, cuda)
     trainer = Trainer(model=model, args=args, train_dataset=_Examples(examples),
                       data_collator=_HFCollator(tok.pad_token_id), callbacks=[clock])
     if bf16_model:
@@ -253,6 +241,25 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
         res.update({"peak_allocated_bytes": cpu_peak.peak, "peak_reserved_bytes": None})
     del trainer, model
     return res
+
+
+def hf_training_args(r, out: Path, cuda: bool):
+    """Trainer's settings from the resolved recipe (the same values bigtune's side reads)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=r.train.micro_batch_size,
+        gradient_accumulation_steps=r.accumulate, max_steps=r.train.max_steps, learning_rate=r.optim.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=r.optim.weight_decay,
+        adam_beta1=r.optim.betas[0], adam_beta2=r.optim.betas[1], adam_epsilon=r.optim.eps,
+        max_grad_norm=r.optim.grad_clip or 0.0,
+        optim="adamw_torch_fused" if r.optim.implementation == "fused" else "adamw_torch",
+        bf16=r.precision == "bf16-mixed", fp16=False, use_cpu=not cuda,
+        gradient_checkpointing=r.train.activation_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        dataloader_num_workers=r.data.num_workers, dataloader_pin_memory=cuda, remove_unused_columns=False,
+        report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True,
+        seed=r.seed, torch_compile=False)
 
 
 def _cpu_peak_callback(trainer, model):
@@ -326,12 +333,15 @@ def main(argv=None) -> int:
                     help="extra recipe override for the bigtune side only (e.g. train.loss_chunk_tokens=4096)")
     ap.add_argument("--json", help="result file (default bench/results/throughput-<gpu>-<date>.json)")
     ap.add_argument("--no-json", action="store_true", help="print only")
+    ap.add_argument("--dry-run", action="store_true", help="build both sides (recipes, data, model on the meta "
+                    "device, Trainer arguments, bigtune's plan on an H100) and exit without training; runs on a CPU")
     args = ap.parse_args(argv)
     config = "smoke" if args.smoke else args.config
     if config is None:
         ap.error("give --smoke or --config")
-    if PRESETS[config]["accelerator"] == "cuda" and not torch.cuda.is_available():
-        print(f"--config {config} needs a CUDA GPU (torch sees none); on a CPU use --smoke", file=sys.stderr)
+    if PRESETS[config]["accelerator"] == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+        print(f"--config {config} needs a CUDA GPU (torch sees none); on a CPU use --smoke (or --dry-run to check "
+              "the preset)", file=sys.stderr)
         return 2
     warmup = args.warmup or DEFAULT_WARMUP[config]
     steps = args.steps or DEFAULT_STEPS[config]
@@ -342,23 +352,15 @@ def main(argv=None) -> int:
     for kv in args.set:
         k, _, v = kv.partition("=")
         extra[k] = json.loads(v) if v not in ("", None) and v[0] in "0123456789-[{tfn" else v
+    datas = ["fixed", "real"] if args.data == "both" else [args.data]
+    if args.dry_run:
+        return dry_run(config, datas, steps, warmup, extra)
     device = torch.device("cuda" if PRESETS[config]["accelerator"] == "cuda" else "cpu")
     r0 = load_recipe({}, PRESETS[config])
     peak, gpu_name = peak_flops_of(device, r0.precision)
     print(f"throughput: {config} on {gpu_name} ({torch.get_num_threads()} threads), {steps} steps, first {warmup} "
           f"not timed; torch {torch.__version__}; bigtune-only options {extra or 'none'}", flush=True)
-    results = {}
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        for data in (["fixed", "real"] if args.data == "both" else [args.data]):
-            over = recipe_for(config, data, steps, tmp, {})
-            ours_over = {**over, **extra}
-            ours = run_bigtune(ours_over, warmup, tmp / f"bigtune-{data}")
-            hf = run_hf(over, warmup, tmp / f"hf-{data}")
-            results[data] = compare(f"{data} data", ours, hf, peak)
-            if data == "real" and not ours_over.get("data.packing"):
-                packed = run_bigtune({**ours_over, "data.packing": True}, warmup, tmp / "bigtune-real-packed")
-                results["real+packing"] = compare("real data, bigtune with data.packing", packed, hf, peak)
+    results: dict = {}
     record = {"config": config, "overrides": PRESETS[config], "bigtune_extra": extra, "steps": steps,
               "warmup": warmup, "device": gpu_name, "peak_flops": peak, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "results": results,
@@ -369,13 +371,100 @@ def main(argv=None) -> int:
         record["transformers"] = transformers.__version__
     except ImportError:
         pass
-    if not args.no_json:
-        path = Path(args.json) if args.json else \
-            ROOT / "bench" / "results" / f"throughput-{gpu_name}-{datetime.date.today().isoformat()}.json"
-        tmp_path = path.with_suffix(".json.tmp")
-        tmp_path.write_text(json.dumps(record, indent=2) + "\n")
-        tmp_path.replace(path)
+    path = None if args.no_json else Path(args.json) if args.json else \
+        ROOT / "bench" / "results" / f"throughput-{gpu_name}-{datetime.date.today().isoformat()}.json"
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for data in datas:
+            over = recipe_for(config, data, steps, tmp, {})
+            ours_over = {**over, **extra}
+            ours = run_bigtune(ours_over, warmup, tmp / f"bigtune-{data}")
+            hf = run_hf(over, warmup, tmp / f"hf-{data}")
+            results[data] = compare(f"{data} data", ours, hf, peak)
+            _write_record(path, record)  # after every comparison: a time limit keeps what finished
+            if data == "real" and not ours_over.get("data.packing"):
+                packed = run_bigtune({**ours_over, "data.packing": True}, warmup, tmp / "bigtune-real-packed")
+                results["real+packing"] = compare("real data, bigtune with data.packing", packed, hf, peak)
+                _write_record(path, record)
+    record["complete"] = True
+    _write_record(path, record)
+    if path is not None:
         print(f"\nwrote {path}")
+    return 0
+
+
+def _write_record(path: Path | None, record: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_suffix(".json.tmp")
+    tmp_path.write_text(json.dumps(record, indent=2) + "\n")
+    tmp_path.replace(path)
+
+
+def dry_run(config: str, datas: list[str], steps: int, warmup: int, extra: dict, gpu_key: str = "h100-80gb") -> int:
+    """Build everything a GPU run builds, on any machine, and train nothing: both sides' recipes (validated as
+    on a CUDA machine), data, tokenizer, the model on the meta device (+ PEFT, checkpointing), its FLOP
+    shape, Trainer's arguments, the GPU's peak FLOP/s, and bigtune's plan of its side on ``gpu_key``. A
+    typo in a preset or an API change fails here instead of on a rented GPU."""
+    from unittest import mock
+
+    from bigtune.gpus import detect_gpu, find_gpu, peak_flops
+    from bigtune.planner import Target, format_plan, plan
+
+    gpu = find_gpu(gpu_key)
+    t0 = time.perf_counter()
+    print(f"throughput --dry-run: {config} ({steps} steps, first {warmup} not timed), data {datas}; "
+          f"bigtune-only options {extra or 'none'}", flush=True)
+    # A CUDA machine as the recipe checks see it (fused AdamW, accelerator=cuda), nothing else faked.
+    cuda_checks = mock.patch("torch.cuda.is_available", return_value=True) \
+        if PRESETS[config]["accelerator"] == "cuda" else contextlib.nullcontext()
+    planned = False
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for data in datas:
+            over = recipe_for(config, data, steps, tmp, {})
+            sides = [("bigtune", {**over, **extra}), ("hf", over)]
+            if data == "real" and not extra.get("data.packing"):
+                sides.append(("bigtune+packing", {**over, **extra, "data.packing": True}))
+            for label, side in sides:
+                with cuda_checks:
+                    r = load_recipe({}, side)
+                tok = load_tokenizer(r.model)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    examples, _ = build_examples(r.data, tok, r.seed)
+                need = r.train.micro_batch_size * r.accumulate * steps
+                if len(examples) < need and data == "fixed":
+                    raise SystemExit(f"{label}/{data}: {len(examples)} examples for {need} samples")
+                with torch.device("meta"):
+                    model = build_model(r.model, tok, r.precision, r.seed)
+                if r.train.activation_checkpointing:
+                    enable_activation_checkpointing(model)
+                if r.peft.method != "none":
+                    model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing)
+                shape = flop_shape(model)
+                assert shape and shape.trainable_matmul_params > 0, shape
+                trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                line = (f"  {data:<5} {label:<16} {len(examples)} examples, {trainable:,} trainable parameters, "
+                        f"precision {r.precision}, micro-batch {r.train.micro_batch_size} x {r.accumulate}")
+                if label == "hf":
+                    hf_training_args(r, tmp / "hf-args", cuda=PRESETS[config]["accelerator"] == "cuda")
+                    line += ", TrainingArguments ok"
+                elif PRESETS[config]["accelerator"] == "cuda" and not planned:  # the plan does not read the data
+                    planned = True
+                    p = plan(r, Target("cuda", gpu))
+                    line += (f"; plan on {gpu.key}: peak allocated {p.peak_allocated / 2**30:.2f} GiB, total "
+                             f"{p.peak_total / 2**30:.2f} GiB ({'fits' if p.fits else 'DOES NOT FIT'}), step "
+                             f"{p.step_time_s:.3f} s")
+                    if not p.fits:
+                        print(format_plan(p))
+                        raise SystemExit(f"{label}/{data}: the planner predicts an OOM on {gpu.key}")
+                print(line, flush=True)
+                del model
+    if PRESETS[config]["accelerator"] == "cuda":
+        h100 = detect_gpu("NVIDIA H100 80GB HBM3", int(79.1 * 2**30))
+        assert h100 is not None and peak_flops(h100, PRESETS[config]["precision"]), "no peak FLOP/s for the H100"
+    print(f"dry run ok: {config} builds ({time.perf_counter() - t0:.1f} s); nothing trained", flush=True)
     return 0
 
 

@@ -786,7 +786,7 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
             print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
             for a in summary["oom"]["advice"]:
                 print(f"  try: {a}", flush=True)
-            fitting = alternatives_for_device(r, fabric.device, cap) if rank0 else []
+            fitting = alternatives_for_device(r, fabric.device, cap) if rank0 and r.memory.oom_alternatives else []
             if fitting:
                 summary["oom"]["alternatives"] = fitting
                 print("  variants the planner predicts to fit, fastest first:", flush=True)
@@ -888,7 +888,8 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
     compared like for like; both predictions are kept.
     """
     out: dict[str, Any] = {"target": p.target, "predicted_peak_allocated": p.peak_allocated,
-                           "predicted_peak_total": p.peak_total, "notes": p.notes, "phases": {}}
+                           "predicted_peak_total": p.peak_total, "predicted_fits": p.fits, "notes": p.notes,
+                           "phases": {}}
     snaps = [s for s in snaps if s.get("rank", 0) == 0]  # the plan is per device; compare rank 0's
     if not snaps:
         return out
@@ -911,21 +912,35 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
         if ph in like.phases:
             out["phases"][ph] = {c: {"measured": s[c], "predicted": like.phases[ph][c]}
                                  for c in ("parameters", "gradients", "optimizer_device", "optimizer_cpu",
-                                           "activations", "allocated")}
+                                           "activations", "allocated", "peak_allocated")}
     measured = max(s["peak_allocated"] for s in steady.values())
     out["measured_peak_allocated"] = measured
     out["measured_peak_allocated_all_steps"] = max(s["peak_allocated"] for s in snaps)
     out["predicted_peak_allocated_like_for_like"] = like.peak_allocated
-    out["peak_error_pct"] = 100.0 * (like.peak_allocated - measured) / measured if measured else None
-    reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
-    if reserved and like.peak_reserved:
-        # CUDA only: the caching allocator's figure against the plan's replay of it (all steps: reserved
-        # only grows), and what the plan said must fit
-        out["measured_peak_reserved"] = max(reserved)
-        out["predicted_peak_reserved_like_for_like"] = like.peak_reserved
-        out["predicted_needed_like_for_like"] = like.needed_total
-        out["reserved_error_pct"] = 100.0 * (like.peak_reserved - max(reserved)) / max(reserved)
+    out["peak_error_pct"] = _error_pct(like.peak_allocated, measured)
+    # CUDA: what the allocator reserved and what the whole device had in use (nvidia-smi's figure) in
+    # that step, beside the plan's analytic reserved (fragmentation) and total (+ CUDA context).
+    reserved = [s["peak_reserved"] for s in steady.values() if s.get("peak_reserved") is not None]
+    used = [s["device_used"] for s in steady.values() if s.get("device_used") is not None]
+    out["measured_peak_reserved"] = max(reserved) if reserved else None
+    out["measured_device_used"] = max(used) if used else None
+    out["predicted_peak_reserved_like_for_like"] = like.peak_reserved
+    out["predicted_peak_total_like_for_like"] = like.peak_total
+    out["reserved_error_pct"] = _error_pct(like.peak_reserved, out["measured_peak_reserved"])
+    out["total_error_pct"] = _error_pct(like.peak_total, out["measured_device_used"])
+    # The roofline time for the same batch shape (None on a CPU): bench/plan_accuracy.py sets it
+    # beside the measured step time.
+    out["predicted_step_time_s"] = like.step_time_s
+    out["predicted_tokens_per_s"] = like.tokens_per_s
+    out["predicted_needed_like_for_like"] = like.needed_total  # what the plan said must fit (FITS/OOM)
     return out
+
+
+def _error_pct(predicted: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """Signed error of a prediction in percent of the measurement (None when either is missing)."""
+    if predicted is None or not measured:
+        return None
+    return 100.0 * (predicted - measured) / measured
 
 
 def format_comparison(c: dict) -> str:
@@ -943,9 +958,13 @@ def format_comparison(c: dict) -> str:
                  f"{human_bytes(c['predicted_peak_allocated_like_for_like'])} ({c['peak_error_pct']:+.2f}%)"
                  + (f"; worst case (full max_seq_length) {human_bytes(c['predicted_peak_allocated'])}"
                     if shape else ""))
-    if "measured_peak_reserved" in c:
+    if c.get("measured_peak_reserved") is not None and c.get("predicted_peak_reserved_like_for_like") is not None:
         lines.append(f"peak reserved: measured {human_bytes(c['measured_peak_reserved'])}, predicted "
                      f"{human_bytes(c['predicted_peak_reserved_like_for_like'])} ({c['reserved_error_pct']:+.2f}%)")
+    if c.get("measured_device_used") is not None and c.get("predicted_peak_total_like_for_like") is not None:
+        lines.append(f"in use on the device (as nvidia-smi shows it): measured {human_bytes(c['measured_device_used'])}"
+                     f", predicted {human_bytes(c['predicted_peak_total_like_for_like'])} "
+                     f"({c['total_error_pct']:+.2f}%)")
     return "\n".join(lines)
 
 
@@ -953,6 +972,7 @@ def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
     snaps = run.read_jsonl("memory.jsonl")
     peaks = [s["peak_allocated"] for s in snaps]
     reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
+    used = [s["device_used"] for s in snaps if s.get("device_used") is not None]
     metrics = run.read_jsonl("metrics.jsonl")
     tp = throughput(state.tokens, state.samples, state.train_seconds) if state.train_seconds else \
         {"tokens_per_s": None, "samples_per_s": None}
@@ -962,6 +982,8 @@ def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
         "first_loss": metrics[0]["loss"] if metrics else None,
         "peak_allocated_bytes": max(peaks) if peaks else None,
         "peak_reserved_bytes": max(reserved) if reserved else None,
+        # the most in use on the whole device at a snapshot (CUDA; what nvidia-smi shows)
+        "peak_device_used_bytes": max(used) if used else None,
         "wall_seconds": wall, "train_seconds": state.train_seconds,
         "step_time_s": state.train_seconds / state.step if state.step else None,
         **tp, "mfu": metrics[-1].get("mfu") if metrics else None,

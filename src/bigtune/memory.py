@@ -137,6 +137,10 @@ class Snapshot:
     # The most allocated since the previous phase's snapshot (CPU tracker only; the planner uses it
     # to tell a forward peak from a backward one): None where the allocator cannot say.
     phase_peak: Optional[int] = None
+    # CUDA: bytes in use on the whole device (cudaMemGetInfo: total - free), as nvidia-smi/nvtop show
+    # it: the caching allocator's reserved memory plus the CUDA context and anything outside PyTorch
+    # (other processes too). None on the CPU.
+    device_used: Optional[int] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -277,18 +281,20 @@ class MemoryMonitor:
             peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
             peak_reserved = torch.cuda.max_memory_reserved(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            device_used = total - free
         else:
             assert self.tracker is not None
             allocated, peak = self.tracker.live_bytes, self.tracker.peak_bytes
             phase_peak = self.tracker.window_peak
             self.tracker.reset_window()
-            reserved = peak_reserved = None  # no caching allocator on the CPU
+            reserved = peak_reserved = device_used = None  # no caching allocator on the CPU
         on_device = states["parameters"] + states["gradients"] + states["optimizer_device"]
         if not self.is_cuda:
             on_device += states["optimizer_cpu"]  # on a CPU run, "offloaded" state shares the same memory
         snap = Snapshot(step=step, phase=phase, activations=max(0, allocated - on_device), allocated=allocated,
                         peak_allocated=peak, reserved=reserved, peak_reserved=peak_reserved,
-                        device=str(self.device), phase_peak=phase_peak, **states)
+                        device=str(self.device), phase_peak=phase_peak, device_used=device_used, **states)
         self.last = snap
         return snap
 
@@ -319,7 +325,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 _FIELDS = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
-           "peak_allocated", "reserved", "peak_reserved")
+           "peak_allocated", "reserved", "peak_reserved", "device_used")
 
 
 def gather_snapshots(fabric, snaps: list[Snapshot]) -> list[list[Snapshot]]:

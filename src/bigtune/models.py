@@ -56,6 +56,14 @@ def load_processor(cfg: ModelConfig):
     """image-to-text: the Blip2Processor (image processor + tokenizer with the image token)."""
     if cfg.name in PRESETS and cfg.tokenizer is None:
         return tiny_processor()
+    if cfg.init == "random" and cfg.tokenizer is None and not Path(cfg.name).expanduser().is_dir():
+        # As load_tokenizer: random weights need no hub download; the images keep the model's real size.
+        from bigtune.planner import resolve_config_name
+        from bigtune.presets import random_init_processor
+
+        print(f"model: random init of {cfg.name}; bigtune's tiny tokenizer (ids < 512) and BLIP's image processor "
+              "at the model's image size", flush=True)
+        return random_init_processor(resolve_config_name(cfg))
     from transformers import AutoProcessor
 
     src = cfg.tokenizer or cfg.name

@@ -217,6 +217,22 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
 
 
+def _keep_every_layer():
+    """LayerDrop as transformers 5.17 writes it (OPT and others) draws ``torch.rand([])`` in every training
+    forward and branches on the value, which a fake tensor does not have (the plan was unavailable for
+    every OPT and BLIP-2 OPT model). Here a 0-dim draw is a known 1.0 (a constant fake tensor, which
+    comparisons can read): no layer is ever dropped, the worst case a plan is for."""
+    real = torch.rand
+
+    def rand(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
+        if len(shape) == 0:
+            return torch.tensor(1.0, dtype=kwargs.get("dtype"))
+        return real(*size, **kwargs)
+
+    return mock.patch("torch.rand", rand)
+
+
 def _no_init():
     """Skip weight initialisation (truncated-normal init branches on values, which fake tensors
     lack) but keep the rest of ``init_weights``: weight tying decides what memory exists."""
@@ -316,7 +332,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
     # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
     kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), kernels as attention:
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), _keep_every_layer(), \
+            kernels as attention:
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):

@@ -76,6 +76,23 @@ def tiny_processor():
     return Blip2Processor(image_processor=images, tokenizer=tiny_tokenizer(), num_query_tokens=TINY_QUERY_TOKENS)
 
 
+def random_init_processor(config):
+    """The processor of a random-init BLIP-2 of a real architecture (no hub download): BLIP's image
+    processor at the model's own image size (images are resized to it, as the published processors do)
+    and the bundled tokenizer (caption ids < 512; the image token id comes from the model config, see
+    imagedata.TokenLayout), for memory and speed work where the weights are random anyway."""
+    from transformers import Blip2Processor
+
+    try:
+        from transformers import BlipImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import BlipImageProcessor as ImageProcessor
+    size = int(config.vision_config.image_size)
+    images = ImageProcessor(size={"height": size, "width": size})
+    return Blip2Processor(image_processor=images, tokenizer=tiny_tokenizer(),
+                          num_query_tokens=int(config.num_query_tokens))
+
+
 def _blip2(text_config: dict, ids: dict):
     from transformers import Blip2Config
 

@@ -206,6 +206,10 @@ class MemoryConfig:
     cap_gib: Optional[float] = _f(
         None, "Treat the device as having only this much memory: on CUDA a per-process limit, on CPU the live-tensor "
         "tracker raises OOM above it (the tracker then runs every step). For what-if runs and tests.", min=0.0)
+    oom_alternatives: bool = _f(
+        True, "After an out-of-memory, list the variants the planner predicts to fit (planned in this process, "
+        "the device still held: seconds for small models, minutes for a 12B BLIP-2 on a few cores). false skips "
+        "it; `bigtune plan RECIPE --gpu NAME --alternatives` gives the same list later.")
 
 
 @dataclass
