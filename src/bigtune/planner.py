@@ -820,6 +820,9 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
             "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
             if recipe.model.quantize == "int8" else "; 4-bit matmuls emulated (fp32 hidden states, dequantized "
             "weight in backward)"))
+    if recipe.train.compile:
+        notes.append("train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
+                     "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)")
     if cuda:
         # Forward runs on the main thread and backward on autograd's device thread: two cuBLAS handles
         # on one stream, each with its own workspace from the caching allocator, alive from step 0 on.
