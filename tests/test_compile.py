@@ -109,3 +109,21 @@ def test_compile_key_is_documented(tmp_path):
     assert res.returncode == 0, res.stderr
     row = next(line for line in res.stdout.splitlines() if line.startswith("| `train.compile` |"))
     assert "| bool | `False` |" in row and "bigtune plan" in row and "eager" in row
+
+
+def test_a_failed_simulation_leaves_no_tracker_or_eager_stance_behind(monkeypatch):
+    # Otherwise a plan that fails before training (printed as "plan: unavailable") would leave the run's
+    # every step under the tracker and torch.compile switched off.
+    import torch._dynamo.eval_frame
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+    from bigtune.planner import Target, plan
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated failure inside the measured step")
+
+    monkeypatch.setattr(engine, "hidden_states_out", fail)  # runs inside the measured step
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        plan(load_recipe({}, {"model.name": "tiny-llama", "accelerator": "cpu"}), Target("cpu"))
+    assert _len_torch_dispatch_stack() == 0
+    assert torch._dynamo.eval_frame._stance.stance == "default"

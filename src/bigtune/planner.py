@@ -341,7 +341,10 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             opt.step()
             opt.zero_grad(set_to_none=True)
         monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
-        _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+        try:
+            _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+        finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
+            monitor.end_step()
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
     if quantize != "none":
