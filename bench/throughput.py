@@ -15,6 +15,12 @@ instruction set as is (its records' real, short lengths; padding to the longest 
 micro-batch). On ``real`` data bigtune also runs with data.packing (the same samples packed into
 rows), reported as its own line.
 
+``--compile``: torch.compile on both sides, each the way it is documented: bigtune's train.compile
+(every decoder block compiled in place) and Trainer's ``torch_compile=True`` (accelerate compiles the
+whole model). Each side starts from empty in-memory compile caches (torch._dynamo.reset(); inductor's
+on-disk cache stays); its CPU peak step runs eager, as bigtune's measured CPU steps do. Give it a warm-up
+that covers the compiles (the first unmeasured step, and the first change of batch shape on ``real``).
+
 Timing skips the first ``--warmup`` optimizer steps on both sides. Tokens are non-padding tokens.
 MFU = model FLOPs (stepmath.training_flops, the same helper for both) / time / the GPU's dense peak.
 Peak memory: CUDA allocator peaks (allocated, reserved) per side; on CPU, live tensor bytes at the
@@ -129,12 +135,29 @@ def _cuda_peaks() -> dict:
 
 # -- bigtune --------------------------------------------------------------------------------------------
 
+def _reset_compiler() -> int:
+    """Each side compiles from scratch, as in its own process: both compile nn.Module._call_impl, so
+    one side's cached graphs (and their share of the recompile limit) would otherwise carry over.
+    Returns the graph count so far (see _graphs_since)."""
+    torch._dynamo.reset()
+    return _graphs_since(0)
+
+
+def _graphs_since(start: int) -> int:
+    """Graphs dynamo compiled since its counter read ``start`` (stays 0 without --compile)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"] - start
+
+
 def run_bigtune(over: dict, warmup: int, out: Path) -> dict:
     over = {**over, "output_dir": str(out), "train.log_every_steps": warmup,
             "memory.every_steps": 10**9}  # snapshots at steps 0 and 1 only, inside the warm-up window
     _reset_cuda()
+    graphs = _reset_compiler()
     with contextlib.redirect_stdout(io.StringIO()):
         s = train({}, over, quiet_recipe=True)
+    graphs = _graphs_since(graphs)
     peaks = _cuda_peaks()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:]  # the first window is the warm-up
@@ -143,7 +166,8 @@ def run_bigtune(over: dict, warmup: int, out: Path) -> dict:
     flops = sum(r["model_flops_per_s"] * r["step_time_s"] * warmup for r in timed)
     # mean of the per-step losses over the run, as Trainer's training_loss (equal windows)
     res = {"tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
-           "timed_steps": len(timed) * warmup, "mean_loss": statistics.fmean(r["loss"] for r in rows)}
+           "timed_steps": len(timed) * warmup, "mean_loss": statistics.fmean(r["loss"] for r in rows),
+           "compiled_graphs": graphs}
     if peaks:
         res.update(peaks)
     else:  # CPU: the engine's own live-tensor peak (steps 0 and 1)
@@ -185,6 +209,7 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         examples, _ = build_examples(r.data, tok, r.seed)
     _reset_cuda()
+    graphs = _reset_compiler()
     with torch.device(device):  # random init straight on the device, as the engine does
         model = build_model(r.model, tok, r.precision, r.seed)
     if r.peft.method != "none":
@@ -193,6 +218,9 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
 
     counts = {"on": False, "tokens": 0, "pairs": 0}
 
+    # Outside any compiled graph (torch_compile=True compiles the whole model, hooks included): traced,
+    # its `counts["on"]` would become a guard, and turning the count on would recompile in the timed window.
+    @torch.compiler.disable
     def count(module, args, kwargs):  # every micro-batch forward in the timed window
         if counts["on"]:
             # Summed on the device, read once at the end: no host sync in Trainer's loop. FLOPs are
@@ -230,11 +258,12 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
         cpu_peak = _cpu_peak_callback(trainer, model)
     with contextlib.redirect_stdout(io.StringIO()):
         result = trainer.train()
+    graphs = _graphs_since(graphs)
     peaks = _cuda_peaks()
     seconds = clock.t1 - clock.t0
     flops = training_flops(shape, int(counts["tokens"]), int(counts["pairs"]))
     res = {"tokens_per_s": int(counts["tokens"]) / seconds, "model_flops_per_s": flops / seconds,
-           "timed_steps": r.train.max_steps - warmup, "mean_loss": result.training_loss}
+           "timed_steps": r.train.max_steps - warmup, "mean_loss": result.training_loss, "compiled_graphs": graphs}
     if peaks:
         res.update(peaks)
     else:
@@ -259,7 +288,7 @@ def hf_training_args(r, out: Path, cuda: bool):
         gradient_checkpointing_kwargs={"use_reentrant": False},
         dataloader_num_workers=r.data.num_workers, dataloader_pin_memory=cuda, remove_unused_columns=False,
         report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True,
-        seed=r.seed, torch_compile=False)
+        seed=r.seed, torch_compile=r.train.compile)
 
 
 def _cpu_peak_callback(trainer, model):
@@ -275,6 +304,9 @@ def _cpu_peak_callback(trainer, model):
 
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 1:
+                # The tracker cannot see inside compiled code, and compiled code met under it would stay eager
+                # for the rest of the run (see memory.MemoryMonitor.begin_step): this step runs eager.
+                self.eager = torch.compiler.set_stance("force_eager")
                 self.tracker = LiveTensorTracker()
                 opt = trainer.optimizer
                 state_tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
@@ -284,6 +316,7 @@ def _cpu_peak_callback(trainer, model):
         def on_step_end(self, args, state, control, **kw):
             if self.tracker is not None:
                 self.tracker.__exit__(None, None, None)
+                self.eager.__exit__(None, None, None)
                 self.peak = self.tracker.peak_bytes
                 self.tracker = None
 
@@ -315,6 +348,8 @@ def compare(name: str, ours: dict, hf: dict, peak: float | None) -> dict:
         print(f"{label:<10}{side['tokens_per_s']:>14,.0f}{side['model_flops_per_s'] / 1e9:>12,.1f}{m:>8}"
               f"{_fmt_bytes(side['peak_allocated_bytes']):>14}{_fmt_bytes(side.get('peak_reserved_bytes')):>16}"
               f"{side['mean_loss']:>12.4f}")
+    if ours.get("compiled_graphs") or hf.get("compiled_graphs"):
+        print(f"torch.compile graphs: bigtune {ours['compiled_graphs']}, hf {hf['compiled_graphs']}")
     ra = out["peak_allocated_ratio"]
     rr = out["peak_reserved_ratio"]
     print(f"ratio bigtune/hf: tokens/s {out['tokens_per_s_ratio']:.3f}, peak allocated "
@@ -331,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", choices=["fixed", "real", "both"], default="both")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra recipe override for the bigtune side only (e.g. train.loss_chunk_tokens=4096)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile both sides: train.compile=true for bigtune, TrainingArguments(torch_compile="
+                         "True) for the Trainer; use a --warmup that covers the compiles")
     ap.add_argument("--json", help="result file (default bench/results/throughput-<gpu>-<date>.json)")
     ap.add_argument("--no-json", action="store_true", help="print only")
     ap.add_argument("--dry-run", action="store_true", help="build both sides (recipes, data, model on the meta "
@@ -359,11 +397,12 @@ def main(argv=None) -> int:
     r0 = load_recipe({}, PRESETS[config])
     peak, gpu_name = peak_flops_of(device, r0.precision)
     print(f"throughput: {config} on {gpu_name} ({torch.get_num_threads()} threads), {steps} steps, first {warmup} "
-          f"not timed; torch {torch.__version__}; bigtune-only options {extra or 'none'}", flush=True)
+          f"not timed; torch {torch.__version__}; bigtune-only options {extra or 'none'}"
+          + ("; torch.compile on both sides" if args.compile else ""), flush=True)
     results: dict = {}
-    record = {"config": config, "overrides": PRESETS[config], "bigtune_extra": extra, "steps": steps,
-              "warmup": warmup, "device": gpu_name, "peak_flops": peak, "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "results": results,
+    record = {"config": config, "overrides": PRESETS[config], "compile": args.compile, "bigtune_extra": extra,
+              "steps": steps, "warmup": warmup, "device": gpu_name, "peak_flops": peak,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results,
               "command": "python bench/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     try:
         import transformers
@@ -376,7 +415,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for data in datas:
-            over = recipe_for(config, data, steps, tmp, {})
+            over = recipe_for(config, data, steps, tmp, {"train.compile": args.compile})
             ours_over = {**over, **extra}
             ours = run_bigtune(ours_over, warmup, tmp / f"bigtune-{data}")
             hf = run_hf(over, warmup, tmp / f"hf-{data}")

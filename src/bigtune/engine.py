@@ -27,8 +27,9 @@ import torch
 
 from bigtune import memory as mem
 from bigtune.data import Collator, DataReport, EpochSampler, ListDataset, build_examples, pack_examples
-from bigtune.models import apply_peft, build_model, count_parameters, enable_activation_checkpointing, \
-    forward_inputs, hidden_states_out, load_tokenizer_or_processor, plain_output_head, shifts_labels
+from bigtune.models import apply_peft, build_model, compile_blocks, count_parameters, \
+    enable_activation_checkpointing, forward_inputs, hidden_states_out, load_tokenizer_or_processor, \
+    plain_output_head, shifts_labels
 from bigtune.optim import make_optimizer
 from bigtune.presets import PRESETS
 from bigtune.recipe import Recipe, load_recipe, resolve_accelerator
@@ -156,6 +157,13 @@ def build(recipe: Recipe, fabric) -> Built:
         enable_activation_checkpointing(model)
     if peft:
         model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing, recipe.model.family)
+    if recipe.train.compile:
+        # After checkpointing and adapters (the compiled graph includes both), before Fabric's setup: FSDP2
+        # then shards the compiled blocks, the order torchtitan uses.
+        blocks = compile_blocks(model)
+        kinds = ", ".join(sorted({type(x).__name__ for x in blocks}))
+        print(f"train.compile: {len(blocks)} blocks ({kinds}) compile on first use; the first steps are slow",
+              flush=True)
     params = count_parameters(model)
     if deepspeed:  # DeepSpeed wraps model and optimizer together, in one engine
         from bigtune.dist import deepspeed_config
@@ -729,6 +737,10 @@ def _train(r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], t_sta
 
     if is_deepspeed(r) and r.memory.enabled:
         print(MEMORY_NOTE_DEEPSPEED, flush=True)
+    if r.train.compile and r.memory.enabled and fabric.device.type == "cpu":
+        print("memory: measured steps (0, 1, every memory.every_steps) run the compiled blocks eager, since the CPU "
+              "tracker cannot see inside compiled code: their table is the eager step's memory, exact, and their "
+              "step time is eager too", flush=True)
 
     rank0 = fabric.global_rank == 0
     prediction = predict_for_device(r, fabric.device, fabric.world_size) if r.memory.plan and rank0 else None

@@ -239,6 +239,7 @@ class MemoryMonitor:
         self.tracker = None if self.is_cuda else LiveTensorTracker(cap_bytes, round_to)
         self.cap_bytes = cap_bytes
         self._active = False
+        self._eager: Any = None  # torch.compiler.set_stance("force_eager") while the CPU tracker is on
         self.last: Optional[Snapshot] = None
         if self.is_cuda and cap_bytes is not None:
             total = torch.cuda.get_device_properties(device).total_memory
@@ -264,6 +265,12 @@ class MemoryMonitor:
         existing += list(extra)
         self.tracker.track(existing)
         self.tracker.reset_peak()
+        if self._eager is None:
+            # The tracker cannot see inside compiled code (train.compile), and torch.compile does not run
+            # under a TorchDispatchMode anyway: it falls back to eager and (torch 2.13) marks the skipped code
+            # as never to be compiled again, so one measured step would leave the rest of the run eager
+            # (pytorch/pytorch#190286). Measured CPU steps run eager instead, their memory exact.
+            self._eager = torch.compiler.set_stance("force_eager")
         if not self._active:
             self.tracker.__enter__()
             self._active = True
@@ -272,6 +279,9 @@ class MemoryMonitor:
         if self._active and self.tracker is not None:
             self.tracker.__exit__(None, None, None)
             self._active = False
+        if self._eager is not None:
+            self._eager.__exit__(None, None, None)  # back to the stance before begin_step
+            self._eager = None
 
     def snapshot(self, step: int, phase: str, model: torch.nn.Module, optimizer) -> Snapshot:
         states = model_state_bytes(model, optimizer, self.device.type)

@@ -301,6 +301,30 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def compile_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """torch.compile every repeated transformer block in place (``Module.compile``), as torchtitan and
+    torchtune do: one small graph reused by all blocks of a kind, the outer code (embeddings, masks,
+    loss) left eager so its graph breaks cost nothing. In place keeps parameter names and the state
+    dict unchanged (checkpoints, export), and keeps the block a block for FSDP to shard afterwards.
+    Returns the compiled blocks."""
+    from bigtune.dist import decoder_blocks
+
+    try:
+        blocks = decoder_blocks(model)
+    except ValueError:
+        raise ModelError(f"train.compile: found no repeated transformer blocks in {type(model).__name__} to compile; "
+                         "set train.compile=false") from None
+    # Every compiled block enters dynamo through the same code (Module._call_impl, or HF's checkpointing
+    # wrapper around forward), so all block kinds share one recompile limit (8 graphs by default); each kind
+    # needs a static and a shape-generic graph, plus variants (T5's first block, train vs eval). Without
+    # headroom a BLIP-2 model would silently fall back to eager for its last kinds.
+    kinds = len({type(b) for b in blocks})
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * kinds)
+    for block in blocks:
+        block.compile()
+    return blocks
+
+
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     seen: set[int] = set()
     total = trainable = 0

@@ -384,7 +384,10 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
                 opt.zero_grad(set_to_none=True)
             step1 = len(events) if events is not None else 0
             monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
-            _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+            try:
+                _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+            finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
+                monitor.end_step()
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
     reserved = in_use = 0
@@ -963,6 +966,9 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
             "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
             if recipe.model.quantize == "int8" else "; 4-bit matmuls emulated (fp32 hidden states, dequantized "
             "weight in backward)"))
+    if recipe.train.compile:
+        notes.append("train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
+                     "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)")
     if cuda:
         # Forward runs on the main thread and backward on autograd's device thread: two cuBLAS handles
         # on one stream, each with its own workspace from the caching allocator, alive from step 0 on.

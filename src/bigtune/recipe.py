@@ -130,6 +130,16 @@ class TrainConfig:
     limit_train_batches: Optional[int] = _f(None, "Micro-batches per epoch at most. Lab: limit_train_batches.", min=1)
     activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward "
                                         "(non-reentrant). Lab: act_ckpt.")
+    compile: bool = _f(
+        False, "torch.compile each repeated transformer block (the layers FSDP shards: decoder layers, BLIP-2's "
+        "vision and Q-Former layers) in place, after activation checkpointing and adapters, before FSDP; "
+        "embeddings, masks and the loss stay eager, so graph breaks there cost nothing. Works with activation "
+        "checkpointing, LoRA/DoRA/QLoRA, DDP and FSDP; not with DeepSpeed. The first unmeasured step is slow while "
+        "it compiles, and one more when the batch shape first changes (a shape-generic graph; eval compiles its "
+        "own). Compiled dropout draws other random numbers than eager. Memory: on CUDA the allocator measures the "
+        "compiled step. The CPU tracker cannot see inside compiled code, so on the CPU the measured steps (0, 1, "
+        "every memory.every_steps) run eager: their table is the eager step's memory, exact, and their step time "
+        "eager (memory.cap_gib, which measures every step, is refused). `bigtune plan` plans the eager step.")
     log_every_steps: int = _f(1, "Print/write loss and throughput every N optimizer steps.", min=1)
     loss_chunk_tokens: Optional[int] = _f(
         None, "Compute the cross-entropy from the final hidden states this many tokens at a time, recomputing each "
@@ -560,6 +570,7 @@ def check_combinations(r: Recipe) -> list[str]:
         p.append("eval.every_steps: there is no validation split; set data.val_fraction (e.g. 0.1) or data.val_source")
     p.extend(_check_image_to_text(r))
     p.extend(_check_classification(r))
+    p.extend(_check_compile(r, accel))
     src = r.data.source
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
@@ -659,10 +670,43 @@ def _check_classification(r: Recipe) -> list[str]:
     return p
 
 
+def _check_compile(r: Recipe, accel: str) -> list[str]:
+    """train.compile: what it cannot do here, and what the compiler needs."""
+    if not r.train.compile:
+        return []
+    p: list[str] = []
+    if r.strategy in DEEPSPEED_STRATEGIES:
+        p.append(f"train.compile with strategy={r.strategy}: not supported: ZeRO gathers and releases parameters "
+                 "inside the blocks with its own hooks, untested under torch.compile here (DeepSpeed needs CUDA); "
+                 "set train.compile=false, or use strategy=fsdp (compiled per block, then sharded)")
+    if accel == "cpu" and r.memory.cap_gib is not None:
+        p.append("train.compile with memory.cap_gib on the CPU: the cap is enforced by tracking every step, and "
+                 "tracked steps run eager, so nothing would be compiled; remove memory.cap_gib or set "
+                 "train.compile=false")
+    if accel == "cpu":
+        import shutil
+        import sys
+
+        cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+        if shutil.which(cxx) is None:
+            p.append(f"train.compile on the CPU: torch.compile builds C++ kernels, but the compiler {cxx!r} is not on "
+                     "PATH; install g++ (or set CXX), or set train.compile=false")
+    elif _cuda_available() and not _installed("triton"):  # (no CUDA at all is reported under accelerator)
+        p.append("train.compile on CUDA: torch.compile needs Triton, which is not installed; pip install triton "
+                 "(the version matching your torch), or set train.compile=false")
+    return p
+
+
 def _preset_family(name: str) -> Optional[str]:
     from bigtune.presets import PRESETS
 
     return PRESETS[name].family if name in PRESETS else None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _installed(module: str) -> bool:
