@@ -944,7 +944,7 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
     # beside the measured step time.
     out["predicted_step_time_s"] = like.step_time_s
     out["predicted_tokens_per_s"] = like.tokens_per_s
-    out["predicted_needed_like_for_like"] = like.needed_total  # what the plan said must fit (FITS/OOM)
+    out["predicted_needed_like_for_like"] = getattr(like, "needed_total", None)  # what must fit (FITS/OOM)
     return out
 
 
