@@ -925,13 +925,16 @@ def image_to_text_flops_per_sample(config, parts: dict[str, int], recipe: Recipe
 
 
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
-         config=None, sim: Optional[Sim] = None, padded: bool = False, workers: int = 1) -> Plan:
+         config=None, sim: Optional[Sim] = None, padded: bool = False, workers: int = 1,
+         replay: bool = True) -> Plan:
     """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
 
     ``sim`` reuses a simulation of the same single-device step (reserved then comes from a fixed
     ratio instead of an allocator replay); ``padded`` plans batches that hold padding (the attention
     then gets an explicit mask, which can cost more on some kernels). ``workers`` > 1 runs the
-    replay's two simulations in forked processes (never after CUDA is initialised).
+    replay's two simulations in forked processes (never after CUDA is initialised); ``replay=False``
+    skips the allocator replay (reserved then from the fixed ratio: for callers that need only the
+    allocated categories).
     """
     t0 = time.perf_counter()
     config = config if config is not None else resolve_config(recipe)
@@ -983,7 +986,7 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
         notes.append(f"cuBLAS workspaces {workspaces / 2**20:.0f} MiB ({CUBLAS_HANDLES} handles: forward and "
                      "autograd threads) included under activations")
         cap = target.capacity_bytes
-        if own_sim and not simulated_host and not (cap is not None and peak > cap):
+        if replay and own_sim and not simulated_host and not (cap is not None and peak > cap):
             # The single-device step replayed through the caching allocator; several devices keep its
             # reserved/allocated ratio (their sharded peak is analytic).
             replayed, in_use, how = estimate_reserved(sim_recipe, config, sim, target_arch(target), padded,
