@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import types
 import typing
@@ -311,9 +312,15 @@ class RecipeError(ValueError):
 
 # -- parsing --------------------------------------------------------------------------------------
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    # get_type_hints re-evaluates every string annotation on each call; the planner builds ~80 recipes
+    # per `plan --alternatives`, so resolve each section class once.
+    return typing.get_type_hints(cls)
+
+
 def _field_type(cls: type, name: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    return hints[name]
+    return _type_hints(cls)[name]
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
