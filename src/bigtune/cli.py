@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
     pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
+    pl.add_argument("--data-lengths", action="store_true",
+                    help="plan at the recipe data's own lengths (read and tokenized as train does): the peak at the "
+                         "longest sample, the time at the mean padded batch. Default: every row max_seq_length "
+                         "tokens, the worst case")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--for", dest="for_task", choices=["train", "generate", "caption", "predict"], default="train",
                     help="what to plan: a training step (default), or serving: generate (KV cache, tokens/s), "
@@ -186,7 +190,13 @@ def _cmd_plan(args) -> int:
 
         return main_plan_inference(args, r, target)
     config = resolve_config(r)
-    p = plan(r, target, config=config, workers=min(2, os.cpu_count() or 1))
+    workers = min(2, os.cpu_count() or 1)
+    if args.data_lengths:
+        from bigtune.datalengths import plan_at_data_lengths
+
+        p = plan_at_data_lengths(r, target, config=config, workers=workers)
+    else:
+        p = plan(r, target, config=config, workers=workers)
     alts = alternatives(r, target, max_gpus=args.max_gpus, config=config) if args.alternatives else None
     if args.json:
         out = {"plan": p.to_dict()}

@@ -672,6 +672,8 @@ class Plan:
     # What must fit the device (FITS/OOM): the allocator's in-use segments at the peak + context; less
     # than peak_total, which is what a device with room to spare ends up reserving.
     needed_total: Optional[int] = None
+    # `plan --data-lengths` (datalengths.py): the data's longest sample, mean padded batch, mean tokens.
+    data_lengths: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -863,7 +865,11 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
                                       recipe.data.max_seq_length)
     if recipe.train.activation_checkpointing:
         fpt *= 4 / 3  # one extra forward
-    micro_tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length
+    row = recipe.data.max_seq_length
+    if _family(config) == "image-to-text":  # the vision tower's patches are rows of the matmuls too
+        vc = config.vision_config
+        row += (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
+    micro_tokens = recipe.train.micro_batch_size * row
     # Small micro-batches leave the GPU under-occupied; half efficiency at 256 tokens (assumed).
     occupancy = micro_tokens / (micro_tokens + MICRO_TOKENS_HALF_EFFICIENCY)
     t_compute = tokens * fpt / (peak * ASSUMED_MFU * occupancy)  # each device computes its own tokens
@@ -1013,13 +1019,17 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     cap = target.capacity_bytes
     fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
     step, tps, tnotes = _time(recipe, sim, target, config)
-    return Plan(recipe_name=recipe.name, target=target.label(), variant=variant, phases=phases, peak_allocated=peak,
+    out = Plan(recipe_name=recipe.name, target=target.label(), variant=variant, phases=phases, peak_allocated=peak,
                 peak_reserved=reserved, overhead=overhead, peak_total=total, capacity=cap, fits=fits,
                 needed_total=needed + overhead,
                 parameters_total=sim.numel, step_time_s=step, tokens_per_s=tps,
                 tokens_per_step=recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
                 * target.gpus, notes=notes + tnotes, overrides=overrides or {},
                 plan_seconds=time.perf_counter() - t0)
+    # Not a field (not serialised): lets a caller re-time the same step at another batch length
+    # (datalengths.py) without simulating it again; the states _time reads do not depend on length.
+    out.sim = sim
+    return out
 
 
 # -- alternatives -------------------------------------------------------------------------------------

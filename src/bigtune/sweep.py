@@ -842,6 +842,8 @@ def add_cli(subparsers) -> None:
     s.add_argument("--plan-only", metavar="GPU", help="run nothing: plan every variant on this GPU (catalog name, "
                    "e.g. h100-80gb) and print predicted peak, FITS/OOM and step time; --json for tools")
     s.add_argument("--json", action="store_true", help="with --plan-only: print the plans as JSON")
+    s.add_argument("--data-lengths", action="store_true", help="with --plan-only: plan each variant at its data's "
+                   "own lengths (the longest sample for the peak) instead of full max_seq_length rows")
     s.set_defaults(func=main_sweep)
     r = subparsers.add_parser("report", help="write report.md, results.csv, report.html (inline SVG plots) and "
                               "the plots as .svg and .png for a sweep folder or one run folder")
@@ -859,7 +861,7 @@ def main_sweep(args) -> int:
         extra = dict(parse_override(o) for o in (getattr(args, "overrides", None) or []))
         if getattr(args, "plan_only", None):
             return plan_sweep(args.sweep_file, args.plan_only, tiny=args.tiny, only=args.only, extra=extra,
-                              as_json=args.json)
+                              as_json=args.json, data_lengths=args.data_lengths)
         rows = run_sweep(args.sweep_file, out_dir=args.out, tiny=args.tiny, rerun=args.rerun,
                          timeout_s=args.timeout, only=args.only, extra=extra)
     except (SweepError, RecipeError) as e:
@@ -886,9 +888,10 @@ def main_sweep(args) -> int:
 
 
 def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[str] | None = None,
-               extra: dict[str, Any] | None = None, as_json: bool = False) -> int:
+               extra: dict[str, Any] | None = None, as_json: bool = False, data_lengths: bool = False) -> int:
     """Plan every variant on one catalog GPU (× the variant's devices) without running anything: the
-    lab's question "which rungs will run out of memory?" answered before renting the GPU."""
+    lab's question "which rungs will run out of memory?" answered before renting the GPU.
+    ``data_lengths``: each variant at its data's own lengths (datalengths.py) instead of full rows."""
     import json
 
     from bigtune.gpus import find_gpu
@@ -909,7 +912,14 @@ def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[s
                 else ("ddp" if n > 1 else "single")
             if r.model.name not in configs:
                 configs[r.model.name] = resolve_config(r)
-            p = plan(r, Target("cuda", gpu, n, strategy), v.name, config=configs[r.model.name])
+            target = Target("cuda", gpu, n, strategy)
+            if data_lengths:
+                from bigtune.datalengths import plan_at_data_lengths
+
+                p = plan_at_data_lengths(r, target, config=configs[r.model.name])
+                p.variant = v.name
+            else:
+                p = plan(r, target, v.name, config=configs[r.model.name])
             row.update(p.to_dict())
         except Exception as e:  # noqa: BLE001 - one variant the planner cannot do must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
