@@ -100,7 +100,7 @@ def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1,
         p.notes.append("data.packing: every row is max_seq_length tokens, so the data's lengths change nothing")
         return p
     d = lengths or data_lengths(recipe, max(1, target.gpus))
-    at_peak = load_recipe(recipe.to_dict(), {"data.max_seq_length": d.longest})
+    at_peak = load_recipe(recipe.to_dict(), {"data.max_seq_length": d.longest}, check=False)
     # Padded batches hand the model an explicit attention mask (a different SDPA kernel on some GPUs);
     # a dataset whose every sample has the same length never pads.
     padded = d.mean_tokens < d.longest
@@ -108,7 +108,7 @@ def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1,
     p.recipe_name = recipe.name
     # Time: the GPU computes the padded batch; tokens/s counts the real tokens.
     mean_len = max(1, math.ceil(d.mean_padded))
-    at_mean = load_recipe(recipe.to_dict(), {"data.max_seq_length": mean_len})
+    at_mean = load_recipe(recipe.to_dict(), {"data.max_seq_length": mean_len}, check=False)
     step, _, tnotes = _time(at_mean, p.sim, target, config if config is not None else resolve_config(recipe))
     p.notes = [n for n in p.notes if not n.startswith("time:")] + tnotes
     real = recipe.train.micro_batch_size * recipe.accumulate * max(1, target.gpus) * d.mean_tokens
