@@ -123,6 +123,23 @@ def test_fsdp_divides_model_states_by_gpu_count():
         assert four.model_states[cat] == pytest.approx(one.model_states[cat] / 4, rel=1e-6)
 
 
+def test_ddp_keeps_its_gradient_buckets_beside_forward_and_backward():
+    # DDP replicates the step and adds its reducer's buckets (one gradient copy) wherever the .grad
+    # views into them are dropped: the lab's 4-GPU LitGPT printouts show exactly that extra copy.
+    r = load_recipe({}, {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+                         "precision": "bf16-true", "accelerator": "cpu", "data.max_seq_length": 512,
+                         "train.micro_batch_size": 8})
+    one = plan(r, Target("cuda", find_gpu("a100-80gb"), 1), replay=False)
+    four = plan(r, Target("cuda", find_gpu("a100-80gb"), 4, "ddp"), replay=False)
+    g = one.model_states["gradients"]
+    assert four.model_states == one.model_states
+    for ph in ("before_forward", "after_forward"):
+        assert four.phases[ph]["allocated"] == one.phases[ph]["allocated"] + g
+    for ph in ("after_backward", "after_optimizer"):
+        assert four.phases[ph]["allocated"] == one.phases[ph]["allocated"]
+    assert one.peak_allocated < four.peak_allocated <= one.peak_allocated + g
+
+
 def test_checkpointing_cuts_activations_to_layer_inputs():
     full, ckpt = _plan7b(), _plan7b(**{"train.activation_checkpointing": True})
     a_full = full.phases["after_forward"]["activations"]

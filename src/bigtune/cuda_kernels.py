@@ -43,10 +43,11 @@ def _torch_version() -> tuple[int, int]:
 
 def sdpa_backend(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor],
                  enable_gqa: bool, arch: tuple[int, int],
-                 torch_version: Optional[tuple[int, int]] = None) -> str:
+                 torch_version: Optional[tuple[int, int]] = None, dtype: Optional[torch.dtype] = None) -> str:
     """'flash', 'efficient' or 'math': the kernel CUDA picks for these inputs on a GPU of
-    compute capability ``arch`` (PyTorch's priority order, see the module docstring)."""
-    dtype = query.dtype
+    compute capability ``arch`` (PyTorch's priority order, see the module docstring). ``dtype``
+    overrides the query's (a simulation's stand-in dtype for the one the GPU will see)."""
+    dtype = dtype or query.dtype
     head_dim = query.shape[-1]
     gqa = query.shape[-3] != key.shape[-3]
     if gqa and not enable_gqa:
@@ -60,10 +61,25 @@ def sdpa_backend(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[tor
     return "math"
 
 
+def kernel_dtype(dtype: torch.dtype, bf16_is_fp16: bool = False) -> torch.dtype:
+    """The dtype CUDA's SDPA kernel selection sees for a query of ``dtype`` inside the simulation.
+
+    Autocast casts SDPA's inputs to its lower precision in the dispatcher, after this Python-level
+    wrapper: under mixed precision an fp32 query (Llama's rotary embedding promotes q and k to fp32)
+    reaches the kernel choice as bf16/fp16. The simulation's CPU autocast stands for CUDA's."""
+    if dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+    if bf16_is_fp16 and dtype == torch.bfloat16:
+        dtype = torch.float16
+    return dtype
+
+
 @contextlib.contextmanager
-def cuda_attention(arch: Optional[tuple[int, int]]):
+def cuda_attention(arch: Optional[tuple[int, int]], bf16_is_fp16: bool = False):
     """Yields the set of kernel names chosen so far. Within this block, ``F.scaled_dot_product_attention`` takes the math path wherever CUDA on
-    ``arch`` would (fused kernels stay on PyTorch's CPU flash kernel, which saves the same)."""
+    ``arch`` would (fused kernels stay on PyTorch's CPU flash kernel, which saves the same).
+    ``bf16_is_fp16``: the simulation runs fp16 autocast as bf16 (the CPU has no fp16 autocast; the bytes are
+    the same), so choose the kernel for fp16 — which, unlike bf16, the memory-efficient kernel takes below sm80."""
     used: set[str] = set()
     if arch is None:
         yield used
@@ -71,7 +87,8 @@ def cuda_attention(arch: Optional[tuple[int, int]]):
     fused = torch.nn.functional.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        backend = sdpa_backend(query, key, attn_mask, enable_gqa, arch)
+        backend = sdpa_backend(query, key, attn_mask, enable_gqa, arch,
+                               dtype=kernel_dtype(query.dtype, bf16_is_fp16))
         used.add(backend)
         if backend != "math":
             return fused(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

@@ -331,7 +331,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
     # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
-    kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
+    kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None),
+                             bf16_is_fp16=recipe.precision == "16-mixed")
     with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), _keep_every_layer(), \
             kernels as attention:
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
@@ -735,6 +736,35 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     return r
 
 
+def _ddp_buckets(sim: Sim, phases: dict, notes: list[str]) -> tuple[dict, int, list[str]]:
+    """DDP's reducer allocates flat gradient buckets for every trainable parameter when the model is
+    wrapped and keeps them for the whole run. With gradient_as_bucket_view (bigtune's setting) a synced
+    backward leaves each .grad a view into them, so after backward and the step they cost nothing extra;
+    but zero_grad(set_to_none) drops the views, not the buckets, so from there until the next synced
+    backward they sit beside whatever the step allocates: the whole forward, and backward from its start
+    (gradients accumulated under no_sync are separate tensors too). Counted under activations ("other")."""
+    g = sim.phases["after_backward"]["gradients"]
+    if not g:
+        return phases, sim.peak_allocated, notes
+
+    def high(ph: dict) -> int:
+        return ph.get("phase_peak") or ph["peak_allocated"]
+
+    f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+    fwd, bwd, opt = high(f) + g, high(b_) + g, high(o)
+    cumulative = {"before_forward": 0, "after_forward": fwd, "after_backward": max(fwd, bwd),
+                  "after_optimizer": max(fwd, bwd, opt)}
+    for name, ph in phases.items():
+        if name in ("before_forward", "after_forward"):
+            ph["allocated"] += g
+            ph["activations"] += g
+        ph["phase_peak"] = None
+        ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
+    notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on (the gradients are views into "
+                 "them after a synced backward; beside the step's memory during forward and backward)")
+    return phases, max(fwd, bwd, opt), notes
+
+
 def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
     """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
@@ -747,6 +777,11 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         moved = set()  # on a CPU, "offloaded" state shares the one memory (and the engine counts it so)
     phases = copy.deepcopy(sim.phases)
     if not split:
+        # The CPU tracker registers parameters, gradients and optimizer state, not the reducer's buckets
+        # (born at the wrap, invisible while no .grad views them), so a CPU plan leaves them out as the
+        # CPU measurement does; CUDA's allocator counts every byte.
+        if target.strategy == "ddp" and target.device == "cuda":
+            return _ddp_buckets(sim, phases, notes)
         return phases, sim.peak_allocated, notes
     es = 4 if recipe.precision == "32-true" else 2
     gather = bucket = persistent_bucket = 0
