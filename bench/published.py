@@ -122,6 +122,10 @@ class Row:
     expect: Optional[str] = None    # fit rows: "fit" | "oom"
     impl: str = ""                  # material implementation difference from bigtune's engine ("" = none)
     note: str = ""                  # what else a reader must know (ranks shown, assumptions)
+    # Published speed where the rows have FIXED lengths (packed or synthetic data), so the planned step time
+    # answers the same batch: (value, "tokens/s" | "samples/s"). Sources whose batches are padded to a
+    # varying longest sample (LitGPT's Alpaca, the lab) are left out: their mean length is not published.
+    speed: Optional[tuple] = None
 
     def value_gib(self) -> Optional[float]:
         if self.value is None:
@@ -326,37 +330,38 @@ ROWS: list[Row] = [
                           "train.activation_checkpointing": True},
           impl=TORCHTUNE_IMPL + "; optimizer_in_bwd (each gradient freed right after its update: no full set "
           "of gradients is ever held)", note="paged optimizer state lives in CUDA managed memory, outside the "
-          "allocator's counters (so outside max_memory_reserved) - planned likewise")
-      for n, g, gpu, v in ((8, "4090", "rtx-4090", 18.9), (9, "A6000", "rtx-a6000", 37.4))],
+          "allocator's counters (so outside max_memory_reserved) - planned likewise",
+          speed=(tok, "tokens/s"))
+      for n, g, gpu, v, tok in ((8, "4090", "rtx-4090", 18.9, 1650), (9, "A6000", "rtx-a6000", 37.4, 2579))],
     *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B LoRA r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×{g}",
           "reserved", v, "GiB", gpu,
           {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
            "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
            "train.micro_batch_size": 2, "data.max_seq_length": 2048, "train.activation_checkpointing": True},
           impl=TORCHTUNE_IMPL, note="config llama3_1/8B_lora_single_device (adapters, dropout 0 as recalled, not "
-          "re-read); the A6000 and 4090 rows state one setup but differ ~2×")
-      for n, g, gpu, v in ((10, "4090", "rtx-4090", 16.2), (11, "A6000", "rtx-a6000", 30.3))],
+          "re-read); the A6000 and 4090 rows state one setup but differ ~2×", speed=(tok, "tokens/s"))
+      for n, g, gpu, v, tok in ((10, "4090", "rtx-4090", 16.2, 3083), (11, "A6000", "rtx-a6000", 30.3, 4699))],
     Row("T12", TORCHTUNE, "Llama-3.1-8B QLoRA nf4 r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×4090",
         "reserved", 7.4, "GiB", "rtx-4090",
         {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
          "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
          "model.quantize": "nf4", "model.double_quant": True, "train.micro_batch_size": 2,
          "data.max_seq_length": 2048, "train.activation_checkpointing": True},
-        impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes"),
+        impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes", speed=(2413, "tokens/s")),
     # ---- HF transformers perf docs: bert-large-uncased, seq 512, V100 16GB, nvidia-smi (MiB) ----
     *[Row(f"H{n}", HF_PERF, f"BERT-large classifier full, {prec_label}, {opt_label}, {b}×512 acc {acc}"
           + (", ckpt" if ckpt else "") + ", 1×V100-16", "device_used", v, "MiB", "v100-16gb",
           {**BERT, "precision": prec, "optim.name": opt, "train.micro_batch_size": b,
            "train.accumulate_grad_batches": acc, "train.activation_checkpointing": ckpt}, BERT_BASE,
-          impl=HF_TRAINER)
-      for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v in (
-          (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949),
-          (2, 1, 4, False, "32-true", "fp32", "adamw", "AdamW", 8681),
-          (3, 1, 4, True, "32-true", "fp32", "adamw", "AdamW", 6775),
-          (4, 4, 1, False, "16-mixed", "fp16 amp", "adamw", "AdamW", 13939),
-          (5, 1, 4, True, "16-mixed", "fp16 amp", "adamw", "AdamW", 7275),
-          (8, 4, 1, False, "32-true", "fp32", "adam8bit", "Adam8bit", 13085),
-          (9, 1, 4, True, "16-mixed", "fp16 amp", "adam8bit", "Adam8bit", 5363))],
+          impl=HF_TRAINER, speed=(sps, "samples/s"))
+      for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v, sps in (
+          (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949, 8.86),
+          (2, 1, 4, False, "32-true", "fp32", "adamw", "AdamW", 8681, 7.75),
+          (3, 1, 4, True, "32-true", "fp32", "adamw", "AdamW", 6775, 5.99),
+          (4, 4, 1, False, "16-mixed", "fp16 amp", "adamw", "AdamW", 13939, 18.64),
+          (5, 1, 4, True, "16-mixed", "fp16 amp", "adamw", "AdamW", 7275, 10.09),
+          (8, 4, 1, False, "32-true", "fp32", "adam8bit", "Adam8bit", 13085, 9.15),
+          (9, 1, 4, True, "16-mixed", "fp16 amp", "adam8bit", "Adam8bit", 5363, 10.35))],
     # ---- PEFT docs: Llama-2-70B LoRA under DeepSpeed ZeRO-3, 8×H100 80GB (TRL SFTTrainer) ----
     Row("P5", PEFT_DS, "Llama-2-70B LoRA r8 all-linear, bf16, ZeRO-3, 8×2048 packed, ckpt, 8×H100-80",
         "device_used", 64.0, "GiB", "h100-80gb",
@@ -476,6 +481,14 @@ def compare(row: Row, plan: Optional[dict]) -> dict:
     out["plan_model_states_gib"] = {k: plan["phases"]["after_backward"].get(k, 0) / GIB
                                     for k in ("parameters", "gradients", "optimizer_device", "optimizer_cpu")}
     out["plan_notes"] = plan["notes"]
+    out["plan_step_time_s"], out["plan_tokens_per_step"] = plan.get("step_time_s"), plan.get("tokens_per_step")
+    if row.speed and plan.get("step_time_s"):
+        value, unit = row.speed
+        r = row_recipe(row, check=False)
+        # the published rate as seconds per optimizer step of the planned batch
+        per_step = plan["tokens_per_step"] if unit == "tokens/s" else r.train.micro_batch_size * r.accumulate * row.gpus
+        out["published_step_s"] = per_step / value
+        out["time_error_pct"] = 100 * (plan["step_time_s"] - out["published_step_s"]) / out["published_step_s"]
     if row.metric == "fit":
         out["agree"] = (plan["fits"] is True) == (row.expect == "fit")
     else:
@@ -506,6 +519,17 @@ def print_table(results: list[dict]) -> None:
               f"{x['planned_gib']:>8.2f} {x['error_pct']:>+7.1f}  {flag}")
 
 
+def print_time_table(results: list[dict]) -> None:
+    timed = [x for x in results if "time_error_pct" in x]
+    if not timed:
+        return
+    print(f"\n{'id':<8} {'setup':<74} {'published':>18} {'s/step':>8} {'planned':>8} {'err %':>7}")
+    for x in timed:
+        pub = f"{x['speed'][0]:g} {x['speed'][1]}"
+        print(f"{x['id']:<8} {x['setup'][:74]:<74} {pub:>18} {x['published_step_s']:>8.3f} "
+              f"{x['plan_step_time_s']:>8.3f} {x['time_error_pct']:>+7.1f}")
+
+
 def statistics_of(results: list[dict]) -> dict:
     """Median and worst absolute error, overall, per metric kind, and for rows without an implementation flag."""
     def stats(xs: list[dict]) -> Optional[dict]:
@@ -521,6 +545,8 @@ def statistics_of(results: list[dict]) -> dict:
                                                                                    if not x["impl"]])}
     for kind in ("peak_allocated", "after_forward_allocated", "reserved", "device_used"):
         out[kind] = stats([x for x in numeric if x["metric"] == kind])
+    timed = [{**x, "error_pct": x["time_error_pct"]} for x in results if "time_error_pct" in x]
+    out["step_time"] = stats(timed)
     fit = [x for x in results if x["metric"] == "fit" and "agree" in x]
     out["fit"] = {"agree": sum(x["agree"] for x in fit), "of": len(fit),
                   "disagree": [x["id"] for x in fit if not x["agree"]]}
@@ -528,7 +554,8 @@ def statistics_of(results: list[dict]) -> dict:
 
 
 def print_statistics(s: dict) -> None:
-    print("\nabsolute error of the planned vs the published quantity (like with like):")
+    print("\nabsolute error of the planned vs the published quantity (like with like; step_time: the plan's "
+          "roofline step vs the published rate, fixed-length rows only):")
     for k, v in s.items():
         if k == "fit" or v is None:
             continue
@@ -589,6 +616,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc["skipped"] = SKIPPED
         write_json(path, doc)
         print_table(doc["rows"])
+        print_time_table(doc["rows"])
         print_statistics(doc["statistics"])
         return 0
     unknown = [i for i in (args.only or []) if i not in by_id]
@@ -623,6 +651,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "statistics": stats, "complete": True, "wall_s": round(time.perf_counter() - t_all, 1),
                           "units": "GiB unless stated; published values also in their own unit"})
     print_table(results)
+    print_time_table(results)
     print_statistics(stats)
     print("\nimpl = the source's implementation differs materially from bigtune's engine (see the row's impl in "
           "the JSON); skipped data points: --list")

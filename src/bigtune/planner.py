@@ -885,7 +885,7 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
 
 def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[float], Optional[float], list[str]]:
     from bigtune.gpus import peak_flops
-    from bigtune.stepmath import decoder_flops_per_token
+    from bigtune.stepmath import FlopShape, training_flops
 
     tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
     if target.gpu is None:
@@ -895,11 +895,19 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         return None, None, [f"{target.gpu.key} has no {recipe.precision} tensor-core rate in the catalog"]
     if _family(config) == "image-to-text":
         fpt = image_to_text_flops_per_sample(config, sim.parts, recipe) / recipe.data.max_seq_length
+        if recipe.train.activation_checkpointing:
+            fpt *= 4 / 3  # one extra forward
     else:
-        fpt = decoder_flops_per_token(sim.matmul_numel, int(config.num_hidden_layers), int(config.hidden_size),
-                                      recipe.data.max_seq_length)
-    if recipe.train.activation_checkpointing:
-        fpt *= 4 / 3  # one extra forward
+        # Adapters freeze the base weights: backward computes their input gradients but no weight
+        # gradients (2 FLOPs per weight per token instead of 4; the adapters' own low-rank matmuls are
+        # a rounding error). Checkpointing repeats the forward (+1/3 fully trained, +1/2 with adapters).
+        seq = recipe.data.max_seq_length
+        frozen = sim.matmul_numel if recipe.peft.method != "none" else 0
+        shape = FlopShape(int(config.num_hidden_layers), int(config.hidden_size), sim.matmul_numel - frozen, frozen)
+        pairs = seq * (seq + 1) / 2
+        fpt = training_flops(shape, seq, pairs) / seq
+        if recipe.train.activation_checkpointing:
+            fpt += training_flops(shape, seq, pairs, backward=False) / seq
     row = recipe.data.max_seq_length
     if _family(config) == "image-to-text":  # the vision tower's patches are rows of the matmuls too
         vc = config.vision_config

@@ -128,13 +128,6 @@ def causal_pairs(attention_mask: torch.Tensor, position_ids: Optional[torch.Tens
     return int(((pos + 1) * mask).sum())
 
 
-def decoder_flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int,
-                            backward: bool = True) -> float:
-    """FLOPs per token of a fully trained decoder on full rows of ``seq_len`` tokens (planner use)."""
-    shape = FlopShape(n_layers, hidden, n_matmul_params, 0)
-    return training_flops(shape, seq_len, seq_len * (seq_len + 1) / 2, backward) / seq_len
-
-
 def flop_shape(model: torch.nn.Module) -> Optional[FlopShape]:
     """FlopShape of a Hugging Face decoder (wrapped or not); None when its config lacks the sizes."""
     m = model
