@@ -33,8 +33,7 @@ def test_peak_at_the_longest_sample_matches_training(tmp_path, base, extra):
     d = data_lengths(r)
     # the same samples, tokenized the same way: the epoch trained exactly the real tokens counted here
     assert 2 * d.samples == summary["samples"]
-    if r.model.family != "image-to-text":  # the engine's BLIP-2 token count is the model input, not the caption
-        assert round(2 * d.samples * d.mean_tokens) == summary["tokens"], (d, summary["tokens"])
+    assert round(2 * d.samples * d.mean_tokens) == summary["tokens"], (d, summary["tokens"])
     assert d.longest < r.data.max_seq_length and d.truncated == 0
     at_data = plan_at_data_lengths(r, Target("cpu"), lengths=d)
     measured = summary["peak_allocated_bytes"]

@@ -318,6 +318,15 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     return loss_total, snaps
 
 
+def batch_tokens(batch: dict) -> int:
+    """Tokens a batch trains on, in data.max_seq_length's unit (what the planner's tokens/s counts): the
+    real input tokens of a text batch; the caption tokens of an image-to-text batch (its labels), not the
+    image tokens ahead of an OPT caption nor a T5 encoder's fixed input."""
+    if "pixel_values" in batch:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+    return int(batch["attention_mask"].sum())
+
+
 def _text_shape(batch: dict) -> list[int]:
     """[micro batch, text tokens] as the recipe counts them (data.max_seq_length): image-to-text
     batches of a decoder-only model put the image tokens (labelled -100) ahead of the caption."""
@@ -379,7 +388,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 if len(per_rank) > 1:
                     print(mem.format_rank_spread(per_rank), flush=True)
             # Counted on the host-side batch (still on the CPU): no device sync.
-            tokens = sum(int(x["attention_mask"].sum()) for x in batches)  # this rank's; summed at logging
+            tokens = sum(batch_tokens(x) for x in batches)  # this rank's; summed at logging
             # Equal shares per rank; a packed row holds several samples.
             samples = sum(x.get("samples", x["input_ids"].shape[0]) for x in batches) * b.fabric.world_size
             if shape_for_flops is None:
