@@ -736,6 +736,11 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     return r
 
 
+def _phase_high(ph: dict) -> int:
+    """A phase's own high-water mark (its cumulative peak when the simulation lacks it)."""
+    return ph.get("phase_peak") or ph["peak_allocated"]
+
+
 def _ddp_buckets(sim: Sim, phases: dict, notes: list[str]) -> tuple[dict, int, list[str]]:
     """DDP's reducer allocates flat gradient buckets for every trainable parameter when the model is
     wrapped and keeps them for the whole run. With gradient_as_bucket_view (bigtune's setting) a synced
@@ -746,12 +751,8 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str]) -> tuple[dict, int, l
     g = sim.phases["after_backward"]["gradients"]
     if not g:
         return phases, sim.peak_allocated, notes
-
-    def high(ph: dict) -> int:
-        return ph.get("phase_peak") or ph["peak_allocated"]
-
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-    fwd, bwd, opt = high(f) + g, high(b_) + g, high(o)
+    fwd, bwd, opt = _phase_high(f) + g, _phase_high(b_) + g, _phase_high(o)
     cumulative = {"before_forward": 0, "after_forward": fwd, "after_backward": max(fwd, bwd),
                   "after_optimizer": max(fwd, bwd, opt)}
     for name, ph in phases.items():
@@ -838,14 +839,11 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
 
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
 
-    def high(ph: dict) -> int:  # the phase's own high-water mark (cumulative if the simulation lacks it)
-        return ph.get("phase_peak") or ph["peak_allocated"]
-
     # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
-    fwd = device_states(f) + (high(f) - states(f)) + gather + persistent_bucket
-    bwd = device_states(b_) + max(0, high(b_) - states(b_)) + gather + bucket + persistent_bucket
+    fwd = device_states(f) + (_phase_high(f) - states(f)) + gather + persistent_bucket
+    bwd = device_states(b_) + max(0, _phase_high(b_) - states(b_)) + gather + bucket + persistent_bucket
     # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
-    update_tmp = 0 if "optimizer_device" in moved else -(-max(0, high(o) - states(o)) // n)
+    update_tmp = 0 if "optimizer_device" in moved else -(-max(0, _phase_high(o) - states(o)) // n)
     if masters and "optimizer_device" not in moved:
         # The update runs on fp32 state (temporaries twice the size) from an fp32 copy of the
         # gradient partition, made while the 16-bit partition still exists.
@@ -893,10 +891,13 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
     peak = peak_flops(target.gpu, recipe.precision)
     if not peak:
         return None, None, [f"{target.gpu.key} has no {recipe.precision} tensor-core rate in the catalog"]
+    row = recipe.data.max_seq_length  # tokens per sample the matmuls see
     if _family(config) == "image-to-text":
         fpt = image_to_text_flops_per_sample(config, sim.parts, recipe) / recipe.data.max_seq_length
         if recipe.train.activation_checkpointing:
             fpt *= 4 / 3  # one extra forward
+        vc = config.vision_config  # the vision tower's patches are rows of the matmuls too
+        row += (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
     else:
         # Adapters freeze the base weights: backward computes their input gradients but no weight
         # gradients (2 FLOPs per weight per token instead of 4; the adapters' own low-rank matmuls are
@@ -908,10 +909,6 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         fpt = training_flops(shape, seq, pairs) / seq
         if recipe.train.activation_checkpointing:
             fpt += training_flops(shape, seq, pairs, backward=False) / seq
-    row = recipe.data.max_seq_length
-    if _family(config) == "image-to-text":  # the vision tower's patches are rows of the matmuls too
-        vc = config.vision_config
-        row += (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
     micro_tokens = recipe.train.micro_batch_size * row
     # Small micro-batches leave the GPU under-occupied; half efficiency at 256 tokens (assumed).
     occupancy = micro_tokens / (micro_tokens + MICRO_TOKENS_HALF_EFFICIENCY)
