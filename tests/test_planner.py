@@ -140,13 +140,13 @@ def test_ddp_keeps_its_gradient_buckets_beside_forward_and_backward():
     assert one.peak_allocated < four.peak_allocated <= one.peak_allocated + g
 
 
-def test_adapters_skip_the_weight_gradients_in_the_planned_time():
-    # Frozen base weights: forward 2, backward 2 (input gradients only) FLOPs per weight per token, against
-    # 2 + 4 when trained; checkpointing adds one forward (+50 % with adapters, +33 % fully trained).
+def test_adapters_and_checkpointing_change_the_planned_time_the_way_physics_says():
+    # Frozen base weights: no weight gradients and no optimizer update over 7 B weights (the FLOP and
+    # byte counts themselves are checked in test_roofline.py); checkpointing repeats the forward.
     full, lora = _plan7b(), _plan7b(**{"peft.method": "lora"})
     lora_ckpt = _plan7b(**{"peft.method": "lora", "train.activation_checkpointing": True})
-    assert 0.55 < lora.step_time_s / full.step_time_s < 0.7
-    assert 1.35 < lora_ckpt.step_time_s / lora.step_time_s < 1.5
+    assert lora.step_time_s < 0.7 * full.step_time_s
+    assert 1.2 < lora_ckpt.step_time_s / lora.step_time_s < 1.6
 
 
 def test_checkpointing_cuts_activations_to_layer_inputs():

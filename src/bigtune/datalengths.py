@@ -93,7 +93,7 @@ def data_lengths(recipe: Recipe, world: int = 1) -> DataLengths:
 def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1,
                          lengths: Optional[DataLengths] = None):
     """``planner.plan`` with the peak at the data's longest sample and the time at its mean padded batch."""
-    from bigtune.planner import _time, plan, resolve_config
+    from bigtune.planner import _time, plan, resolve_config, simulate_full_depth, simulation_recipe, target_arch
 
     if recipe.data.packing:
         p = plan(recipe, target, config=config, workers=workers)
@@ -109,7 +109,13 @@ def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1,
     # Time: the GPU computes the padded batch; tokens/s counts the real tokens.
     mean_len = max(1, math.ceil(d.mean_padded))
     at_mean = load_recipe(recipe.to_dict(), {"data.max_seq_length": mean_len}, check=False)
-    step, _, tnotes = _time(at_mean, p.sim, target, config if config is not None else resolve_config(recipe))
+    config = config if config is not None else resolve_config(recipe)
+    step, tnotes = None, []
+    if target.gpu is not None:
+        # The kernels of a shorter batch are other kernels (thinner matmuls, fewer scores): simulate it.
+        sim = simulate_full_depth(simulation_recipe(at_mean, target.strategy), config, target.device == "cuda",
+                                  padded=padded, arch=target_arch(target))
+        step, _, tnotes = _time(at_mean, sim, target, config)
     p.notes = [n for n in p.notes if not n.startswith("time:")] + tnotes
     real = recipe.train.micro_batch_size * recipe.accumulate * max(1, target.gpus) * d.mean_tokens
     p.tokens_per_step = int(round(real))

@@ -76,6 +76,7 @@ class GPU:
     interconnect: str                # the GPU-to-GPU link, in words
     interconnect_gbs: Optional[float]    # per-GPU bidirectional GB/s of that link
     source: str                      # where the numbers come from
+    sms: Optional[int] = None        # streaming multiprocessors (the time model's wave quantization)
 
     @property
     def memory_bytes(self) -> int:
@@ -101,6 +102,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=900.0,
         interconnect="NVLink2 300 GB/s",
         interconnect_gbs=300.0,
+        sms=80,
         source="NVIDIA Tesla V100 datasheet (2020), V100 SXM2 column",
     ),
     GPU(
@@ -116,6 +118,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=900.0,
         interconnect="NVLink2 300 GB/s",
         interconnect_gbs=300.0,
+        sms=80,
         source="NVIDIA Tesla V100 datasheet (2020), V100 SXM2 column",
     ),
     GPU(
@@ -131,6 +134,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=320.0,
         interconnect=_PCIE3,
         interconnect_gbs=32.0,
+        sms=40,
         source="NVIDIA T4 datasheet (2019)",
     ),
     # ---------------------------------------------------------------- Ampere (GA10x)
@@ -147,6 +151,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=600.0,
         interconnect=_PCIE4,
         interconnect_gbs=64.0,
+        sms=72,
         source="NVIDIA A10 datasheet (2021)",
     ),
     GPU(
@@ -166,6 +171,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=600.0,
         interconnect=_PCIE4,
         interconnect_gbs=64.0,
+        sms=80,
         source="No NVIDIA datasheet; AWS EC2 G5 instance documentation and third-party A10 vs A10G "
                "comparisons (approximate)",
     ),
@@ -184,6 +190,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=768.0,
         interconnect=_PCIE4 + " (optional 2-way NVLink bridge 112.5 GB/s)",
         interconnect_gbs=64.0,
+        sms=84,
         source="NVIDIA RTX A6000 datasheet (2021) and NVIDIA Ampere GA102 whitepaper",
     ),
     GPU(
@@ -201,6 +208,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=936.0,
         interconnect=_PCIE4 + " (optional 2-way NVLink bridge 112.5 GB/s)",
         interconnect_gbs=64.0,
+        sms=82,
         source="NVIDIA Ampere GA102 GPU architecture whitepaper (2021), RTX 3090 column",
     ),
     # ---------------------------------------------------------------- Ada Lovelace
@@ -219,6 +227,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=1008.0,
         interconnect=_PCIE4 + " (no NVLink)",
         interconnect_gbs=64.0,
+        sms=128,
         source="NVIDIA Ada Lovelace GPU architecture whitepaper (2022), RTX 4090 column",
     ),
     GPU(
@@ -234,6 +243,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=300.0,
         interconnect=_PCIE4,
         interconnect_gbs=64.0,
+        sms=58,
         source="NVIDIA L4 datasheet (2023)",
     ),
     GPU(
@@ -249,6 +259,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=864.0,
         interconnect=_PCIE4 + " (no NVLink)",
         interconnect_gbs=64.0,
+        sms=142,
         source="NVIDIA L40S datasheet (2023)",
     ),
     # ---------------------------------------------------------------- Ampere (A100)
@@ -265,6 +276,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=1555.0,
         interconnect="NVLink3 600 GB/s",
         interconnect_gbs=600.0,
+        sms=108,
         source="NVIDIA A100 datasheet (2020), A100 40GB SXM column",
     ),
     GPU(
@@ -282,6 +294,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=1555.0,
         interconnect=_PCIE4 + " (optional 2-way NVLink bridge 600 GB/s)",
         interconnect_gbs=64.0,
+        sms=108,
         source="NVIDIA A100 datasheet (2020), A100 40GB PCIe column",
     ),
     GPU(
@@ -297,6 +310,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=2039.0,
         interconnect="NVLink3 600 GB/s",
         interconnect_gbs=600.0,
+        sms=108,
         source="NVIDIA A100 datasheet (2021), A100 80GB SXM column",
     ),
     GPU(
@@ -312,6 +326,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=1935.0,
         interconnect=_PCIE4 + " (optional 2-way NVLink bridge 600 GB/s)",
         interconnect_gbs=64.0,
+        sms=108,
         source="NVIDIA A100 datasheet (2021), A100 80GB PCIe column",
     ),
     # ---------------------------------------------------------------- Hopper
@@ -328,6 +343,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=2000.0,
         interconnect=_PCIE5 + " (optional 2-way NVLink bridge 600 GB/s)",
         interconnect_gbs=128.0,
+        sms=114,
         source="NVIDIA H100 datasheet (2022), H100 PCIe column",
     ),
     GPU(
@@ -344,6 +360,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=3350.0,
         interconnect="NVLink4 900 GB/s",
         interconnect_gbs=900.0,
+        sms=132,
         source="NVIDIA H100 datasheet (2023), H100 SXM column",
     ),
     GPU(
@@ -360,6 +377,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=3900.0,
         interconnect="NVLink bridge 600 GB/s (" + _PCIE5 + ")",
         interconnect_gbs=600.0,
+        sms=132,
         source="NVIDIA H100 datasheet (2023), H100 NVL column",
     ),
     GPU(
@@ -376,6 +394,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=4800.0,
         interconnect="NVLink4 900 GB/s",
         interconnect_gbs=900.0,
+        sms=132,
         source="NVIDIA H200 datasheet (2024), H200 SXM column",
     ),
     GPU(
@@ -391,6 +410,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=4800.0,
         interconnect="NVLink bridge 900 GB/s (" + _PCIE5 + ")",
         interconnect_gbs=900.0,
+        sms=132,
         source="NVIDIA H200 datasheet (2024), H200 NVL column",
     ),
     GPU(
@@ -408,6 +428,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=4000.0,
         interconnect="NVLink4 900 GB/s (NVLink-C2C to Grace 900 GB/s)",
         interconnect_gbs=900.0,
+        sms=132,
         source="NVIDIA GH200 Grace Hopper Superchip datasheet (2023), 96GB HBM3 configuration",
     ),
     # ---------------------------------------------------------------- Blackwell
@@ -426,6 +447,7 @@ _ENTRIES: tuple[GPU, ...] = (
         mem_bandwidth_gbs=7700.0,
         interconnect="NVLink5 1.8 TB/s",
         interconnect_gbs=1800.0,
+        sms=148,
         source="NVIDIA HGX B200 datasheet (2025), per-GPU figures",
     ),
 )

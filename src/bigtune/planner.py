@@ -49,11 +49,8 @@ RESERVED_OVER_ALLOCATED = 1.05        # caching-allocator fragmentation: reserve
 ZERO_ALTERNATIVE = "deepspeed_stage_3_offload"  # the DeepSpeed strategy --alternatives tries on several GPUs
 CUBLAS_HANDLES = 2                    # cuBLAS workspaces a training step creates (see plan())
 FIT_MARGIN = 0.02                     # keep 2 % of the card free before calling a plan FITS
-ASSUMED_MFU = 0.45                    # fraction of dense peak FLOP/s a fine-tuning step reaches
-ASSUMED_BW_EFFICIENCY = 0.7           # fraction of DRAM bandwidth the optimizer's update reaches
 HOST_UPDATE_GBS = 40.0                # GB/s a many-core CPU Adam streams through its state (assumed)
 PCIE_GBS = 25.0                       # GB/s one direction, PCIe 4 x16 in practice (assumed)
-MICRO_TOKENS_HALF_EFFICIENCY = 256    # a micro-batch of this many tokens reaches half of ASSUMED_MFU
 
 
 class PlanError(ValueError):
@@ -121,6 +118,8 @@ class Sim:
     attention: tuple[str, ...] = ()  # SDPA kernels CUDA would pick (cuda_kernels.sdpa_backend); () on a CPU
     reserved: int = 0         # peak reserved by the CUDA caching allocator replayed over the step (0: not replayed)
     in_use: int = 0           # its peak bytes of segments holding a live block (what must fit; see allocator.py)
+    # roofline.OpCounter rows of one micro-batch's forward and backward and of one optimizer update
+    ops: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -278,6 +277,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
         freeze_parts, label_config, weights_dtype
     from bigtune.optim import make_optimizer
+    from bigtune.roofline import OpCounter, scale
     from bigtune.stepmath import target_token_count
 
     cfg = copy.deepcopy(config)
@@ -333,8 +333,12 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
     kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None),
                              bf16_is_fp16=recipe.precision == "16-mixed")
+    # Gradient clipping takes its foreach kernels only for plain tensors; on a GPU it takes them (one
+    # norm and one scale over all gradients, the same bytes as per tensor but far fewer launches).
+    foreach_clip = mock.patch("torch.nn.utils.clip_grad._has_foreach_support",
+                              lambda tensors, device: True) if cuda else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), _keep_every_layer(), \
-            kernels as attention:
+            kernels as attention, foreach_clip:
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):
@@ -385,8 +389,11 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
                 opt.zero_grad(set_to_none=True)
             step1 = len(events) if events is not None else 0
             monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
+            state = LoopState(step=1)
+            counter = OpCounter(state)  # what each kernel of the step costs (the time model)
+            monitor.tracker.observer = counter.observe
             try:
-                _, snaps = train_step(built, batches, monitor, True, LoopState(step=1), tokens)
+                _, snaps = train_step(built, batches, monitor, True, state, tokens)
             finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
                 monitor.end_step()
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
@@ -410,8 +417,10 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
                 ph[c] += extra
         peak += extra
         reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
+    # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
+    ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
     return Sim(steady, peak, numel, sum(parts.values()), parts, block_numel, tuple(sorted(attention)),
-               reserved, in_use)
+               reserved, in_use, ops)
 
 
 def _replay_steady(events: list, step1: int) -> tuple[int, int]:
@@ -541,6 +550,8 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
     if all(full[st] <= 2 * st.period for st in stacks):
         return simulate(recipe, config, full, cuda, micro_batch, padded, arch)
     unit = {st: min(st.period, full[st]) for st in stacks}
+    # (Run one after the other on purpose: the first simulation of a process pays the lazy imports and
+    # caches that every later one, and every worker forked later, reuses.)
     base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch)
     grown = []
     for st in stacks:
@@ -566,9 +577,15 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
             running = max(running, ph["allocated"], ph["phase_peak"] or 0)
             ph["peak_allocated"] = max(ph["peak_allocated"], running)
     peak = max(ext(lambda x: x.peak_allocated), running)
+    # Operator rows are linear in depth too (each block adds the same kernels); counts, FLOPs, bytes.
+    keys = set(base.ops).union(*(sim.ops for sim, _ in grown))
+    zero = (0, 0.0, 0.0)
+    ops = {k: [max(0.0, base.ops.get(k, zero)[i] + sum((sim.ops.get(k, zero)[i] - base.ops.get(k, zero)[i]) * times
+                                                       for sim, times in grown)) for i in range(3)]
+           for k in keys}
     return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts,
                ext(lambda x: x.block_numel), base.attention, ext(lambda x: x.reserved),
-               ext(lambda x: x.in_use))
+               ext(lambda x: x.in_use), ops)
 
 
 RESERVED_DEPTHS = (4, 8)  # units of depth per stack in the two traced simulations reserved is estimated from
@@ -882,47 +899,31 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
 
 
 def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[float], Optional[float], list[str]]:
-    from bigtune.gpus import peak_flops
-    from bigtune.stepmath import FlopShape, training_flops
+    """(step seconds, tokens/s over all devices, notes): the simulated step's kernels priced on the
+    target GPU (roofline.py), plus what the simulation cannot see: CPU-side optimizer updates, PCIe
+    traffic of offloading and the gradient all-reduce/reduce-scatter between GPUs."""
+    from bigtune.roofline import step_seconds, scale
 
     tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
     if target.gpu is None:
         return None, None, []
-    peak = peak_flops(target.gpu, recipe.precision)
-    if not peak:
-        return None, None, [f"{target.gpu.key} has no {recipe.precision} tensor-core rate in the catalog"]
-    row = recipe.data.max_seq_length  # tokens per sample the matmuls see
-    if _family(config) == "image-to-text":
-        fpt = image_to_text_flops_per_sample(config, sim.parts, recipe) / recipe.data.max_seq_length
-        if recipe.train.activation_checkpointing:
-            fpt *= 4 / 3  # one extra forward
-        vc = config.vision_config  # the vision tower's patches are rows of the matmuls too
-        row += (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
-    else:
-        # Adapters freeze the base weights: backward computes their input gradients but no weight
-        # gradients (2 FLOPs per weight per token instead of 4; the adapters' own low-rank matmuls are
-        # a rounding error). Checkpointing repeats the forward (+1/3 fully trained, +1/2 with adapters).
-        seq = recipe.data.max_seq_length
-        frozen = sim.matmul_numel if recipe.peft.method != "none" else 0
-        shape = FlopShape(int(config.num_hidden_layers), int(config.hidden_size), sim.matmul_numel - frozen, frozen)
-        pairs = seq * (seq + 1) / 2
-        fpt = training_flops(shape, seq, pairs) / seq
-        if recipe.train.activation_checkpointing:
-            fpt += training_flops(shape, seq, pairs, backward=False) / seq
-    micro_tokens = recipe.train.micro_batch_size * row
-    # Small micro-batches leave the GPU under-occupied; half efficiency at 256 tokens (assumed).
-    occupancy = micro_tokens / (micro_tokens + MICRO_TOKENS_HALF_EFFICIENCY)
-    t_compute = tokens * fpt / (peak * ASSUMED_MFU * occupancy)  # each device computes its own tokens
+    if not sim.ops:
+        return None, None, ["time: this simulation recorded no operators"]
     states = sim.phases["after_backward"]
-    # The update reads parameters, gradients and state and writes parameters and state.
-    moved = 2 * states["parameters"] + states["gradients"] + 2 * states["optimizer_device"]
-    if target.strategy == "fsdp" or target.strategy.startswith("deepspeed"):
-        moved /= target.gpus
-    t_opt = moved / (target.gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_BW_EFFICIENCY)
-    host = states.get("optimizer_cpu", 0)
     split, moved = shard_layout(target.strategy)
+    host = states.get("optimizer_cpu", 0)
     if "optimizer_device" in moved:  # ZeRO offload: each process updates its shard on the CPU
         host += states["optimizer_device"] / target.gpus
+    # Each device runs the whole window's micro-batches; its update covers its shard of the weights,
+    # or none of them when the CPU updates (priced below instead).
+    opt_share = 0.0 if host else 1.0 / target.gpus if "optimizer_device" in split else 1.0
+    ops = scale(scale(sim.ops, ("forward", "backward"), recipe.accumulate), ("optimizer",), opt_share)
+    half = "fp16" if recipe.precision.startswith("16") else "bf16"
+    try:
+        t = step_seconds(ops, target.gpu, half)
+    except ValueError as exc:
+        return None, None, [f"time: {exc}; no step time"]
+    t_opt = 0.0
     if host:
         # CPU-offloaded update: the CPU reads and writes its state once, gradients go down and the
         # updated weights come back over PCIe (both assumed rates, see the constants).
@@ -935,39 +936,13 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         factor = 2 * (target.gpus - 1) / target.gpus
         volume = factor * grad_bytes * (1.5 if target.strategy == "fsdp" else 1.0)
         t_comm = volume / (target.gpu.interconnect_gbs / 2 * 1e9)  # one direction of the bidirectional figure
-    step = t_compute + t_opt + t_comm
+    step = t["step_s"] + t_opt + t_comm
+    queue = "GPU" if t["device_s"] >= t["host_s"] else "host (eager dispatch)"
     return step, tokens * target.gpus / step, [
-        f"time: roofline at {ASSUMED_MFU:.0%} of dense peak × micro-batch occupancy {occupancy:.2f} and "
-        f"{ASSUMED_BW_EFFICIENCY:.0%} of bandwidth (assumed, uncalibrated)"]
-
-
-def image_to_text_flops_per_sample(config, parts: dict[str, int], recipe: Recipe) -> float:
-    """Matmul FLOPs of one BLIP-2 training sample (one image, a full-length caption).
-
-    Each part does 2 FLOPs per weight per token it sees in forward: the vision tower every patch
-    (+ the class token), the Q-Former its queries (its cross-attention keys/values over the patches
-    are a few percent and left out), the language model the queries plus the caption (a T5 encoder
-    the queries, its decoder the caption: half the weights each). Backward adds one forward for the
-    input gradients wherever a trainable part lies upstream, and one for the weight gradients of a
-    trained part; a frozen vision tower at the front does no backward at all. Attention score FLOPs
-    are left out (short sequences: under 3 % here).
-    """
-    m = recipe.model
-    vc, q, seq = config.vision_config, int(config.num_query_tokens), recipe.data.max_seq_length
-    patches = (vc.image_size // vc.patch_size) ** 2 + 1
-    enc_dec = getattr(config.text_config, "is_encoder_decoder", False)
-    lm_tokens = (q + 1 + seq) / 2 if enc_dec else q + seq  # encoder and decoder halves see different lengths
-    peft = recipe.peft.method != "none"
-    trained = {"vision": not m.freeze_vision and not peft, "qformer": not m.freeze_qformer and not peft,
-               "language_model": not m.freeze_language_model and not peft}
-    total, upstream_trained = 0.0, False
-    for part, tokens in (("vision", patches), ("qformer", q), ("language_model", lm_tokens)):
-        fwd = 2.0 * parts.get(part, 0) * tokens
-        own = trained[part] or (peft and part == "language_model")
-        mult = 1 + (1 if upstream_trained or own else 0) + (1 if trained[part] else 0)
-        total += fwd * mult
-        upstream_trained = upstream_trained or own
-    return total
+        f"time: roofline over the simulated step's kernels, forward {t['forward_s']:.3g} s, backward "
+        f"{t['backward_s']:.3g} s, optimizer {t['optimizer_s']:.3g} s of GPU time against {t['host_s']:.3g} s of "
+        f"host dispatch (the {queue} bounds the step); + {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s "
+        "communication (efficiencies assumed, uncalibrated: roofline.py)"]
 
 
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
@@ -1066,9 +1041,6 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
                 tokens_per_step=recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
                 * target.gpus, notes=notes + tnotes, overrides=overrides or {},
                 plan_seconds=time.perf_counter() - t0)
-    # Not a field (not serialised): lets a caller re-time the same step at another batch length
-    # (datalengths.py) without simulating it again; the states _time reads do not depend on length.
-    out.sim = sim
     return out
 
 
@@ -1130,8 +1102,17 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
         return int(round(a + (b - a) * t))
 
     phases = {ph: {c: f(lo.phases[ph][c], hi.phases[ph][c]) for c in CATEGORIES} for ph in lo.phases}
+    # Time per sample interpolates between the two exact ends: a micro-batch of m costs m × the blend
+    # of their per-sample rows (the optimizer's rows do not depend on the batch).
+    ops = {k: list(v) for k, v in hi.ops.items() if k[1] == "optimizer"}
+    for sim, weight in ((lo, m * (1 - t) / m_lo), (hi, m * t / m_hi)):
+        for k, v in sim.ops.items():
+            if k[1] != "optimizer":
+                row = ops.setdefault(k, [0, 0.0, 0.0])
+                for i in range(3):
+                    row[i] += v[i] * weight
     return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.parts, lo.block_numel,
-               lo.attention, f(lo.reserved, hi.reserved), f(lo.in_use, hi.in_use))
+               lo.attention, f(lo.reserved, hi.reserved), f(lo.in_use, hi.in_use), ops)
 
 
 def _sim_key(r: Recipe, micro: int) -> str:
