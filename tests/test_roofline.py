@@ -158,3 +158,25 @@ def test_small_models_are_bound_by_the_host_and_large_ones_by_the_gpu():
     # a sane MFU for an eager 7B step: between a third and 80 % of the dense peak
     flops = 6 * 6.7e9 * big.tokens_per_s
     assert 0.33 < flops / (h100.bf16_tflops * 1e12) < 0.8
+
+
+def test_communication_is_exposed_only_where_compute_cannot_hide_it():
+    a100 = find_gpu("a100-80gb")  # NVLink 600 GB/s: 300 GB/s one way
+    gib = 2**30
+    states = {"gradients": 12 * gib, "parameters": 12 * gib}
+    r = _recipe(**{"train.accumulate_grad_batches": 4})
+    bw = 300e9
+    # DDP: the all-reduce (2 × 3/4 × 12 GiB) overlaps the last micro-batch's backward; the last bucket does not
+    slow = {"forward_s": 0.04, "backward_s": 0.08}  # 0.02 s of backward per micro-batch
+    ddp = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "ddp"), states, slow)
+    reduce = 2 * 0.75 * 12 * gib / bw
+    assert ddp == pytest.approx(reduce - 0.02 + 2 * 0.75 * planner.DDP_BUCKET_BYTES / bw)
+    hidden = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "ddp"), states,
+                                            {"forward_s": 4.0, "backward_s": 8.0})
+    assert hidden == pytest.approx(2 * 0.75 * planner.DDP_BUCKET_BYTES / bw)
+    # FSDP: the weights are gathered for every micro-batch's forward and backward, the gradients
+    # reduce-scattered on the last one
+    fsdp = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
+    gather = 2 * 0.75 * 12 * gib / bw
+    assert fsdp == pytest.approx(4 * (gather - 0.03) + 0.75 * 12 * gib / bw)
+    assert planner._exposed_communication(r, planner.Target("cuda", a100, 1, "single"), states, slow) == 0.0

@@ -14,8 +14,11 @@ added analytically and labelled as such: the CUDA context, allocator fragmentati
 allocated) and, for several GPUs, sharding and communication buffers. Those terms are *assumptions*
 until calibrated against GPU measurements (bench/plan_accuracy.py); the plan says so.
 
-Step time is a roofline estimate: model FLOPs at an assumed fraction of the GPU's dense peak, plus
-the optimizer's memory traffic at an assumed fraction of the bandwidth, plus communication.
+Step time comes from the same simulated step: every operator it issues is recorded (roofline.py)
+and priced on the target GPU, matmuls by their FLOPs and tile occupancy, everything else by its
+bytes, the host's eager dispatch as a second queue; to that come what the simulation cannot see:
+CPU-side optimizer updates and PCIe for offloading, and the communication between GPUs that compute
+does not hide. Its efficiencies are assumptions too.
 """
 
 from __future__ import annotations
@@ -930,12 +933,7 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         shard = target.gpus if "gradients" in split else 1
         t_opt += 2 * host / (HOST_UPDATE_GBS * 1e9) + \
             (states["gradients"] + states["parameters"]) / shard / (PCIE_GBS * 1e9)
-    t_comm = 0.0
-    if target.gpus > 1 and target.gpu.interconnect_gbs:
-        grad_bytes = states["gradients"]
-        factor = 2 * (target.gpus - 1) / target.gpus
-        volume = factor * grad_bytes * (1.5 if target.strategy == "fsdp" else 1.0)
-        t_comm = volume / (target.gpu.interconnect_gbs / 2 * 1e9)  # one direction of the bidirectional figure
+    t_comm = _exposed_communication(recipe, target, states, t)
     step = t["step_s"] + t_opt + t_comm
     queue = "GPU" if t["device_s"] >= t["host_s"] else "host (eager dispatch)"
     return step, tokens * target.gpus / step, [
@@ -943,6 +941,48 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
         f"{t['backward_s']:.3g} s, optimizer {t['optimizer_s']:.3g} s of GPU time against {t['host_s']:.3g} s of "
         f"host dispatch (the {queue} bounds the step); + {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s "
         "communication (efficiencies assumed, uncalibrated: roofline.py)"]
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is reduced after backward ends
+
+
+def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict) -> float:
+    """Seconds of gradient/parameter traffic between the GPUs that compute does not hide.
+
+    Ring collectives move (n−1)/n of the bytes per GPU each way (an all-reduce twice that), at one
+    direction of the catalog's bidirectional link. What runs where, per accumulation window of k
+    micro-batches (gradients are synced only on the last one, dist.micro_batch_context):
+    * DDP: one all-reduce of the gradients, overlapped with the last micro-batch's backward except its
+      last bucket;
+    * FSDP and ZeRO-3: the parameters gathered for every micro-batch's forward and again for its
+      backward, the gradients reduce-scattered on the last (ZeRO-3: on every one, it keeps only its
+      partition), overlapped with that micro-batch's forward and backward (prefetching);
+    * ZeRO-2: gradients reduce-scattered after every micro-batch's backward (overlapped with it) and
+      the updated parameters all-gathered once after the step (not overlapped).
+    """
+    n = target.gpus
+    if n <= 1 or not target.gpu.interconnect_gbs:
+        return 0.0
+    bw = target.gpu.interconnect_gbs / 2 * 1e9
+    f = (n - 1) / n
+    grads, params = states["gradients"], states["parameters"]
+    k = recipe.accumulate
+    fwd, bwd = t["forward_s"] / k, t["backward_s"] / k  # one micro-batch's GPU time
+    strategy = target.strategy
+    if strategy == "ddp":
+        reduce = 2 * f * grads / bw
+        return max(0.0, reduce - bwd) + 2 * f * min(grads, DDP_BUCKET_BYTES) / bw
+    if strategy == "fsdp" or strategy.startswith("deepspeed_stage_3"):
+        gather = 2 * f * params / bw
+        every = strategy != "fsdp"  # ZeRO-3 reduces on every micro-batch
+        exposed = 0.0
+        for i in range(k):
+            scatter = f * grads / bw if (every or i == k - 1) else 0.0
+            exposed += max(0.0, gather + scatter - fwd - bwd)
+        return exposed
+    if strategy.startswith("deepspeed"):  # ZeRO-1/2: reduce every micro-batch, gather the new weights once
+        return k * max(0.0, f * grads / bw - bwd) + f * params / bw
+    return 0.0
 
 
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
