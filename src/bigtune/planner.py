@@ -935,12 +935,17 @@ def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[fl
             (states["gradients"] + states["parameters"]) / shard / (PCIE_GBS * 1e9)
     t_comm = _exposed_communication(recipe, target, states, t)
     step = t["step_s"] + t_opt + t_comm
-    queue = "GPU" if t["device_s"] >= t["host_s"] else "host (eager dispatch)"
-    return step, tokens * target.gpus / step, [
+    host_bound = t["host_s"] > t["device_s"]
+    notes = [
         f"time: roofline over the simulated step's kernels, forward {t['forward_s']:.3g} s, backward "
         f"{t['backward_s']:.3g} s, optimizer {t['optimizer_s']:.3g} s of GPU time against {t['host_s']:.3g} s of "
-        f"host dispatch (the {queue} bounds the step); + {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s "
-        "communication (efficiencies assumed, uncalibrated: roofline.py)"]
+        f"host dispatch (the {'host (eager dispatch)' if host_bound else 'GPU'} bounds the step); "
+        f"+ {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s communication not hidden by compute "
+        "(efficiencies assumed, uncalibrated: roofline.py)"]
+    if host_bound:
+        notes.append("time: the GPU waits for Python to issue kernels: a larger micro-batch (same global batch) or "
+                     "train.compile (fewer, fused kernels) would keep it busier")
+    return step, tokens * target.gpus / step, notes
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is reduced after backward ends
