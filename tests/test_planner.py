@@ -184,6 +184,19 @@ def test_alternatives_fit_and_are_ranked():
     assert all(a.peak_total <= target.capacity_bytes for a in alts)
 
 
+def test_alternatives_offer_8bit_adam_and_on_request_lora_and_qlora_where_full_training_cannot_fit():
+    r = load_recipe(ROOT / "recipes" / "open-llama-7b-full.yaml", ["accelerator=cpu"])
+    target = Target("cuda", find_gpu("rtx-4090"))
+    alts = alternatives(r, target, max_gpus=1, adapters=True)
+    names = [a.variant for a in alts]
+    assert any("LoRA r8" in n and "QLoRA" not in n for n in names) and any("QLoRA nf4" in n for n in names)
+    # 7B full training, every weight trained, does not fit on one 24 GB card with any optimizer
+    assert not [n for n in names if "LoRA" not in n and "offload" not in n]
+    assert all("LoRA" not in a.variant for a in alternatives(r, target, max_gpus=1))  # only on request
+    small = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", ["accelerator=cpu"])
+    assert any("adamw8bit" in a.variant for a in alternatives(small, Target("cuda", find_gpu("l4")), max_gpus=1))
+
+
 def test_cli_plan_text_json_and_errors(tmp_path):
     res = run_cli("plan", str(ROOT / "recipes" / "open-llama-7b-full.yaml"), "--gpu", "h100-80gb", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -197,6 +210,8 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     assert res.returncode == 2 and "h100" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("plan", "--gpu", "rtx-4090", "--gpu-memory", "12", cwd=tmp_path)
     assert res.returncode == 0 and "12.00 GiB" in res.stdout
+    res = run_cli("plan", "--gpu", "rtx-4090", "--adapters", cwd=tmp_path)
+    assert res.returncode != 0 and "--alternatives" in res.stderr and "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("model, precision", [("tiny-llama", "bf16-true"), ("tiny-opt", "32-true")])

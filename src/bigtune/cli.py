@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
     pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
+    pl.add_argument("--adapters", action="store_true",
+                    help="--alternatives also tries LoRA and QLoRA (nf4) on one GPU, with and without checkpointing: "
+                         "they fit where full fine-tuning does not, but train adapters instead of every weight")
     pl.add_argument("--data-lengths", action="store_true",
                     help="plan at the recipe data's own lengths (read and tokenized as train does): the peak at the "
                          "longest sample, the time at the mean padded batch. Default: every row max_seq_length "
@@ -197,7 +200,10 @@ def _cmd_plan(args) -> int:
         p = plan_at_data_lengths(r, target, config=config, workers=workers)
     else:
         p = plan(r, target, config=config, workers=workers)
-    alts = alternatives(r, target, max_gpus=args.max_gpus, config=config) if args.alternatives else None
+    if args.adapters and not args.alternatives:
+        raise SystemExit("bigtune plan: --adapters widens --alternatives; add --alternatives")
+    alts = alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters) \
+        if args.alternatives else None
     if args.json:
         out = {"plan": p.to_dict()}
         if alts is not None:

@@ -1126,11 +1126,13 @@ def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
     if r.peft.method != "none" or r.model.family == "image-to-text":
         return numel * es  # adapters / frozen parts: only the weights are certain
     opt = {"adamw": 2.0, "sgd": 1.0 if r.optim.momentum else 0.0}.get(r.optim.name, 0.0)
+    if r.optim.name in EIGHT_BIT:
+        opt = 2.0 / es  # two 1-byte moments per element
     return int(numel * es * (2 + opt))
 
 
-def _variant_recipe(recipe: Recipe, over: dict) -> Recipe:
-    r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"})
+def _variant_recipe(recipe: Recipe, over: dict, check: bool = True) -> Recipe:
+    r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"}, check=check)
     r.accelerator = recipe.accelerator
     return r
 
@@ -1164,7 +1166,8 @@ def _sim_key(r: Recipe, micro: int) -> str:
     """Simulations depend only on these; variants that agree on them share one."""
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
-                       r.optim.implementation, r.data.max_seq_length, micro, min(k, 2)])
+                       r.optim.implementation, r.data.max_seq_length, micro, min(k, 2), r.peft.method,
+                       r.model.quantize])
 
 
 def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,
@@ -1175,10 +1178,21 @@ def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: 
         from concurrent.futures import ProcessPoolExecutor
 
         # fork: the children inherit the imported libraries instead of importing them again (seconds).
+        # Adapter jobs need peft, which this process may not have imported (≈2 s with bitsandbytes
+        # installed): they go to one worker as one task, submitted first, so only one child pays for it.
+        import sys
+
+        grouped = [k for k, (r, _) in jobs.items() if r.peft.method != "none"] if "peft" not in sys.modules else []
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
-            futs = {k: ex.submit(_sim_job, r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
-            return {k: f.result() for k, f in futs.items()}
+            group = ex.submit(_sim_group, [(k, *jobs[k]) for k in grouped], config, cuda, arch) if grouped else None
+            futs = {k: ex.submit(_sim_job, r, config, cuda, m, arch) for k, (r, m) in jobs.items() if k not in grouped}
+            out = {k: f.result() for k, f in futs.items()}
+            return {**out, **(group.result() if group is not None else {})}
     return {k: _sim_job(r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
+
+
+def _sim_group(items: list, config, cuda: bool, arch: Optional[tuple[int, int]]) -> dict[str, Sim]:
+    return {k: _sim_job(r, config, cuda, m, arch) for k, r, m in items}
 
 
 def _sim_job(recipe: Recipe, config, cuda: bool, micro: int, arch: Optional[tuple[int, int]] = None) -> Sim:
@@ -1196,11 +1210,13 @@ class Alternatives(list):
 
 
 def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None,
-                 workers: Optional[int] = None) -> list[Plan]:
+                 workers: Optional[int] = None, adapters: bool = False) -> list[Plan]:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
 
     Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
-    optimizer × micro batch, plus one GPU with ZeRO-2 and the optimizer offloaded; multi-GPU variants
+    optimizer (AdamW, 8-bit AdamW, SGD) × micro batch, plus one GPU with ZeRO-2 and the optimizer
+    offloaded, and with ``adapters`` LoRA and QLoRA (with and without checkpointing: they train
+    adapters instead of every weight, a different result, so only on request); multi-GPU variants
     (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision. Micro batches
     between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
     "interpolated"); everything else is simulated.
@@ -1216,7 +1232,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     todo: list[tuple[str, dict, int, str, Any]] = []
     for precision in ("bf16-true", "bf16-mixed", "32-true"):
         for ckpt in (False, True):
-            for optim in ("adamw", "sgd"):
+            for optim in ("adamw", "adamw8bit", "sgd"):
                 over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim,
                         "optim.momentum": 0.0}
                 base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
@@ -1251,6 +1267,22 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                 todo.append((f"{recipe.precision}, {gpus} GPUs {strategy}, micro {m} × acc {per // m}", over, gpus,
                              strategy, k_s))
         gpus *= 2
+    # The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
+    # QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
+    # QLoRA form. Labelled by what changes: adapters train fewer weights, which is a choice about the result.
+    if adapters and recipe.model.quantize == "none" and recipe.model.family != "sequence-classification":
+        adapters = [("QLoRA nf4", {"peft.method": "lora", "model.quantize": "nf4"})]
+        if recipe.peft.method == "none":
+            adapters.insert(0, ("LoRA", {"peft.method": "lora"}))
+        half = recipe.precision if recipe.precision != "32-true" else "bf16-true"
+        for name, extra in adapters:
+            for ckpt in (False, True):
+                over = {"precision": half, "train.activation_checkpointing": ckpt, "optim.name": "adamw", **extra}
+                r_a = _variant_recipe(recipe, over, check=False)  # a QLoRA plan needs no bitsandbytes here
+                key = _sim_key(r_a, m0)
+                jobs[key] = (r_a, m0)
+                todo.append((f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × "
+                             f"acc {g // m0}", over, 1, "single", key))
     # One GPU with ZeRO-2 and the optimizer in CPU RAM (the lab's DeepSpeed rung), the recipe's micro batch.
     r_1 = simulation_recipe(recipe, "deepspeed_stage_2_offload")
     k_1 = _sim_key(r_1, m0)
@@ -1269,7 +1301,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                 return numel * es / (gpus if "stage_3" in strategy else 1) > cap
             sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
             return state_bytes_lower_bound(r, numel) / (gpus if sharded else 1) > cap
-        todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1]), t[2], t[3])]
+        todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1], check=False), t[2], t[3])]
         needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
         jobs = {k: v for k, v in jobs.items() if k in needed}
     sims = _run_sims(jobs, config, cuda, workers, target_arch(target))
@@ -1280,7 +1312,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
             sim = _interpolate(sims[key_lo], sims[key_hi], 1, m0, m)
         else:
             sim = sims[how]
-        r = _variant_recipe(recipe, over)
+        r = _variant_recipe(recipe, over, check=False)
         p = plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
         if p.fits is None or p.fits:
             plans.append(p)

@@ -96,25 +96,23 @@ class OpCounter(TorchDispatchMode):
             self._record(func, args, kwargs, out, phase)
 
     def _record(self, func, args, kwargs, out, phase: str) -> None:
-        if func.namespace == "prim":  # metadata queries (prim::device) the dispatcher sees; no eager op
+        name, kind, writes = _meta(func)
+        if kind == "skip":
             return
-        name = func.overloadpacket.__name__
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        writes = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        # Views, metadata queries (prim::device, sym_size...) and allocations launch no kernel.
-        if func.is_view or name in _NO_KERNEL or not (outputs or writes):
-            row = self.ops[("host", phase, "", ())]
-            row[0] += 1
+        outputs = [out] if type(out) is not tuple and isinstance(out, torch.Tensor) else \
+            [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        # Views, metadata queries (sym_size...) and allocations launch no kernel.
+        if kind == "host" or not (outputs or writes):
+            self.ops[("host", phase, "", ())][0] += 1
             return
-        if name in _GEMMS:
+        if kind == "gemm":
             a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
             batch = a.shape[0] if a.dim() == 3 else 1
             m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
             flops = 2.0 * batch * m * n * k
-            moved = _nbytes(a) + _nbytes(b) + sum(_nbytes(t) for t in tree_flatten(out)[0])
+            moved = _nbytes(a) + _nbytes(b) + sum(_nbytes(t) for t in outputs)
             row = self.ops[("gemm", phase, _dtype_name(a.dtype), (int(batch), int(m), int(n), int(k)))]
-        elif "scaled_dot_product" in name and ("flash" in name or "efficient" in name or "cudnn" in name):
-            backward = name.endswith("_backward")
+        elif kind == "attn":
             named = dict(zip((a.name for a in func._schema.arguments), args))
             named.update(kwargs)
             q, key = named["query"], named["key"]
@@ -122,19 +120,20 @@ class OpCounter(TorchDispatchMode):
             flops = 4.0 * bsz * heads * sq * key.shape[-2] * d  # QKᵀ and PV
             if named.get("is_causal"):
                 flops /= 2
-            if backward:
+            if name.endswith("_backward"):
                 flops *= 2.5
             moved = sum(_nbytes(t) for t in tree_flatten((args, out))[0])
             row = self.ops[("attn", phase, _dtype_name(q.dtype), ())]
         else:
-            inputs = tree_flatten((args, kwargs))[0]
+            listed = any(type(a) in (list, tuple) for a in args)
+            inputs = tree_flatten((args, kwargs))[0] if listed or kwargs else args
             seen = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
             moved = sum(_nbytes(t) for t in inputs)
             # Arguments the schema marks as written (in-place ops, foreach updates) are written back.
             moved += sum(_nbytes(t) for i in writes if i < len(args) for t in tree_flatten(args[i])[0])
             moved += sum(_nbytes(t) for t in outputs if id(t) not in seen)
             flops = 0.0
-            if any(isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) for a in args):
+            if listed and any(isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) for a in args):
                 # One operator over a list of tensors (the optimizer's foreach updates, the gradient
                 # norm): its bytes grow with depth, its count does not; a row of its own keeps both
                 # linear in depth.
@@ -144,6 +143,30 @@ class OpCounter(TorchDispatchMode):
         row[0] += 1
         row[1] += flops
         row[2] += moved
+
+
+_META: dict = {}
+
+
+def _meta(func) -> tuple[str, str, tuple[int, ...]]:
+    """(name, kind, indices of written arguments) of an operator, worked out once per operator."""
+    meta = _META.get(func)
+    if meta is None:
+        name = func.overloadpacket.__name__
+        writes = tuple(i for i, a in enumerate(func._schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write)
+        if func.namespace == "prim":  # metadata queries (prim::device) the dispatcher sees; no eager op
+            kind = "skip"
+        elif func.is_view or name in _NO_KERNEL:
+            kind = "host"
+        elif name in _GEMMS:
+            kind = "gemm"
+        elif "scaled_dot_product" in name and ("flash" in name or "efficient" in name or "cudnn" in name):
+            kind = "attn"
+        else:
+            kind = "mem"
+        meta = _META[func] = (name, kind, writes)
+    return meta
 
 
 def _occupancy(batch: int, m: int, n: int, sms: Optional[int]) -> float:
