@@ -894,7 +894,8 @@ def alternatives_for_device(r: Recipe, device: torch.device, cap_bytes: Optional
     try:
         # In-process (workers=1): forking worker processes from a process that has trained (OpenMP
         # and allocator threads mid-state) can deadlock the children; a fresh `bigtune plan` forks safely.
-        alts = alternatives(r, _target_for(device, cap_bytes), max_gpus=1, workers=1)
+        # Adapters included: after an OOM, training fewer weights is a fair thing to suggest.
+        alts = alternatives(r, _target_for(device, cap_bytes), max_gpus=1, workers=1, adapters=True)
     except Exception as e:  # noqa: BLE001
         print(f"  (planner could not suggest variants: {type(e).__name__}: {str(e)[:200]})", flush=True)
         return []
