@@ -403,21 +403,15 @@ SKIPPED: dict[str, str] = {
     "lab 13B DeepSpeed": "torch/a100_llama13b_deepspeed.py: no recorded numbers",
 }
 
-# check_combinations rules that only say *this machine* cannot run the recipe (no CUDA, no DeepSpeed, no
-# bitsandbytes): the planner targets a CUDA GPU, so these are not faults of a row.
-HOST_ONLY_RULES = ("precision: 16-mixed needs a CUDA GPU", "optim.name=paged_adamw8bit: paging",
-                   "DeepSpeed needs CUDA GPUs", "needs DeepSpeed: pip install", "needs bitsandbytes")
-
-
 def row_recipe(row: Row, check: bool = True):
     """The row's bigtune Recipe (accelerator=cpu: the planner simulates on this machine). ``check`` runs the
-    cross-field rules too, except those about this machine's hardware and installs (HOST_ONLY_RULES)."""
-    from bigtune.recipe import RecipeError, check_combinations, load_recipe
+    cross-field rules too, except those about this machine's hardware and installs (recipe.HOST_ONLY_RULES)."""
+    from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
     base = str(ROOT / row.recipe) if row.recipe else {}
     r = load_recipe(base, {**row.over, "accelerator": "cpu"}, check=False)
     if check:
-        problems = [p for p in check_combinations(r) if not any(h in p for h in HOST_ONLY_RULES)]
+        problems = gpu_plan_problems(r)
         if problems:
             raise RecipeError(problems, row.id)
     return r

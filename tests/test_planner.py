@@ -210,6 +210,12 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     assert res.returncode == 2 and "h100" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("plan", "--gpu", "rtx-4090", "--gpu-memory", "12", cwd=tmp_path)
     assert res.returncode == 0 and "12.00 GiB" in res.stdout
+    # planning for a GPU from a CPU machine: rules about this machine (16-mixed needs CUDA) do not apply
+    res = run_cli("plan", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--gpu", "v100-32gb", "--set",
+                  "precision=16-mixed", cwd=tmp_path)
+    assert res.returncode == 0 and "FITS" in res.stdout and "step ≈" in res.stdout, res.stderr
+    res = run_cli("plan", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--set", "precision=16-mixed", cwd=tmp_path)
+    assert res.returncode != 0 and "16-mixed needs a CUDA GPU" in res.stderr
     res = run_cli("plan", "--gpu", "rtx-4090", "--adapters", cwd=tmp_path)
     assert res.returncode != 0 and "--alternatives" in res.stderr and "Traceback" not in res.stderr
 

@@ -174,9 +174,15 @@ def _cmd_plan(args) -> int:
     from bigtune.gpus import custom_gpu, find_gpu
     from bigtune.planner import PlanError, Target, alternatives, format_alternatives, format_plan, plan, \
         resolve_config
-    from bigtune.recipe import load_recipe
+    from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
-    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"])
+    # The plan simulates on this machine (accelerator=cpu); for a GPU target, rules that only say this
+    # machine could not run the recipe (16-mixed without CUDA, DeepSpeed not installed...) do not apply.
+    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"], check=not (args.gpu or args.gpu_memory))
+    if args.gpu or args.gpu_memory:
+        problems = gpu_plan_problems(r)
+        if problems:
+            raise RecipeError(problems, args.recipe)
     if args.gpus < 1:
         raise PlanError("--gpus must be at least 1")
     if args.gpu or args.gpu_memory:

@@ -499,6 +499,19 @@ def resolve_accelerator(recipe: Recipe) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# check_combinations rules that only say *this machine* cannot run the recipe (no CUDA, no DeepSpeed, no
+# bitsandbytes, CPU-only precision limits): a plan for a CUDA GPU made on a CPU machine skips them.
+HOST_ONLY_RULES = ("precision: 16-mixed needs a CUDA GPU", "precision: 16-true on CPU",
+                   "optim.implementation: fused kernels need CUDA", "optim.name=paged_adamw8bit: paging",
+                   "DeepSpeed needs CUDA GPUs", "needs DeepSpeed: pip install", "needs bitsandbytes")
+
+
+def gpu_plan_problems(r: Recipe) -> list[str]:
+    """check_combinations for a recipe planned for a CUDA GPU from this machine: every rule except those
+    about this machine's own hardware and installs (HOST_ONLY_RULES)."""
+    return [p for p in check_combinations(r) if not any(h in p for h in HOST_ONLY_RULES)]
+
+
 def check_combinations(r: Recipe) -> list[str]:
     """Cross-field rules, each stated with its reason and fix. Runs before any model or data is loaded."""
     p: list[str] = []
