@@ -176,16 +176,17 @@ def _cmd_plan(args) -> int:
         resolve_config
     from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
+    if args.adapters and not args.alternatives:
+        raise SystemExit("bigtune plan: --adapters widens --alternatives; add --alternatives")
+    for_gpu = bool(args.gpu or args.gpu_memory)
     # The plan simulates on this machine (accelerator=cpu); for a GPU target, rules that only say this
     # machine could not run the recipe (16-mixed without CUDA, DeepSpeed not installed...) do not apply.
-    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"], check=not (args.gpu or args.gpu_memory))
-    if args.gpu or args.gpu_memory:
-        problems = gpu_plan_problems(r)
-        if problems:
-            raise RecipeError(problems, args.recipe)
+    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"], check=not for_gpu)
+    if for_gpu and (problems := gpu_plan_problems(r)):
+        raise RecipeError(problems, args.recipe)
     if args.gpus < 1:
         raise PlanError("--gpus must be at least 1")
-    if args.gpu or args.gpu_memory:
+    if for_gpu:
         gpu = find_gpu(args.gpu) if args.gpu else None
         if args.gpu_memory:
             gpu = custom_gpu(args.gpu_memory, gpu)
@@ -206,8 +207,6 @@ def _cmd_plan(args) -> int:
         p = plan_at_data_lengths(r, target, config=config, workers=workers)
     else:
         p = plan(r, target, config=config, workers=workers)
-    if args.adapters and not args.alternatives:
-        raise SystemExit("bigtune plan: --adapters widens --alternatives; add --alternatives")
     alts = alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters) \
         if args.alternatives else None
     if args.json:

@@ -109,13 +109,13 @@ def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1,
     # Time: the GPU computes the padded batch; tokens/s counts the real tokens.
     mean_len = max(1, math.ceil(d.mean_padded))
     at_mean = load_recipe(recipe.to_dict(), {"data.max_seq_length": mean_len}, check=False)
-    config = config if config is not None else resolve_config(recipe)
     step, tnotes = None, []
     if target.gpu is not None:
         # The kernels of a shorter batch are other kernels (thinner matmuls, fewer scores): simulate it.
-        sim = simulate_full_depth(simulation_recipe(at_mean, target.strategy), config, target.device == "cuda",
-                                  padded=padded, arch=target_arch(target))
-        step, _, tnotes = _time(at_mean, sim, target, config)
+        sim = simulate_full_depth(simulation_recipe(at_mean, target.strategy),
+                                  config if config is not None else resolve_config(recipe),
+                                  target.device == "cuda", padded=padded, arch=target_arch(target))
+        step, _, tnotes = _time(at_mean, sim, target)
     p.notes = [n for n in p.notes if not n.startswith("time:")] + tnotes
     real = recipe.train.micro_batch_size * recipe.accumulate * max(1, target.gpus) * d.mean_tokens
     p.tokens_per_step = int(round(real))

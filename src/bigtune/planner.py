@@ -107,16 +107,11 @@ def resolve_config_name(model_cfg):
 
 @dataclass
 class Sim:
-    """Per-phase categories of the steady step (step 1) and the peak over both simulated steps.
-
-    ``parts`` holds matmul weight elements per model part (image-to-text: vision, qformer,
-    language_model; a causal LM has one part) for the time model.
-    """
+    """Per-phase categories of the steady step (step 1) and the peak over both simulated steps."""
     phases: dict[str, dict[str, int]]
     peak_allocated: int
     numel: int
-    matmul_numel: int
-    parts: dict[str, int] = field(default_factory=dict)
+    matmul_numel: int     # elements of the nn.Linear weights
     block_numel: int = 0  # elements inside the repeated blocks FSDP shards one by one (the rest is the root)
     attention: tuple[str, ...] = ()  # SDPA kernels CUDA would pick (cuda_kernels.sdpa_backend); () on a CPU
     reserved: int = 0         # peak reserved by the CUDA caching allocator replayed over the step (0: not replayed)
@@ -241,20 +236,8 @@ def _no_init():
     return mock.patch("transformers.modeling_utils.PreTrainedModel.initialize_weights", lambda self: None)
 
 
-def _matmul_parts(model: torch.nn.Module) -> dict[str, int]:
-    """Matmul weight elements per top-level part (the PEFT wrapper's prefixes stripped)."""
-    from bigtune.models import IMAGE_TO_TEXT_PARTS
-
-    out: dict[str, int] = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, torch.nn.Linear):
-            continue
-        part = "language_model"
-        for key, attrs in IMAGE_TO_TEXT_PARTS.items():
-            if any(f"{a}." in f"{name}." for a in attrs):
-                part = key
-        out[part] = out.get(part, 0) + m.weight.numel()
-    return out
+def _matmul_numel(model: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: bool,
@@ -356,7 +339,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
                                family=family)
         numel = sum(p.numel() for p in model.parameters())
-        parts = _matmul_parts(model)
+        matmul_numel = _matmul_numel(model)
         from bigtune.dist import decoder_blocks
 
         try:
@@ -422,8 +405,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
         reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
     # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
     ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
-    return Sim(steady, peak, numel, sum(parts.values()), parts, block_numel, tuple(sorted(attention)),
-               reserved, in_use, ops)
+    return Sim(steady, peak, numel, matmul_numel, block_numel, tuple(sorted(attention)), reserved, in_use, ops)
 
 
 def _replay_steady(events: list, step1: int) -> tuple[int, int]:
@@ -567,7 +549,6 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
         return int(round(b0 + sum((get(sim) - b0) * times for sim, times in grown)))
 
     phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
-    parts = {k: ext(lambda x, k=k: x.parts.get(k, 0)) for k in base.parts}
     # Max and extrapolation do not commute: which phase holds the step's peak can change with depth
     # (shallow, the logits' backward; deep, the optimizer's temporaries over all the weights). Each
     # phase's own high-water mark sits at the same point of the step at every depth, so it
@@ -586,8 +567,7 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
     ops = {k: [max(0.0, base.ops.get(k, zero)[i] + sum((sim.ops.get(k, zero)[i] - base.ops.get(k, zero)[i]) * times
                                                        for sim, times in grown)) for i in range(3)]
            for k in keys}
-    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), parts,
-               ext(lambda x: x.block_numel), base.attention, ext(lambda x: x.reserved),
+    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), ext(lambda x: x.block_numel), base.attention, ext(lambda x: x.reserved),
                ext(lambda x: x.in_use), ops)
 
 
@@ -901,7 +881,7 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     return phases, peak, notes
 
 
-def _time(recipe: Recipe, sim: Sim, target: Target, config) -> tuple[Optional[float], Optional[float], list[str]]:
+def _time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float], Optional[float], list[str]]:
     """(step seconds, tokens/s over all devices, notes): the simulated step's kernels priced on the
     target GPU (roofline.py), plus what the simulation cannot see: CPU-side optimizer updates, PCIe
     traffic of offloading and the gradient all-reduce/reduce-scatter between GPUs."""
@@ -1078,7 +1058,7 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     total = (reserved if reserved is not None else peak) + overhead
     cap = target.capacity_bytes
     fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
-    step, tps, tnotes = _time(recipe, sim, target, config)
+    step, tps, tnotes = _time(recipe, sim, target)
     out = Plan(recipe_name=recipe.name, target=target.label(), variant=variant, phases=phases, peak_allocated=peak,
                 peak_reserved=reserved, overhead=overhead, peak_total=total, capacity=cap, fits=fits,
                 needed_total=needed + overhead,
@@ -1158,7 +1138,7 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
                 row = ops.setdefault(k, [0, 0.0, 0.0])
                 for i in range(3):
                     row[i] += v[i] * weight
-    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.parts, lo.block_numel,
+    return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.block_numel,
                lo.attention, f(lo.reserved, hi.reserved), f(lo.in_use, hi.in_use), ops)
 
 
