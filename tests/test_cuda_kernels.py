@@ -84,3 +84,49 @@ def test_v100_bf16_plans_the_saved_fp32_scores():
     assert any("math path" in n for n in v100.notes) and not any("math path" in n for n in a100.notes)
     # the model states do not depend on the attention kernel
     assert v100.model_states == a100.model_states
+
+
+def test_cuda_dropout_runs_the_fused_kernel_and_saves_a_bool_mask():
+    """On CUDA F.dropout is one native_dropout kernel that keeps a bool mask for backward; on a CPU it
+    multiplies by a noise tensor of the input's dtype and keeps that. The emulation switches only the
+    out-of-place training call, and its gradient is the same masked, rescaled one."""
+    from bigtune.cuda_kernels import cuda_dropout
+
+    x = torch.randn(64, 32, requires_grad=True)
+    drop = torch.nn.Dropout(0.25)
+    with cuda_dropout(True):
+        y = drop(x)
+        assert type(y.grad_fn).__name__ == "NativeDropoutBackward0"
+        saved = [getattr(y.grad_fn, n) for n in dir(y.grad_fn) if n.startswith("_saved_")]
+        assert [t.dtype for t in saved if isinstance(t, torch.Tensor)] == [torch.bool]
+        y.sum().backward()
+        kept = y != 0
+        assert torch.allclose(x.grad[kept], torch.full_like(x.grad[kept], 1 / 0.75))
+        assert (x.grad[~kept] == 0).all()
+        # in place, evaluation and p = 0 are left to torch (CUDA's dropout_ never takes the fused kernel)
+        z = torch.randn(8, 8)
+        torch.nn.functional.dropout(z, 0.25, True, inplace=True)
+        assert type(torch.nn.functional.dropout(x, 0.25, False)) is torch.Tensor
+    plain = drop(x)
+    assert type(plain.grad_fn).__name__ == "MulBackward0"
+
+
+def test_lora_dropout_costs_a_mask_byte_per_element_on_cuda_and_four_on_a_cpu():
+    """LoRA dropout (fp32 adapters: PEFT casts the input to fp32 first) adds, per adapted layer, one
+    bool per input element on CUDA, where a CPU keeps a 4-byte noise tensor: the difference between
+    dropout 0.1 and no dropout (PEFT then uses an identity) is 4 times larger when planned for a CPU.
+    The first layer keeps neither: its input (the frozen embedding's output) needs no gradient."""
+    over = {"model.name": "tiny-llama", "data.max_seq_length": 64, "train.micro_batch_size": 4,
+            "precision": "bf16-true", "peft.method": "lora", "peft.target_modules": ["q_proj", "v_proj"],
+            "accelerator": "cpu"}
+    saved = {}
+    for cuda in (False, True):
+        for p in (0.0, 0.1):
+            r = load_recipe({}, {**over, "peft.dropout": p})
+            sim = simulate_full_depth(r, resolve_config(r), cuda=cuda)
+            saved[cuda, p] = sim.phases["after_forward"]["activations"]
+    cfg = resolve_config(load_recipe({}, over))
+    elements = (cfg.num_hidden_layers - 1) * 2 * 4 * 64 * cfg.hidden_size  # layers × (q, v) × tokens × inputs
+    cpu, gpu = saved[False, 0.1] - saved[False, 0.0], saved[True, 0.1] - saved[True, 0.0]
+    assert abs(cpu - 4 * elements) <= 512 * 2 * cfg.num_hidden_layers, (cpu, elements)
+    assert abs(gpu - elements) <= 512 * 2 * cfg.num_hidden_layers, (gpu, elements)

@@ -294,6 +294,27 @@ def test_planner_gives_16bit_zero_fp32_masters_and_fp32_state():
     assert full["after_backward"]["optimizer_device"] == 400 * mb // 4
 
 
+def test_planner_simulates_deepspeeds_16bit_module_cast_for_adapters():
+    """DeepSpeed with bf16 casts the whole wrapped module (module.bfloat16()), PEFT's fp32 adapters
+    included: the simulated step for a ZeRO target has 16-bit adapters and gradients, no fp32 copy of
+    each adapted layer's input, so fewer saved bytes than the same LoRA step on one GPU."""
+    from bigtune.planner import resolve_config, simulate_full_depth, simulation_recipe
+
+    r = _recipe(precision="bf16-mixed")
+    r.peft.method, r.peft.dropout = "lora", 0.0
+    cfg = resolve_config(r)
+    zero = simulation_recipe(r, "deepspeed_stage_2")
+    assert zero.strategy == "deepspeed_stage_2" and zero.precision == "bf16-true"
+    one = _recipe(strategy="auto", devices=1, precision="bf16-true")
+    one.peft.method, one.peft.dropout = "lora", 0.0
+    assert simulation_recipe(one, "single") is one  # nothing in the step changes: the recipe itself
+    ds, plain = (simulate_full_depth(x, cfg, cuda=True) for x in (zero, one))
+    # 2-byte instead of 4-byte adapter gradients; no fp32 copy of each adapted layer's input saved
+    assert ds.phases["after_backward"]["gradients"] * 2 == plain.phases["after_backward"]["gradients"]
+    assert ds.phases["after_forward"]["activations"] < plain.phases["after_forward"]["activations"]
+    assert ds.numel == plain.numel
+
+
 @needs_ds
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3"])
 def test_planned_zero_categories_match_a_real_bf16_mixed_run(tmp_path, strategy):

@@ -21,6 +21,13 @@ attention, preferred on some Hopper set-ups, saves what flash saves):
 So the math path is what runs for bf16 on a V100 or T4 (no bf16 in either fused kernel below
 sm80) and for fp32 on a grouped-query model (TinyLlama, Llama-3, Mistral, Qwen2) when
 transformers passes ``enable_gqa`` (it does when a batch has no padding mask).
+
+Dropout differs too (``cuda_dropout``): on a CPU, ``F.dropout`` multiplies by a noise tensor in the
+input's dtype and autograd keeps that noise (4 bytes an element for fp32); on CUDA it runs the fused
+``native_dropout`` kernel, which keeps a bool mask (1 byte). PyTorch's ``dropout`` takes the fused
+kernel for CUDA inputs whenever ``0 < p < 1`` (``is_fused_kernel_acceptable`` in Dropout.cpp);
+in-place dropout never does. LoRA's dropout, BERT's, OPT's and T5's (0.1 in their configs) run on
+tensors as large as the layer inputs or the attention scores, so the difference is gigabytes.
 """
 
 from __future__ import annotations
@@ -101,3 +108,24 @@ def cuda_attention(arch: Optional[tuple[int, int]], bf16_is_fp16: bool = False):
         yield used
     finally:
         torch.nn.functional.scaled_dot_product_attention = fused
+
+
+@contextlib.contextmanager
+def cuda_dropout(enabled: bool):
+    """Within this block, out-of-place training ``F.dropout`` runs ``aten.native_dropout`` as on a CUDA
+    tensor: one kernel, the bool mask saved for backward (see the module docstring)."""
+    if not enabled:
+        yield
+        return
+    plain = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if training and not inplace and 0 < p < 1 and input.numel() > 0:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return plain(input, p, training, inplace)
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = plain

@@ -257,7 +257,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     from lightning.fabric import Fabric
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bigtune.cuda_kernels import cuda_attention
+    from bigtune.cuda_kernels import cuda_attention, cuda_dropout
     from bigtune.engine import LoopState, train_step
     from bigtune.memory import LiveTensorTracker, MemoryMonitor
     from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
@@ -317,14 +317,14 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
     # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
-    kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None),
-                             bf16_is_fp16=recipe.precision == "16-mixed")
+    on_cuda = arch if arch is not None else ((8, 0) if cuda else None)
+    kernels = cuda_attention(on_cuda, bf16_is_fp16=recipe.precision == "16-mixed")
     # Gradient clipping takes its foreach kernels only for plain tensors; on a GPU it takes them (one
     # norm and one scale over all gradients, the same bytes as per tensor but far fewer launches).
     foreach_clip = mock.patch("torch.nn.utils.clip_grad._has_foreach_support",
                               lambda tensors, device: True) if cuda else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), _keep_every_layer(), \
-            kernels as attention, foreach_clip:
+            kernels as attention, foreach_clip, cuda_dropout(on_cuda is not None):
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):
@@ -338,6 +338,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
             model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
                                family=family)
+        if zero_masters(r, r.strategy):
+            _cast_like_deepspeed(model, weights_dtype(r.precision))
         numel = sum(p.numel() for p in model.parameters())
         matmul_numel = _matmul_numel(model)
         from bigtune.dist import decoder_blocks
@@ -610,7 +612,9 @@ def estimate_reserved(recipe: Recipe, config, sim: Sim, arch: Optional[tuple[int
     def extrapolate(get) -> int:
         # Two extrapolations that err differently when reuse jumps between depths: growing with
         # allocated at the rate seen between the two depths, and the deeper one's ratio to allocated.
-        slope = (get(b) - get(a)) / max(1, b.peak_allocated - a.peak_allocated)
+        # Each added block adds its own bytes; cached blocks can absorb a few blocks' growth between
+        # the two traced depths (a slope below 1), never the growth of every block to full depth.
+        slope = max(1.0, (get(b) - get(a)) / max(1, b.peak_allocated - a.peak_allocated))
         by_slope = get(b) + slope * (sim.peak_allocated - b.peak_allocated)
         by_ratio = sim.peak_allocated * get(b) / max(1, b.peak_allocated)
         return max(sim.peak_allocated, int((by_slope + by_ratio) / 2))
@@ -718,22 +722,47 @@ def zero_masters(recipe: Recipe, strategy: str) -> bool:
     return strategy.startswith("deepspeed") and recipe.precision != "32-true"
 
 
+def _step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool]:
+    """What ``strategy`` changes in the engine's single-device step: DeepSpeed with a 16-bit precision
+    casts the whole module to 16 bits (PEFT's fp32 adapters and BLIP-2's fp32 Q-Former included), and
+    the chunked loss is off under FSDP and DeepSpeed (engine.chunked_loss_head)."""
+    sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
+    return zero_masters(recipe, strategy), bool(recipe.train.loss_chunk_tokens) and not sharded
+
+
 def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     """The recipe whose single-device step the simulation runs for ``strategy``.
 
     Under DeepSpeed a 16-bit mixed precision runs as true 16-bit (see zero_masters), and an
     offloaded ZeRO always steps with DeepSpeed's CPU Adam (the engine allows nothing else there).
+    Where the strategy changes the step itself (_step_kind), the copy carries it: simulate() reads it.
     """
     mixed = zero_masters(recipe, strategy) and recipe.precision.endswith("-mixed")
     adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
-    if not (mixed or adam):
+    same_step = _step_kind(recipe, recipe.strategy) == _step_kind(recipe, strategy)
+    if not (mixed or adam) and same_step:
         return recipe
     r = copy.deepcopy(recipe)
+    r.strategy = strategy
     if mixed:
         r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
     if adam:
         r.optim.name = "adamw"
     return r
+
+
+def _cast_like_deepspeed(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """DeepSpeed with bf16/fp16 enabled casts the module it wraps (``module.bfloat16()``/``half()``), so
+    the fp32 parameters PEFT and ``_keep_in_fp32_modules`` chose become 16-bit: LoRA's input cast, its
+    fp32 activations and result upcast disappear. Fake parameters cannot be swapped in place
+    (``Module._apply``), so each gets a new 16-bit Parameter (tied ones stay tied)."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.dtype == torch.float32:
+                if id(p) not in new:
+                    new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                mod._parameters[name] = new[id(p)]
 
 
 def _phase_high(ph: dict) -> int:
@@ -1147,7 +1176,7 @@ def _sim_key(r: Recipe, micro: int) -> str:
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
                        r.optim.implementation, r.data.max_seq_length, micro, min(k, 2), r.peft.method,
-                       r.model.quantize])
+                       r.model.quantize, _step_kind(r, r.strategy)])
 
 
 def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,
@@ -1216,7 +1245,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                 over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim,
                         "optim.momentum": 0.0}
                 base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
-                r_hi = _variant_recipe(recipe, over)
+                r_hi = simulation_recipe(_variant_recipe(recipe, over), "single")
                 key_hi, key_lo = _sim_key(r_hi, m0), _sim_key(r_hi, 1)
                 jobs[key_hi] = (r_hi, m0)
                 todo.append((f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", key_hi))
@@ -1258,7 +1287,8 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         for name, extra in adapters:
             for ckpt in (False, True):
                 over = {"precision": half, "train.activation_checkpointing": ckpt, "optim.name": "adamw", **extra}
-                r_a = _variant_recipe(recipe, over, check=False)  # a QLoRA plan needs no bitsandbytes here
+                # (check=False: a QLoRA plan needs no bitsandbytes here)
+                r_a = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
                 key = _sim_key(r_a, m0)
                 jobs[key] = (r_a, m0)
                 todo.append((f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × "
