@@ -218,6 +218,10 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     assert res.returncode != 0 and "16-mixed needs a CUDA GPU" in res.stderr
     res = run_cli("plan", "--gpu", "rtx-4090", "--adapters", cwd=tmp_path)
     assert res.returncode != 0 and "--alternatives" in res.stderr and "Traceback" not in res.stderr
+    # without --gpus/--strategy the plan is for what the recipe would run: its devices and strategy
+    res = run_cli("plan", "--gpu", "a100-80gb", "--set", "devices=2", "--set", "strategy=fsdp", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["plan"]["target"] == "2× a100-sxm-80gb (fsdp)"
 
 
 @pytest.mark.parametrize("model, precision", [("tiny-llama", "bf16-true"), ("tiny-opt", "32-true")])

@@ -49,10 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_recipe_args(pl)
     pl.add_argument("--gpu", help="GPU model from the catalog, e.g. h100-80gb, a100-80gb, rtx-4090 "
                     "(default: plan for this machine's CPU)")
-    pl.add_argument("--gpus", type=int, default=1, help="number of GPUs (several are planned analytically)")
+    pl.add_argument("--gpus", type=int, help="number of GPUs (several are planned analytically; default: the "
+                    "recipe's devices × num_nodes)")
     pl.add_argument("--strategy", choices=["ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_2_offload",
-                                           "deepspeed_stage_3", "deepspeed_stage_3_offload"], default="fsdp",
-                    help="strategy when --gpus > 1 (deepspeed_*: also on one GPU, for offload)")
+                                           "deepspeed_stage_3", "deepspeed_stage_3_offload"],
+                    help="strategy when --gpus > 1 (deepspeed_*: also on one GPU, for offload; default: the "
+                         "recipe's strategy, auto meaning DDP as in training)")
     pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
     pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
@@ -173,7 +175,7 @@ def _cmd_plan(args) -> int:
 
     from bigtune.gpus import custom_gpu, find_gpu
     from bigtune.planner import PlanError, Target, alternatives, format_alternatives, format_plan, plan, \
-        resolve_config
+        resolve_config, run_strategy
     from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
     if args.adapters and not args.alternatives:
@@ -184,17 +186,21 @@ def _cmd_plan(args) -> int:
     r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"], check=not for_gpu)
     if for_gpu and (problems := gpu_plan_problems(r)):
         raise RecipeError(problems, args.recipe)
-    if args.gpus < 1:
+    if args.gpus is not None and args.gpus < 1:
         raise PlanError("--gpus must be at least 1")
+    if args.gpus is not None and args.gpus > 1 and not for_gpu:
+        raise PlanError("--gpus needs --gpu NAME (which GPU?)")
+    # What the recipe itself would run on, unless the command line says otherwise (a CPU plan of a
+    # several-process recipe plans its CPU ranks, as training does).
+    gpus = args.gpus if args.gpus is not None else r.world_size if args.for_task == "train" else 1
+    strategy = run_strategy(args.strategy or r.strategy, gpus)
     if for_gpu:
         gpu = find_gpu(args.gpu) if args.gpu else None
         if args.gpu_memory:
             gpu = custom_gpu(args.gpu_memory, gpu)
-        target = Target("cuda", gpu, args.gpus, args.strategy if args.gpus > 1 or args.strategy.startswith("deepspeed") else "single")
+        target = Target("cuda", gpu, gpus, strategy)
     else:
-        if args.gpus > 1:
-            raise PlanError("--gpus needs --gpu NAME (which GPU?)")
-        target = Target("cpu")
+        target = Target("cpu", None, gpus, strategy)
     if args.for_task != "train":
         from bigtune.infer_plan import main_plan_inference
 

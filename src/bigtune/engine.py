@@ -867,11 +867,9 @@ def _target_for(device: torch.device, cap_bytes: Optional[int] = None):
 
 
 def _plan_target(r: Recipe, device: torch.device, world: int):
-    target = _target_for(device)
-    if world > 1 or r.strategy.startswith("deepspeed"):
-        sharded = r.strategy == "fsdp" or r.strategy.startswith("deepspeed")
-        target = dataclasses.replace(target, gpus=world, strategy=r.strategy if sharded else "ddp")
-    return target
+    from bigtune.planner import run_strategy
+
+    return dataclasses.replace(_target_for(device), gpus=world, strategy=run_strategy(r.strategy, world))
 
 
 def predict_for_device(r: Recipe, device: torch.device, world: int = 1):

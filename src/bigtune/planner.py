@@ -648,6 +648,17 @@ class Target:
         return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy})" if self.gpus > 1 else "")
 
 
+def run_strategy(strategy: str, gpus: int) -> str:
+    """The strategy a recipe's ``strategy`` runs with on ``gpus`` devices, as a Target names it: DeepSpeed
+    as given (also on one GPU, for offload), ddp/fsdp as given on several, auto/single → ddp on several
+    (what the engine does), else single."""
+    if strategy.startswith("deepspeed"):
+        return strategy
+    if gpus <= 1:
+        return "single"
+    return strategy if strategy in ("ddp", "fsdp") else "ddp"
+
+
 def target_arch(target: "Target") -> Optional[tuple[int, int]]:
     """The compute capability a CUDA target's kernels are chosen for (None on a CPU)."""
     from bigtune.gpus import compute_capability

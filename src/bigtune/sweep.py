@@ -895,7 +895,7 @@ def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[s
     import json
 
     from bigtune.gpus import find_gpu
-    from bigtune.planner import Target, plan, resolve_config
+    from bigtune.planner import Target, plan, resolve_config, run_strategy
     from bigtune.stepmath import human_bytes
 
     gpu = find_gpu(gpu_name)
@@ -908,8 +908,7 @@ def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[s
         try:
             r = load_recipe(sweep.base, {**sweep.overrides_for(v, tiny), "accelerator": "cpu"}, check=False)
             n = r.world_size
-            strategy = r.strategy if r.strategy in ("ddp", "fsdp") or r.strategy.startswith("deepspeed") \
-                else ("ddp" if n > 1 else "single")
+            strategy = run_strategy(r.strategy, n)
             if r.model.name not in configs:
                 configs[r.model.name] = resolve_config(r)
             target = Target("cuda", gpu, n, strategy)
