@@ -130,3 +130,23 @@ def test_lora_dropout_costs_a_mask_byte_per_element_on_cuda_and_four_on_a_cpu():
     cpu, gpu = saved[False, 0.1] - saved[False, 0.0], saved[True, 0.1] - saved[True, 0.0]
     assert abs(cpu - 4 * elements) <= 512 * 2 * cfg.num_hidden_layers, (cpu, elements)
     assert abs(gpu - elements) <= 512 * 2 * cfg.num_hidden_layers, (gpu, elements)
+
+
+def test_attention_dropout_stays_inside_cudas_fused_kernel():
+    """BERT drops out 10 % of its attention probabilities. CUDA's flash and memory-efficient kernels do
+    that inside the kernel and keep nothing more; PyTorch's CPU flash kernel takes no dropout, so a CPU
+    step (and a careless simulation) falls back to the math path and keeps seq × seq tensors per head."""
+    import copy
+
+    r = load_recipe({}, {"model.name": "tiny-bert", "model.family": "sequence-classification",
+                         "data.max_seq_length": 256, "train.micro_batch_size": 4, "precision": "bf16-true",
+                         "accelerator": "cpu"})
+    cfg = resolve_config(r)
+    assert cfg.attention_probs_dropout_prob > 0
+    quiet = copy.deepcopy(cfg)
+    quiet.attention_probs_dropout_prob = 0.0
+    acts = {(cuda, c is cfg): simulate_full_depth(r, c, cuda=cuda).phases["after_forward"]["activations"]
+            for cuda in (False, True) for c in (cfg, quiet)}
+    assert acts[True, True] == acts[True, False]
+    scores = cfg.num_hidden_layers * 4 * cfg.num_attention_heads * 256 ** 2 * 2  # bf16 seq² per head and layer
+    assert acts[False, True] - acts[False, False] >= scores

@@ -98,7 +98,10 @@ def cuda_attention(arch: Optional[tuple[int, int]], bf16_is_fp16: bool = False):
                                dtype=kernel_dtype(query.dtype, bf16_is_fp16))
         used.add(backend)
         if backend != "math":
-            return fused(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            # CUDA's flash and memory-efficient kernels drop out inside the kernel (they keep an RNG seed,
+            # no mask); PyTorch's CPU flash kernel takes no dropout and would send the fake step down the
+            # math path (seq × seq scores and their noise saved). The values are fake; what is saved is not.
+            return fused(query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
