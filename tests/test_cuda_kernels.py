@@ -150,3 +150,25 @@ def test_attention_dropout_stays_inside_cudas_fused_kernel():
     assert acts[True, True] == acts[True, False]
     scores = cfg.num_hidden_layers * 4 * cfg.num_attention_heads * 256 ** 2 * 2  # bf16 seq² per head and layer
     assert acts[False, True] - acts[False, False] >= scores
+
+
+def test_cuda_autocast_keeps_eager_attention_probabilities_in_fp32(monkeypatch):
+    """BERT's eager attention calls softmax without a dtype. Under CUDA autocast that runs in fp32: the
+    fp32 probabilities are saved for softmax's backward and a bf16 copy for the matmul with V (4 more
+    bytes per score than CPU autocast, which keeps one bf16 tensor for both)."""
+    import contextlib
+    import copy
+
+    import bigtune.cuda_kernels
+
+    r = load_recipe({}, {"model.name": "tiny-bert", "model.family": "sequence-classification",
+                         "model.attn_implementation": "eager", "data.max_seq_length": 256,
+                         "train.micro_batch_size": 4, "precision": "bf16-mixed", "accelerator": "cpu"})
+    cfg = copy.deepcopy(resolve_config(r))
+    cfg.attention_probs_dropout_prob = 0.0  # dropout's own CPU/CUDA difference is tested above
+    cfg.hidden_dropout_prob = 0.0
+    gpu = simulate_full_depth(r, cfg, cuda=True).phases["after_forward"]["activations"]
+    monkeypatch.setattr(bigtune.cuda_kernels, "cuda_autocast", lambda enabled: contextlib.nullcontext())
+    cpu_rules = simulate_full_depth(r, cfg, cuda=True).phases["after_forward"]["activations"]
+    scores = cfg.num_hidden_layers * 4 * cfg.num_attention_heads * 256 ** 2
+    assert gpu - cpu_rules == 4 * scores, (gpu - cpu_rules, scores)

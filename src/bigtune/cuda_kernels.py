@@ -28,6 +28,11 @@ input's dtype and autograd keeps that noise (4 bytes an element for fp32); on CU
 kernel for CUDA inputs whenever ``0 < p < 1`` (``is_fused_kernel_acceptable`` in Dropout.cpp);
 in-place dropout never does. LoRA's dropout, BERT's, OPT's and T5's (0.1 in their configs) run on
 tensors as large as the layer inputs or the attention scores, so the difference is gigabytes.
+
+And autocast (``cuda_autocast``): the simulation runs mixed precision under CPU autocast, whose op lists
+are not CUDA's. CUDA autocast runs softmax, log_softmax, layer_norm and group_norm in fp32 (fp32
+outputs); CPU autocast leaves them in bf16. An eager attention that calls ``softmax`` without a dtype
+(BERT, DistilBERT, BLIP-2's vision tower and Q-Former, T5) therefore saves fp32 probabilities on a GPU.
 """
 
 from __future__ import annotations
@@ -132,3 +137,39 @@ def cuda_dropout(enabled: bool):
         yield
     finally:
         torch.nn.functional.dropout = plain
+
+
+@contextlib.contextmanager
+def cuda_autocast(enabled: bool):
+    """Within this block, while (CPU) autocast is on, ``F.softmax``/``F.log_softmax`` without a dtype
+    produce fp32 and ``F.layer_norm``/``F.group_norm`` run on fp32 inputs, as CUDA autocast's fp32 policy
+    does (see the module docstring). Other ops keep CPU autocast's behaviour."""
+    if not enabled:
+        yield
+        return
+    F = torch.nn.functional
+    plain = {name: getattr(F, name) for name in ("softmax", "log_softmax", "layer_norm", "group_norm")}
+    low = (torch.bfloat16, torch.float16)
+
+    def autocasting(x) -> bool:
+        return isinstance(x, torch.Tensor) and x.dtype in low and torch.is_autocast_enabled("cpu")
+
+    def to_fp32_output(name):
+        def fn(input, dim=None, _stacklevel=3, dtype=None):
+            if dtype is None and autocasting(input):
+                dtype = torch.float32
+            return plain[name](input, dim, _stacklevel, dtype)
+        return fn
+
+    def on_fp32_input(name):
+        def fn(input, *args, **kwargs):
+            return plain[name](input.float() if autocasting(input) else input, *args, **kwargs)
+        return fn
+
+    F.softmax, F.log_softmax = to_fp32_output("softmax"), to_fp32_output("log_softmax")
+    F.layer_norm, F.group_norm = on_fp32_input("layer_norm"), on_fp32_input("group_norm")
+    try:
+        yield
+    finally:
+        for name, fn in plain.items():
+            setattr(F, name, fn)

@@ -257,7 +257,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     from lightning.fabric import Fabric
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bigtune.cuda_kernels import cuda_attention, cuda_dropout
+    from bigtune.cuda_kernels import cuda_attention, cuda_autocast, cuda_dropout
     from bigtune.engine import LoopState, train_step
     from bigtune.memory import LiveTensorTracker, MemoryMonitor
     from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
@@ -324,7 +324,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     foreach_clip = mock.patch("torch.nn.utils.clip_grad._has_foreach_support",
                               lambda tensors, device: True) if cuda else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_move, _no_init(), _keep_every_layer(), \
-            kernels as attention, foreach_clip, cuda_dropout(on_cuda is not None):
+            kernels as attention, foreach_clip, cuda_dropout(on_cuda is not None), \
+            cuda_autocast(on_cuda is not None):
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):
