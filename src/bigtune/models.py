@@ -288,7 +288,26 @@ def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, ch
                         # image-to-text: the plain PeftModel passes pixel_values / decoder_input_ids through as is;
                         # SEQ_CLS also trains (and saves) the new classification head in full.
                         task_type={"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(family))
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if peft_cfg.adapter_dtype == "bfloat16":
+        recast_parameters(model, torch.bfloat16, lambda name, p: p.requires_grad and "lora_" in name)
+    return model
+
+
+def recast_parameters(model: torch.nn.Module, dtype: torch.dtype, which=lambda name, p: True) -> None:
+    """Give the floating-point parameters ``which(name, p)`` selects the dtype ``dtype``, each as a new
+    Parameter (tied parameters stay tied). Done before the optimizer exists. ``Module.to`` would do it for
+    real tensors, but cannot swap the planner's fake ones, and the two must take the same path."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for mod_name, mod in model.named_modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in new:
+                if not which(f"{mod_name}.{name}" if mod_name else name, p):
+                    continue
+                new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

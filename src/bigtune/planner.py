@@ -261,7 +261,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     from bigtune.engine import LoopState, train_step
     from bigtune.memory import LiveTensorTracker, MemoryMonitor
     from bigtune.models import _auto_class, apply_peft, compute_dtype, enable_activation_checkpointing, \
-        freeze_parts, label_config, weights_dtype
+        freeze_parts, label_config, recast_parameters, weights_dtype
     from bigtune.optim import make_optimizer
     from bigtune.roofline import OpCounter, scale
     from bigtune.stepmath import target_token_count
@@ -340,7 +340,9 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
                                family=family)
         if zero_masters(r, r.strategy):
-            _cast_like_deepspeed(model, weights_dtype(r.precision))
+            # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32
+            # adapters and BLIP-2's fp32 Q-Former become 16-bit, with no fp32 input copy per adapted layer.
+            recast_parameters(model, weights_dtype(r.precision), lambda name, p: p.dtype == torch.float32)
         numel = sum(p.numel() for p in model.parameters())
         matmul_numel = _matmul_numel(model)
         from bigtune.dist import decoder_blocks
@@ -763,20 +765,6 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     return r
 
 
-def _cast_like_deepspeed(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """DeepSpeed with bf16/fp16 enabled casts the module it wraps (``module.bfloat16()``/``half()``), so
-    the fp32 parameters PEFT and ``_keep_in_fp32_modules`` chose become 16-bit: LoRA's input cast, its
-    fp32 activations and result upcast disappear. Fake parameters cannot be swapped in place
-    (``Module._apply``), so each gets a new 16-bit Parameter (tied ones stay tied)."""
-    new: dict[int, torch.nn.Parameter] = {}
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.dtype == torch.float32:
-                if id(p) not in new:
-                    new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-                mod._parameters[name] = new[id(p)]
-
-
 def _phase_high(ph: dict) -> int:
     """A phase's own high-water mark (its cumulative peak when the simulation lacks it)."""
     return ph.get("phase_peak") or ph["peak_allocated"]
@@ -1188,7 +1176,7 @@ def _sim_key(r: Recipe, micro: int) -> str:
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
                        r.optim.implementation, r.data.max_seq_length, micro, min(k, 2), r.peft.method,
-                       r.model.quantize, _step_kind(r, r.strategy)])
+                       r.peft.adapter_dtype, r.model.quantize, _step_kind(r, r.strategy)])
 
 
 def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,

@@ -185,6 +185,12 @@ class PeftConfig:
     target_modules: list = _f(["auto"], "Modules that get adapters: [auto] (q_proj,v_proj for Llama/OPT; q,v for "
                               "T5; BLIP-2: the language model's q_proj,v_proj (OPT) or q,v (Flan-T5) only), "
                               "[all-linear], or names.")
+    adapter_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "dtype of the adapter weights, and so of their gradients and AdamW state. float32 (PEFT's "
+        "default) casts each adapted layer's input to fp32 for the adapter path (a copy per layer, kept for "
+        "backward); bfloat16 keeps that path in bf16, as the QLoRA paper's script, LitGPT and torchtune do: "
+        "less memory and time, but adapter updates smaller than bf16's resolution are lost. bfloat16 needs a "
+        "bf16 precision (or a 4-bit base). Under DeepSpeed the adapters are 16-bit anyway: it casts the module.")
 
 
 @dataclass
@@ -557,6 +563,10 @@ def check_combinations(r: Recipe) -> list[str]:
     if r.model.quantize != "none" and r.peft.method == "none":
         p.append(f"model.quantize={r.model.quantize}: quantized base weights cannot be trained; set peft.method=lora "
                  "(QLoRA) or model.quantize=none")
+    if r.peft.adapter_dtype == "bfloat16" and r.peft.method != "none" and not r.precision.startswith("bf16") \
+            and r.model.quantize not in ("nf4", "fp4"):
+        p.append(f"peft.adapter_dtype=bfloat16 with precision={r.precision}: the adapted layers' inputs are not bf16; "
+                 "use precision=bf16-true or bf16-mixed, or peft.adapter_dtype=float32")
     needs_bnb = r.model.quantize != "none" or r.optim.name in ("adam8bit", "adamw8bit", "paged_adamw8bit")
     if needs_bnb and not _installed("bitsandbytes"):
         what = f"model.quantize={r.model.quantize}" if r.model.quantize != "none" else f"optim.name={r.optim.name}"
