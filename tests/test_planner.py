@@ -329,3 +329,19 @@ def test_bf16_adapters_halve_adapter_state_and_need_a_bf16_step():
     with pytest.raises(RecipeError, match="adapter_dtype"):
         load_recipe({}, {"peft.method": "lora", "peft.adapter_dtype": "bfloat16", "precision": "32-true",
                          "accelerator": "cpu"})
+
+
+def test_alternatives_without_bitsandbytes_installed(monkeypatch):
+    """bitsandbytes is an optional extra: on a machine without it, a GPU plan still lists 8-bit Adam (the
+    GPU machine can install it) and a CPU plan skips it; neither refuses the whole list. Variants that
+    training itself would refuse (bf16 adapters in 32-true) are left out, not fatal."""
+    import bigtune.recipe as recipe_mod
+
+    installed = recipe_mod._installed
+    monkeypatch.setattr(recipe_mod, "_installed", lambda m: m != "bitsandbytes" and installed(m))
+    r = load_recipe({}, {"model.name": "tiny-llama", "accelerator": "cpu", "train.micro_batch_size": 4,
+                         "peft.method": "lora", "peft.adapter_dtype": "bfloat16", "precision": "bf16-true"})
+    gpu = alternatives(r, Target("cuda", find_gpu("l4")), max_gpus=1, workers=1)
+    cpu = alternatives(r, Target("cpu"), max_gpus=1, workers=1)
+    assert any("adamw8bit" in a.variant for a in gpu) and not any("adamw8bit" in a.variant for a in cpu)
+    assert gpu and not any("32-true" in a.variant for a in gpu + cpu)

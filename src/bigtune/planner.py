@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from bigtune.memory import PHASES
-from bigtune.recipe import Recipe, load_recipe
+from bigtune.recipe import Recipe, RecipeError, load_recipe
 
 GIB = 1024**3
 CONFIG_DIR = Path(__file__).resolve().parent / "assets" / "configs"
@@ -1140,8 +1140,14 @@ def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
     return int(numel * es * (2 + opt))
 
 
-def _variant_recipe(recipe: Recipe, over: dict, check: bool = True) -> Recipe:
-    r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"}, check=check)
+def _variant_recipe(recipe: Recipe, over: dict, check: bool = True, cuda: bool = False) -> Recipe:
+    """``recipe`` with ``over`` applied; ``check``: refuse what the engine would refuse (RecipeError), on a
+    GPU target only what concerns the GPU run (not this machine's installs: recipe.gpu_plan_problems)."""
+    from bigtune.recipe import gpu_plan_problems
+
+    r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"}, check=check and not cuda)
+    if check and cuda and (problems := gpu_plan_problems(r)):
+        raise RecipeError(problems)
     r.accelerator = recipe.accelerator
     return r
 
@@ -1245,7 +1251,10 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                 over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim,
                         "optim.momentum": 0.0}
                 base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
-                r_hi = simulation_recipe(_variant_recipe(recipe, over), "single")
+                try:
+                    r_hi = simulation_recipe(_variant_recipe(recipe, over, cuda=cuda), "single")
+                except RecipeError:
+                    continue  # a combination training refuses (bf16 adapters in 32-true...) is no alternative
                 key_hi, key_lo = _sim_key(r_hi, m0), _sim_key(r_hi, 1)
                 jobs[key_hi] = (r_hi, m0)
                 todo.append((f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", key_hi))
@@ -1265,7 +1274,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
             m = max(d for d in range(1, min(m0, per) + 1) if per % d == 0)
             over = {"train.micro_batch_size": m, "train.accumulate_grad_batches": per // m,
                     "train.global_batch_size": None}
-            r_g = _variant_recipe(recipe, over)
+            r_g = _variant_recipe(recipe, over, cuda=cuda)
             key = _sim_key(r_g, m)
             jobs[key] = (r_g, m)
             for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
