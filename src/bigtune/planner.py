@@ -339,7 +339,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
             model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
                                family=family)
-        if zero_masters(r, r.strategy):
+        if _step_kind(r, r.strategy)[0]:
             # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32
             # adapters and BLIP-2's fp32 Q-Former become 16-bit, with no fp32 input copy per adapted layer.
             recast_parameters(model, weights_dtype(r.precision), lambda name, p: p.dtype == torch.float32)
@@ -738,10 +738,13 @@ def zero_masters(recipe: Recipe, strategy: str) -> bool:
 
 def _step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool]:
     """What ``strategy`` changes in the engine's single-device step: DeepSpeed with a 16-bit precision
-    casts the whole module to 16 bits (PEFT's fp32 adapters and BLIP-2's fp32 Q-Former included), and
-    the chunked loss is off under FSDP and DeepSpeed (engine.chunked_loss_head)."""
+    casts the whole module to 16 bits, which changes the step where some weights are fp32 (PEFT's fp32
+    adapters, BLIP-2's fp32 Q-Former), and the chunked loss is off under FSDP and DeepSpeed
+    (engine.chunked_loss_head). Equal kinds share one simulation."""
     sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
-    return zero_masters(recipe, strategy), bool(recipe.train.loss_chunk_tokens) and not sharded
+    fp32_weights = (recipe.peft.method != "none" and recipe.peft.adapter_dtype == "float32") \
+        or recipe.model.family == "image-to-text"
+    return zero_masters(recipe, strategy) and fp32_weights, bool(recipe.train.loss_chunk_tokens) and not sharded
 
 
 def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
