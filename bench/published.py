@@ -63,8 +63,8 @@ PEFT_DS = "huggingface/peft: docs/source/accelerate/deepspeed.md (commit not rec
 LITGPT = ("litgpt's own GPT model code (fused qkv, its own attention/MLP) and chunked cross-entropy, "
           "Lightning; not HF transformers")
 LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full logits are never held)"
-TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code; "
-                  "the planner plans bigtune's eager step")
+TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
+                  "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
 # holds the previous step's gradients; bigtune's engine frees them at its optimizer step (set_to_none).
 LIGHTNING_GRADS = "Lightning zero_grad runs after training_step: last step's gradients alive at the print"
@@ -85,8 +85,9 @@ LLAMA3_8B, LLAMA31_8B = "meta-llama/Meta-Llama-3-8B", "meta-llama/Llama-3.1-8B"
 LIT_FULL = {"precision": "bf16-true", "optim.name": "adamw", "optim.betas": [0.9, 0.95]}
 # litgpt LoRA: r, alpha, targets per row; dropout 0.05 (litgpt's default in every config cited).
 def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", double_quant: bool = False) -> dict:
+    # litgpt creates its LoRA weights in the model's dtype (bf16 under bf16-true), as peft.adapter_dtype=bfloat16
     over = {**LIT_FULL, "peft.method": "lora", "peft.r": r, "peft.alpha": alpha, "peft.dropout": 0.05,
-            "peft.target_modules": targets}
+            "peft.target_modules": targets, "peft.adapter_dtype": "bfloat16"}
     if quantize != "none":  # litgpt bnb.nf4 / bnb.nf4-dq: 4-bit base, bf16 compute (bf16-true)
         over.update({"model.quantize": quantize, "model.double_quant": double_quant})
     return over
@@ -337,7 +338,7 @@ ROWS: list[Row] = [
           "reserved", v, "GiB", gpu,
           {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
            "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
-           "train.micro_batch_size": 2, "data.max_seq_length": 2048, "train.activation_checkpointing": True},
+           "peft.adapter_dtype": "bfloat16", "train.micro_batch_size": 2, "data.max_seq_length": 2048, "train.activation_checkpointing": True},
           impl=TORCHTUNE_IMPL, note="config llama3_1/8B_lora_single_device (adapters, dropout 0 as recalled, not "
           "re-read); the A6000 and 4090 rows state one setup but differ ~2×", speed=(tok, "tokens/s"))
       for n, g, gpu, v, tok in ((10, "4090", "rtx-4090", 16.2, 3083), (11, "A6000", "rtx-a6000", 30.3, 4699))],
@@ -345,7 +346,7 @@ ROWS: list[Row] = [
         "reserved", 7.4, "GiB", "rtx-4090",
         {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
          "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
-         "model.quantize": "nf4", "model.double_quant": True, "train.micro_batch_size": 2,
+         "peft.adapter_dtype": "bfloat16", "model.quantize": "nf4", "model.double_quant": True, "train.micro_batch_size": 2,
          "data.max_seq_length": 2048, "train.activation_checkpointing": True},
         impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes", speed=(2413, "tokens/s")),
     # ---- HF transformers perf docs: bert-large-uncased, seq 512, V100 16GB, nvidia-smi (MiB) ----
