@@ -283,8 +283,10 @@ ROWS: list[Row] = [
         impl=LITGPT_LORA + "; FSDP1 per Block (lit-gpt 2023), not FSDP2"),
     # ---- litgpt config_hub/finetune/README.md (A10G 24GB, Alpaca2k max_seq_length 512) ----
     Row("R22", HUB, "TinyLlama-1.1B full, bf16-true, AdamW, 4×512, 1×A10G", "peak_allocated", 14.10, "GB", "a10g",
-        {"model.name": TINYLLAMA, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
-        impl=LITGPT),
+        {"model.name": TINYLLAMA, **LIT_FULL, "train.micro_batch_size": 4, "train.accumulate_grad_batches": 8,
+         "data.max_seq_length": 512}, impl=LITGPT,
+        note="config_hub tiny-llama/full.yaml: global_batch_size 32, micro_batch_size 4, 1 device: 8 micro-batches "
+             "per step, so the gradients are alive through every later forward"),
     Row("R23", HUB, "TinyLlama-1.1B LoRA r32 all linear + head, bf16-true, 8×512, 1×A10G", "peak_allocated", 13.50,
         "GB", "a10g", {"model.name": TINYLLAMA, **lit_lora(32, 16, LLAMA_ALL_AND_HEAD), "train.micro_batch_size": 8,
                        "data.max_seq_length": 512}, impl=LITGPT_LORA),
