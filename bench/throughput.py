@@ -4,6 +4,7 @@
     python bench/throughput.py --config tinyllama-1.1b-full-bf16        # one GPU
     python bench/throughput.py --config llama-7b-lora [--steps 30] [--data fixed|real|both]
                                [--set data.packing=true ...]           # extra bigtune-only overrides
+                               [--set-both peft.adapter_dtype=bfloat16 ...]  # both sides: still identical
 
 Both sides run in this process on the same model shapes (bundled config, random init from the same
 seed, same dtype), the same token ids (bigtune's own tokenizer and data pipeline produce the
@@ -366,6 +367,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data", choices=["fixed", "real", "both"], default="both")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="extra recipe override for the bigtune side only (e.g. train.loss_chunk_tokens=4096)")
+    ap.add_argument("--set-both", action="append", default=[], metavar="KEY=VALUE",
+                    help="recipe override for both sides, which stay the identical configuration (e.g. "
+                         "peft.adapter_dtype=bfloat16: bf16 adapters for bigtune and for the Trainer's PEFT)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile both sides: train.compile=true for bigtune, TrainingArguments(torch_compile="
                          "True) for the Trainer; use a --warmup that covers the compiles")
@@ -386,13 +390,18 @@ def main(argv=None) -> int:
     if steps < 2 * warmup:
         ap.error(f"--steps {steps} must be at least twice --warmup {warmup} (timed windows are warm-up long)")
     steps -= steps % warmup  # whole timed windows
-    extra = dict(BIGTUNE_EXTRA[config])
-    for kv in args.set:
-        k, _, v = kv.partition("=")
-        extra[k] = json.loads(v) if v not in ("", None) and v[0] in "0123456789-[{tfn" else v
+    def parsed(pairs: list[str]) -> dict:
+        out = {}
+        for kv in pairs:
+            k, _, v = kv.partition("=")
+            out[k] = json.loads(v) if v not in ("", None) and v[0] in "0123456789-[{tfn" else v
+        return out
+
+    extra = {**BIGTUNE_EXTRA[config], **parsed(args.set)}
+    both = parsed(args.set_both)
     datas = ["fixed", "real"] if args.data == "both" else [args.data]
     if args.dry_run:
-        return dry_run(config, datas, steps, warmup, extra)
+        return dry_run(config, datas, steps, warmup, extra, both)
     device = torch.device("cuda" if PRESETS[config]["accelerator"] == "cuda" else "cpu")
     r0 = load_recipe({}, PRESETS[config])
     peak, gpu_name = peak_flops_of(device, r0.precision)
@@ -400,7 +409,8 @@ def main(argv=None) -> int:
           f"not timed; torch {torch.__version__}; bigtune-only options {extra or 'none'}"
           + ("; torch.compile on both sides" if args.compile else ""), flush=True)
     results: dict = {}
-    record = {"config": config, "overrides": PRESETS[config], "compile": args.compile, "bigtune_extra": extra,
+    record = {"config": config, "overrides": {**PRESETS[config], **both}, "compile": args.compile,
+              "bigtune_extra": extra,
               "steps": steps, "warmup": warmup, "device": gpu_name, "peak_flops": peak,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results,
               "command": "python bench/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)}
@@ -415,7 +425,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for data in datas:
-            over = recipe_for(config, data, steps, tmp, {"train.compile": args.compile})
+            over = recipe_for(config, data, steps, tmp, {"train.compile": args.compile, **both})
             ours_over = {**over, **extra}
             ours = run_bigtune(ours_over, warmup, tmp / f"bigtune-{data}")
             hf = run_hf(over, warmup, tmp / f"hf-{data}")
@@ -441,7 +451,8 @@ def _write_record(path: Path | None, record: dict) -> None:
     tmp_path.replace(path)
 
 
-def dry_run(config: str, datas: list[str], steps: int, warmup: int, extra: dict, gpu_key: str = "h100-80gb") -> int:
+def dry_run(config: str, datas: list[str], steps: int, warmup: int, extra: dict, both: dict | None = None,
+            gpu_key: str = "h100-80gb") -> int:
     """Build everything a GPU run builds, on any machine, and train nothing: both sides' recipes (validated as
     on a CUDA machine), data, tokenizer, the model on the meta device (+ PEFT, checkpointing), its FLOP
     shape, Trainer's arguments, the GPU's peak FLOP/s, and bigtune's plan of its side on ``gpu_key``. A
@@ -462,7 +473,7 @@ def dry_run(config: str, datas: list[str], steps: int, warmup: int, extra: dict,
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for data in datas:
-            over = recipe_for(config, data, steps, tmp, {})
+            over = recipe_for(config, data, steps, tmp, dict(both or {}))
             sides = [("bigtune", {**over, **extra}), ("hf", over)]
             if data == "real" and not extra.get("data.packing"):
                 sides.append(("bigtune+packing", {**over, **extra, "data.packing": True}))
