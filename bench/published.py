@@ -67,7 +67,6 @@ TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chu
                   "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
 # holds the previous step's gradients; bigtune's engine frees them at its optimizer step (set_to_none).
-LIGHTNING_GRADS = "Lightning zero_grad runs after training_step: last step's gradients alive at the print"
 # Lightning's DDPStrategy() keeps gradient_as_bucket_view=False: DDP's reducer buckets hold a second copy of
 # the gradients beside .grad; bigtune's DDP sets gradient_as_bucket_view=True (dist.py).
 LIGHTNING_DDP = "DDPStrategy() default gradient_as_bucket_view=False: reducer buckets ≈ one more gradient copy"
@@ -83,6 +82,9 @@ LLAMA2_7B, LLAMA2_13B, LLAMA2_70B = ("meta-llama/Llama-2-7b-hf", "meta-llama/Lla
 LLAMA3_8B, LLAMA31_8B = "meta-llama/Meta-Llama-3-8B", "meta-llama/Llama-3.1-8B"
 # litgpt/lab full fine-tunes: bf16-true weights, torch AdamW with the lab's betas.
 LIT_FULL = {"precision": "bf16-true", "optim.name": "adamw", "optim.betas": [0.9, 0.95]}
+# PyTorch Lightning's Trainer (the lab's scripts) frees the gradients after the next training_step, just
+# before its backward: the recipe key that runs (and plans) the same order.
+PL_ORDER = {"optim.zero_grad": "before_backward"}
 # litgpt LoRA: r, alpha, targets per row; dropout 0.05 (litgpt's default in every config cited).
 def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", double_quant: bool = False) -> dict:
     # litgpt creates its LoRA weights in the model's dtype (bf16 under bf16-true), as peft.adapter_dtype=bfloat16
@@ -139,12 +141,13 @@ class Row:
 
 
 def _lab7b(**over) -> dict:
-    return {"model.name": OPENLLAMA7B, **LIT_FULL, "data.max_seq_length": 512, "train.micro_batch_size": 4, **over}
+    return {"model.name": OPENLLAMA7B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
+            "train.micro_batch_size": 4, **over}
 
 
 def _tiny_lab(**over) -> dict:
-    return {"model.name": TINYLLAMA, **LIT_FULL, "data.max_seq_length": 512, "train.micro_batch_size": 8,
-            "train.accumulate_grad_batches": 4, **over}
+    return {"model.name": TINYLLAMA, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
+            "train.micro_batch_size": 8, "train.accumulate_grad_batches": 4, **over}
 
 
 LAB_NOTE = ("Alpaca2k truncated at 512 and padded to the batch's longest; planned at full 512-token rows "
@@ -158,12 +161,12 @@ ROWS: list[Row] = [
     Row("L1.res", LAB_A100, "as L1: reserved", "reserved", 73.30, "GiB", "a100-80gb",
         _lab7b(**{"train.accumulate_grad_batches": 4}), impl=LITGPT, note=LAB_NOTE),
     Row("L2", LAB_A100, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80", "after_forward_allocated",
-        61.97, "GiB", "a100-80gb", _lab7b(), impl=f"{LITGPT}; {LIGHTNING_GRADS}", note=LAB_NOTE),
+        61.97, "GiB", "a100-80gb", _lab7b(), impl=LITGPT, note=LAB_NOTE),
     Row("L2.res", LAB_A100, "as L2: reserved", "reserved", 71.35, "GiB", "a100-80gb", _lab7b(), impl=LITGPT,
         note=LAB_NOTE),
     Row("L3", LAB_A100, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 4×A100-80 DDP", "after_forward_allocated",
         73.98, "GiB", "a100-80gb", _lab7b(**{"devices": 4, "strategy": "ddp"}), gpus=4, strategy="ddp",
-        impl=f"{LITGPT}; {LIGHTNING_GRADS}; {LIGHTNING_DDP}", note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE),
+        impl=f"{LITGPT}; {LIGHTNING_DDP}", note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE),
     Row("L3.res", LAB_A100, "as L3: reserved", "reserved", 78.30, "GiB", "a100-80gb",
         _lab7b(**{"devices": 4, "strategy": "ddp"}), gpus=4, strategy="ddp", impl=f"{LITGPT}; {LIGHTNING_DDP}",
         note=f"{RANKS} (78.06 / 78.12 / 78.30)"),
@@ -178,7 +181,7 @@ ROWS: list[Row] = [
         _tiny_lab(**{"devices": 4, "strategy": "ddp"}), gpus=4, strategy="ddp", impl=f"{LITGPT}; {LIGHTNING_DDP}",
         note=f"{RANKS} (31.22 / 27.19 / 28.74)"),
     Row("L9.1dev", LAB_V100, "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 1×V100-32", "fit", None, "-",
-        "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, "data.max_seq_length": 512,
+        "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
                       "train.micro_batch_size": 1}, expect="oom", impl=LITGPT,
         note="v100_llama3b_1device.py is stated to run out of memory"),
     # older LitGPT-CLI lab (litgpt finetune_full, 1×A100 80GB, Alpaca2k max_seq_length 512)
@@ -195,42 +198,47 @@ ROWS: list[Row] = [
         {"model.name": OPENLLAMA13B, **LIT_FULL, "optim.name": "sgd", "data.max_seq_length": 512,
          "train.micro_batch_size": 1}, expect="fit", impl=LITGPT),
     Row("LF5", LAB_SINGLE, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80", "fit", None, "-", "a100-80gb",
-        _lab7b(), expect="fit", impl=LITGPT),
+        _lab7b(**{"optim.zero_grad": "after_step"}), expect="fit", impl=LITGPT),  # LitGPT's CLI: Fabric's order
     # ---- the lab's BLIP-2 fine-tune (HF Blip2ForConditionalGeneration under Lightning, as bigtune; captions
     # ≤ 50 tokens, planned at 50; every part trained, as the recipes) ----
     Row("B1a", LAB_BLIP, "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 32, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {"train.micro_batch_size": 32}, BLIP_OPT27, expect="oom"),
+        {**PL_ORDER, "train.micro_batch_size": 32}, BLIP_OPT27, expect="oom"),
     Row("B1b", LAB_BLIP, "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 64, 1×H100 94GB", "fit", None, "-",
-        "h100-nvl-94gb", {"train.micro_batch_size": 64}, BLIP_OPT27, expect="oom",
+        "h100-nvl-94gb", {**PL_ORDER, "train.micro_batch_size": 64}, BLIP_OPT27, expect="oom",
         note="the lab's H100 is described as 94 GB VRAM (g1.h100.pci.1); planned on the catalog's H100 NVL 94GB"),
     Row("B2", LAB_BLIP, "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 16, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {"train.micro_batch_size": 16}, BLIP_OPT27, expect="fit"),
+        {**PL_ORDER, "train.micro_batch_size": 16}, BLIP_OPT27, expect="fit"),
     Row("B3", LAB_BLIP, "BLIP-2 OPT-6.7b all parts, bf16-true, AdamW, 16/4, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {"precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        "a100-80gb", {**PL_ORDER, "precision": "bf16-true", "train.micro_batch_size": 16,
+                      "train.accumulate_grad_batches": 4},
         BLIP_OPT67, expect="fit"),
     Row("B4a", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {"train.micro_batch_size": 1, "train.accumulate_grad_batches": 1}, BLIP_XXL, expect="oom"),
+        "a100-80gb", {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1}, BLIP_XXL,
+        expect="oom"),
     Row("B4b", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×H100 94GB", "fit", None, "-",
-        "h100-nvl-94gb", {"train.micro_batch_size": 1, "train.accumulate_grad_batches": 1}, BLIP_XXL, expect="oom"),
+        "h100-nvl-94gb", {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1}, BLIP_XXL,
+        expect="oom"),
     Row("B5", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, SGD, 16/4, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {"optim.name": "sgd", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        "a100-80gb", {**PL_ORDER, "optim.name": "sgd", "train.micro_batch_size": 16,
+                      "train.accumulate_grad_batches": 4},
         BLIP_XXL, expect="fit"),
     Row("B6a", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, Adam8bit, 2/2, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {"optim.name": "adam8bit", "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2},
+        "a100-80gb", {**PL_ORDER, "optim.name": "adam8bit", "train.micro_batch_size": 2,
+                      "train.accumulate_grad_batches": 2},
         BLIP_XXL, expect="fit"),
     Row("B6b", LAB_BLIP, "as B6a + activation checkpointing", "fit", None, "-", "a100-80gb",
-        {"optim.name": "adam8bit", "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2,
+        {**PL_ORDER, "optim.name": "adam8bit", "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2,
          "train.activation_checkpointing": True}, BLIP_XXL, expect="fit"),
     Row("B7", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, ZeRO-2 offload (CPU Adam), 16/4, 1×A100-80",
         "fit", None, "-", "a100-80gb",
         {"strategy": "deepspeed_stage_2_offload", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
         BLIP_XXL, strategy="deepspeed_stage_2_offload", expect="fit"),
     Row("B8", LAB_BLIP, "BLIP-2 Flan-T5-XXL LoRA r16/α32, 32-true, AdamW, 32/2, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {"precision": "32-true", "peft.method": "lora", "peft.r": 16, "peft.alpha": 32,
+        "a100-80gb", {**PL_ORDER, "precision": "32-true", "peft.method": "lora", "peft.r": 16, "peft.alpha": 32,
                       "peft.dropout": 0.05, "train.micro_batch_size": 32, "train.accumulate_grad_batches": 2},
         BLIP_XXL, expect="fit", note="stated to fit easily; the lab's captions are shorter than 50 tokens"),
     Row("B9", LAB_BLIP, "BLIP-2 Flan-T5-XXL QLoRA (nf4) r16/α32, 32-true, AdamW, bs 64, 1×A100-80", "fit", None,
-        "-", "a100-80gb", {"precision": "32-true", "model.quantize": "nf4", "peft.method": "lora", "peft.r": 16,
+        "-", "a100-80gb", {**PL_ORDER, "precision": "32-true", "model.quantize": "nf4", "peft.method": "lora", "peft.r": 16,
                            "peft.alpha": 32, "peft.dropout": 0.05, "train.micro_batch_size": 64,
                            "train.accumulate_grad_batches": 1},
         BLIP_XXL, expect="fit", note="the lab's captions are shorter than 50 tokens"),

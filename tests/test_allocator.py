@@ -63,6 +63,21 @@ def test_replay_of_events_and_zero_byte_storages():
     assert stats.in_use == stats.peak_in_use == 20 * MiB
 
 
+def test_steady_replay_frees_what_crosses_the_step_boundary():
+    # Gradients freed only in the next step (optim.zero_grad=before_backward): the repeated step must
+    # free step 1's where step 1 freed step 0's, not keep both alive.
+    from bigtune.planner import _replay_steady
+
+    g, act = 64 * MiB, 32 * MiB
+    events = [("alloc", 0, 128 * MiB),                            # weights
+              ("alloc", 1, act), ("free", 1), ("alloc", 2, g),     # step 0: forward, backward leaves a gradient
+              ("alloc", 3, act), ("free", 2), ("free", 3), ("alloc", 4, g)]  # step 1: the same, one step later
+    reserved, in_use = _replay_steady(events, 4)
+    three_steps = replay(events + [("alloc", 5, act), ("free", 4), ("free", 5), ("alloc", 6, g)]).stats
+    assert (reserved, in_use) == (three_steps.peak_reserved, three_steps.peak_in_use)
+    assert three_steps.peak_allocated == 128 * MiB + g + act
+
+
 def _tinyllama(layers: int):
     r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml",
                     {"precision": "bf16-true", "train.micro_batch_size": 2, "data.max_seq_length": 256})

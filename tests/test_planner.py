@@ -54,6 +54,51 @@ def test_cpu_plan_matches_measurement(tmp_path, full_length_data, model, precisi
     assert abs(predicted.peak_allocated - measured) / measured < 0.02, (predicted.peak_allocated, measured)
 
 
+@pytest.mark.parametrize("acc", [1, 2])
+def test_lightning_gradient_order_is_measured_and_planned(tmp_path, full_length_data, acc):
+    # optim.zero_grad=before_backward (PyTorch Lightning Trainer's order): the last step's gradients live
+    # through the next forward. Same losses; the plan follows the engine exactly.
+    over = {"model.name": "tiny-llama", "data.source": str(full_length_data), "data.max_seq_length": 64,
+            "train.micro_batch_size": 4, "train.accumulate_grad_batches": acc, "train.max_steps": 3,
+            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
+            "precision": "32-true", "output_dir": str(tmp_path / "late"), "memory.plan": False,
+            "optim.zero_grad": "before_backward"}
+    late = train({}, over, quiet_recipe=True)
+    early = train({}, {**over, "optim.zero_grad": "after_step", "output_dir": str(tmp_path / "early")},
+                  quiet_recipe=True)
+    assert [r["loss"] for r in read_jsonl(tmp_path / "late" / "metrics.jsonl")] == \
+        [r["loss"] for r in read_jsonl(tmp_path / "early" / "metrics.jsonl")]
+    steady = {s["phase"]: s for s in read_jsonl(tmp_path / "late" / "memory.jsonl") if s["step"] == 2}
+    grads = steady["after_backward"]["gradients"]
+    assert grads > 0 and steady["before_forward"]["gradients"] == grads  # held across the step boundary
+    predicted = plan(load_recipe({}, over), Target("cpu"))
+    for phase, s in steady.items():
+        for cat in ("parameters", "gradients", "optimizer_device"):
+            assert s[cat] == predicted.phases[phase][cat], (phase, cat)
+    assert abs(predicted.peak_allocated - late["peak_allocated_bytes"]) / late["peak_allocated_bytes"] < 0.02
+    if acc == 1:  # the forward now runs beside a gradient copy; with accumulation it did already
+        assert late["peak_allocated_bytes"] > early["peak_allocated_bytes"]
+    else:
+        assert late["peak_allocated_bytes"] == early["peak_allocated_bytes"]
+
+
+def test_lightning_gradient_order_on_a_gpu_plan():
+    # On one GPU the forward's high-water mark grows by the gradients; under DDP those gradients are the
+    # reducer buckets' views, so the buckets add nothing to that forward (backward still sees them).
+    base = {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "precision": "bf16-true",
+            "accelerator": "cpu", "data.max_seq_length": 512, "train.micro_batch_size": 8}
+    gpu = find_gpu("a100-80gb")
+    early = plan(load_recipe({}, base), Target("cuda", gpu, 1), replay=False)
+    late_r = load_recipe({}, {**base, "optim.zero_grad": "before_backward"})
+    late = plan(late_r, Target("cuda", gpu, 1), replay=False)
+    g = early.model_states["gradients"]
+    assert late.phases["before_forward"]["allocated"] == early.phases["before_forward"]["allocated"] + g
+    assert late.phases["after_forward"]["allocated"] == early.phases["after_forward"]["allocated"] + g
+    assert early.peak_allocated < late.peak_allocated <= early.peak_allocated + g
+    ddp = plan(late_r, Target("cuda", gpu, 4, "ddp"), replay=False)
+    assert ddp.phases["after_forward"]["allocated"] == late.phases["after_forward"]["allocated"]
+
+
 def test_train_prints_plan_and_compares(tmp_path):
     s = train({}, {"train.max_steps": 2, "train.max_epochs": None, "memory.every_steps": 1,
                    "checkpoint.save_model": False, "accelerator": "cpu", "output_dir": str(tmp_path / "r"),

@@ -84,6 +84,7 @@ def test_global_batch_size_derives_accumulation():
     (["optim.implementation=fused", "accelerator=cpu"], "CUDA"),
     (["model.name=./no/such/folder"], "does not exist"),
     (["data.source=./missing.jsonl"], "does not exist"),
+    (["optim.zero_grad=before_backward", "strategy=deepspeed_stage_2"], "optim.zero_grad=after_step"),
 ])
 def test_incompatible_or_impossible_combinations(overrides, fragment):
     probs = _problems({}, overrides)

@@ -275,6 +275,9 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
     head = chunked_loss_head(b.recipe, model)
+    # Lightning Trainer's order (optim.zero_grad=before_backward): the last step's gradients live through
+    # this window's first forward and are freed just before its backward.
+    late_zero = b.recipe.optim.zero_grad == "before_backward"
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         padded = batch.get("padded", True)
@@ -298,6 +301,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
             del logits
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
+            if late_zero and i == 0:
+                opt.zero_grad(set_to_none=True)
             state.phase = "backward"
             fabric.backward(loss, **backward_kwargs(fabric))
         loss_total += loss.detach()
@@ -312,7 +317,8 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
     b.scheduler.step()
     if measure:
         snaps.append(monitor.snapshot(state.step, "after_optimizer", model, opt))
-    opt.zero_grad(set_to_none=True)
+    if not late_zero:
+        opt.zero_grad(set_to_none=True)
     if track:
         monitor.end_step()
     return loss_total, snaps
@@ -451,6 +457,8 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
         state.epoch_loss_sum, state.epoch_loss_steps = 0.0, 0
         if state.step >= b.total_steps:
             break
+    if r.optim.zero_grad == "before_backward":  # the last step's gradients are still held: not for what follows
+        b.optimizer.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()

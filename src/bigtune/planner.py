@@ -377,7 +377,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
                     if p.requires_grad:  # frozen (base) weights never get gradients
                         p.grad = torch.zeros_like(p)
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                if r.optim.zero_grad == "after_step":  # else they live into the next forward, as in the engine
+                    opt.zero_grad(set_to_none=True)
             step1 = len(events) if events is not None else 0
             monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
             state = LoopState(step=1)
@@ -419,9 +420,23 @@ def _replay_steady(events: list, step1: int) -> tuple[int, int]:
     pattern; it does not after that)."""
     from bigtune.allocator import replay
 
-    born = {e[1] for e in events[step1:] if e[0] == "alloc"}
+    step = events[step1:]
+    born = {e[1]: e[2] for e in step if e[0] == "alloc"}
+    freed = {e[1] for e in step if e[0] == "free"}
+    # Storages that cross the step boundary (optim.zero_grad=before_backward: the gradients) are born in
+    # one step and freed in the next. Step 2 frees step 1's where step 1 freed step 0's; a copy of step 1
+    # alone would keep both. Paired in birth order among storages of the same size.
+    heirs: dict[int, list[int]] = {}
+    for k in sorted(k for k in born if k not in freed):
+        heirs.setdefault(born[k], []).append(k)
+    sizes = {e[1]: e[2] for e in events[:step1] if e[0] == "alloc"}
+    heir = {}
+    for k in sorted(e[1] for e in step if e[0] == "free" and e[1] not in born):
+        if heirs.get(sizes.get(k)):
+            heir[k] = heirs[sizes[k]].pop(0)
     offset = len(events)
-    again = [(e[0], e[1] + offset, *e[2:]) for e in events[step1:] if e[1] in born]
+    again = [(e[0], e[1] + offset, *e[2:]) if e[1] in born else ("free", heir[e[1]])
+             for e in step if e[1] in born or e[1] in heir]
     stats = replay(events + again).stats
     return stats.peak_reserved, stats.peak_in_use
 
@@ -773,24 +788,27 @@ def _phase_high(ph: dict) -> int:
     return ph.get("phase_peak") or ph["peak_allocated"]
 
 
-def _ddp_buckets(sim: Sim, phases: dict, notes: list[str]) -> tuple[dict, int, list[str]]:
+def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = False) -> tuple[dict, int, list[str]]:
     """DDP's reducer allocates flat gradient buckets for every trainable parameter when the model is
     wrapped and keeps them for the whole run. With gradient_as_bucket_view (bigtune's setting) a synced
     backward leaves each .grad a view into them, so after backward and the step they cost nothing extra;
     but zero_grad(set_to_none) drops the views, not the buckets, so from there until the next synced
     backward they sit beside whatever the step allocates: the whole forward, and backward from its start
-    (gradients accumulated under no_sync are separate tensors too). Counted under activations ("other")."""
+    (gradients accumulated under no_sync are separate tensors too). Counted under activations ("other").
+    ``views_held``: the simulated forward already holds the last synced backward's gradients, which are
+    those views (optim.zero_grad=before_backward without accumulation), so the forward costs nothing extra."""
     g = sim.phases["after_backward"]["gradients"]
     if not g:
         return phases, sim.peak_allocated, notes
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-    fwd, bwd, opt = _phase_high(f) + g, _phase_high(b_) + g, _phase_high(o)
+    g_fwd = 0 if views_held else g
+    fwd, bwd, opt = _phase_high(f) + g_fwd, _phase_high(b_) + g, _phase_high(o)
     cumulative = {"before_forward": 0, "after_forward": fwd, "after_backward": max(fwd, bwd),
                   "after_optimizer": max(fwd, bwd, opt)}
     for name, ph in phases.items():
         if name in ("before_forward", "after_forward"):
-            ph["allocated"] += g
-            ph["activations"] += g
+            ph["allocated"] += g_fwd
+            ph["activations"] += g_fwd
         ph["phase_peak"] = None
         ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
     notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on (the gradients are views into "
@@ -814,7 +832,8 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         # (born at the wrap, invisible while no .grad views them), so a CPU plan leaves them out as the
         # CPU measurement does; CUDA's allocator counts every byte.
         if target.strategy == "ddp" and target.device == "cuda":
-            return _ddp_buckets(sim, phases, notes)
+            return _ddp_buckets(sim, phases, notes,
+                                views_held=recipe.optim.zero_grad == "before_backward" and recipe.accumulate == 1)
         return phases, sim.peak_allocated, notes
     es = 4 if recipe.precision == "32-true" else 2
     gather = bucket = persistent_bucket = 0
@@ -1185,7 +1204,7 @@ def _sim_key(r: Recipe, micro: int) -> str:
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
                        r.optim.implementation, r.data.max_seq_length, micro, min(k, 2), r.peft.method,
-                       r.peft.adapter_dtype, r.model.quantize, _step_kind(r, r.strategy)])
+                       r.peft.adapter_dtype, r.model.quantize, r.optim.zero_grad, _step_kind(r, r.strategy)])
 
 
 def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,

@@ -168,6 +168,14 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
     grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
+    zero_grad: Literal["after_step", "before_backward"] = _f(
+        "after_step", "When the gradients are freed. after_step: right after the optimizer step, so the next "
+        "forward runs without them (the lowest peak; Hugging Face Trainer, LitGPT and torchtune do the same). "
+        "before_backward: PyTorch Lightning Trainer's order (the lab's scripts): the previous step's gradients stay "
+        "alive through the next step's first forward and are freed just before its backward, which adds the "
+        "gradient bytes to that forward's memory when accumulate_grad_batches is 1. Use it to compare with a "
+        "Lightning Trainer's printouts; `bigtune plan` plans either. Not with DeepSpeed (ZeRO clears its own "
+        "gradient buffers in its step).")
     lr_scaling: Literal["none", "linear", "sqrt"] = _f(
         "none", "Scale optim.lr with the data-parallel size N = devices × num_nodes, for a global batch that grows "
         "with the GPU count: linear uses lr × N (the lab's 'lr × 4' on 4 GPUs), sqrt lr × √N (often better for "
@@ -533,6 +541,9 @@ def check_combinations(r: Recipe) -> list[str]:
             p.append("train.accumulate_grad_batches and train.global_batch_size disagree; set only one of them")
     if len(r.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in r.optim.betas):
         p.append(f"optim.betas: {r.optim.betas!r} must be two numbers, e.g. [0.9, 0.999]")
+    if r.optim.zero_grad == "before_backward" and r.strategy in DEEPSPEED_STRATEGIES:
+        p.append(f"optim.zero_grad=before_backward with strategy={r.strategy}: ZeRO clears its own gradient buffers "
+                 "in its step; use optim.zero_grad=after_step")
     if r.optim.momentum and r.optim.name != "sgd":
         p.append("optim.momentum: only SGD uses momentum; remove it or set optim.name=sgd")
     world = r.devices * r.num_nodes
