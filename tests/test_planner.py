@@ -99,6 +99,14 @@ def test_lightning_gradient_order_on_a_gpu_plan():
     assert ddp.phases["after_forward"]["allocated"] == late.phases["after_forward"]["allocated"]
 
 
+def test_alternatives_offer_the_default_gradient_order(capfd):
+    r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"optim.zero_grad": "before_backward"})
+    alts = alternatives(r, Target("cuda", find_gpu("a100-80gb"), 1), max_gpus=1)
+    freed = [p for p in alts if p.overrides == {"optim.zero_grad": "after_step"}]
+    assert len(freed) == 1 and "after the step" in freed[0].variant
+    assert "Automatic Mixed Precision" not in capfd.readouterr().err  # simulations stay quiet
+
+
 def test_train_prints_plan_and_compares(tmp_path):
     s = train({}, {"train.max_steps": 2, "train.max_epochs": None, "memory.every_steps": 1,
                    "checkpoint.save_model": False, "accelerator": "cpu", "output_dir": str(tmp_path / "r"),

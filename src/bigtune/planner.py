@@ -240,6 +240,21 @@ def _matmul_numel(model: torch.nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Lightning's info lines off for a while. Its rank-zero messages go through whichever of its
+    packages was imported last (lightning.pytorch comes with `import lightning`), so quiet all of them."""
+    loggers = [logging.getLogger(n) for n in ("lightning.fabric", "lightning.pytorch", "lightning_fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: bool,
              micro_batch: Optional[int] = None, padded: bool = False,
              arch: Optional[tuple[int, int]] = None, trace: bool = False) -> Sim:
@@ -293,8 +308,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
         # DeepSpeed's C++ Adam reads raw data pointers (a segfault on fake tensors); torch's CPU
         # AdamW in the same wrapper keeps exactly the same tensors in the same places.
         r.optim.name = "cpu_offload_adamw"
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)  # no "Using bfloat16 AMP" per simulation
-    fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
+    with _quiet_lightning():  # no "Using bfloat16 AMP" per simulation
+        fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
     # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
     # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
     fabric._precision.convert_module = lambda module: module
@@ -771,8 +786,10 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     """
     mixed = zero_masters(recipe, strategy) and recipe.precision.endswith("-mixed")
     adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
+    # ZeRO frees its gradients in its own step, whatever order optim.zero_grad asks for.
+    late = strategy.startswith("deepspeed") and recipe.optim.zero_grad != "after_step"
     same_step = _step_kind(recipe, recipe.strategy) == _step_kind(recipe, strategy)
-    if not (mixed or adam) and same_step:
+    if not (mixed or adam or late) and same_step:
         return recipe
     r = copy.deepcopy(recipe)
     r.strategy = strategy
@@ -780,6 +797,8 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
         r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
     if adam:
         r.optim.name = "adamw"
+    if late:
+        r.optim.zero_grad = "after_step"
     return r
 
 
@@ -1330,6 +1349,14 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     jobs[k_1] = (r_1, m0)
     todo.append((f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}", {}, 1,
                  "deepspeed_stage_2_offload", k_1))
+    if recipe.optim.zero_grad == "before_backward":
+        # Lightning's order holds the last step's gradients through the next forward; the default frees them.
+        over = {"optim.zero_grad": "after_step"}
+        r_z = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+        k_z = _sim_key(r_z, m0)
+        jobs[k_z] = (r_z, m0)
+        todo.append((f"{recipe.precision}, gradients freed after the step (optim.zero_grad=after_step), micro {m0} × "
+                     f"acc {g // m0}", over, 1, "single", k_z))
     # Model states alone are a lower bound on the peak: variants whose states cannot fit are
     # dropped before any simulation (for a 70B model that is most single-GPU variants).
     n_evaluated = len(todo)
