@@ -67,9 +67,9 @@ TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chu
                   "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
 # holds the previous step's gradients; bigtune's engine frees them at its optimizer step (set_to_none).
-# Lightning's DDPStrategy() keeps gradient_as_bucket_view=False: DDP's reducer buckets hold a second copy of
-# the gradients beside .grad; bigtune's DDP sets gradient_as_bucket_view=True (dist.py).
-LIGHTNING_DDP = "DDPStrategy() default gradient_as_bucket_view=False: reducer buckets ≈ one more gradient copy"
+# The lab's 4-GPU runs: Lightning's DDPStrategy() keeps gradient_as_bucket_view=False, so DDP's reducer buckets
+# hold a second copy of the gradients beside .grad (bigtune's default is true: ddp_bucket_view).
+LIGHTNING_DDP_KEYS = {"devices": 4, "strategy": "ddp", "ddp_bucket_view": False}
 HF_TRAINER = ("HF Trainer on an older transformers (eager attention); nvidia-smi total includes a measured "
               "1343 MB CUDA context vs the planner's assumed 0.5 GiB")
 
@@ -165,20 +165,20 @@ ROWS: list[Row] = [
     Row("L2.res", LAB_A100, "as L2: reserved", "reserved", 71.35, "GiB", "a100-80gb", _lab7b(), impl=LITGPT,
         note=LAB_NOTE),
     Row("L3", LAB_A100, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 4×A100-80 DDP", "after_forward_allocated",
-        73.98, "GiB", "a100-80gb", _lab7b(**{"devices": 4, "strategy": "ddp"}), gpus=4, strategy="ddp",
-        impl=f"{LITGPT}; {LIGHTNING_DDP}", note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE),
+        73.98, "GiB", "a100-80gb", _lab7b(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp",
+        impl=LITGPT, note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE),
     Row("L3.res", LAB_A100, "as L3: reserved", "reserved", 78.30, "GiB", "a100-80gb",
-        _lab7b(**{"devices": 4, "strategy": "ddp"}), gpus=4, strategy="ddp", impl=f"{LITGPT}; {LIGHTNING_DDP}",
+        _lab7b(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp", impl=LITGPT,
         note=f"{RANKS} (78.06 / 78.12 / 78.30)"),
     Row("L6", LAB_V100, "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 1×V100-32", "after_forward_allocated",
         23.92, "GiB", "v100-32gb", _tiny_lab(), impl=LITGPT, note=LAB_NOTE),
     Row("L6.res", LAB_V100, "as L6: reserved", "reserved", 25.16, "GiB", "v100-32gb", _tiny_lab(), impl=LITGPT,
         note=LAB_NOTE),
     Row("L7", LAB_V100, "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 DDP",
-        "after_forward_allocated", 25.27, "GiB", "v100-32gb", _tiny_lab(**{"devices": 4, "strategy": "ddp"}),
-        gpus=4, strategy="ddp", impl=f"{LITGPT}; {LIGHTNING_DDP}", note=f"{RANKS} (23.75 / 23.10 / 25.27); " + LAB_NOTE),
+        "after_forward_allocated", 25.27, "GiB", "v100-32gb", _tiny_lab(**LIGHTNING_DDP_KEYS),
+        gpus=4, strategy="ddp", impl=LITGPT, note=f"{RANKS} (23.75 / 23.10 / 25.27); " + LAB_NOTE),
     Row("L7.res", LAB_V100, "as L7: reserved", "reserved", 31.22, "GiB", "v100-32gb",
-        _tiny_lab(**{"devices": 4, "strategy": "ddp"}), gpus=4, strategy="ddp", impl=f"{LITGPT}; {LIGHTNING_DDP}",
+        _tiny_lab(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp", impl=LITGPT,
         note=f"{RANKS} (31.22 / 27.19 / 28.74)"),
     Row("L9.1dev", LAB_V100, "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 1×V100-32", "fit", None, "-",
         "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,

@@ -193,6 +193,18 @@ def test_ddp_keeps_its_gradient_buckets_beside_forward_and_backward():
     assert one.peak_allocated < four.peak_allocated <= one.peak_allocated + g
 
 
+def test_ddp_without_bucket_views_holds_a_second_gradient_copy_throughout():
+    base = {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "precision": "bf16-true",
+            "accelerator": "cpu", "data.max_seq_length": 512, "train.micro_batch_size": 8}
+    gpu = find_gpu("a100-80gb")
+    one = plan(load_recipe({}, base), Target("cuda", gpu, 1), replay=False)
+    four = plan(load_recipe({}, {**base, "ddp_bucket_view": False}), Target("cuda", gpu, 4, "ddp"), replay=False)
+    g = one.model_states["gradients"]
+    for ph in one.phases:
+        assert four.phases[ph]["allocated"] == one.phases[ph]["allocated"] + g
+    assert four.peak_allocated == one.peak_allocated + g
+
+
 def test_adapters_and_checkpointing_change_the_planned_time_the_way_physics_says():
     # Frozen base weights: no weight gradients and no optimizer update over 7 B weights (the FLOP and
     # byte counts themselves are checked in test_roofline.py); checkpointing repeats the forward.

@@ -216,8 +216,9 @@ def make_strategy(recipe: Recipe, accelerator: str):
     if strategy == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 
-        # Gradients live in DDP's communication buckets instead of beside them: one copy fewer.
-        return DDPStrategy(gradient_as_bucket_view=True, timeout=timeout, process_group_backend=backend)
+        # ddp_bucket_view: gradients live in DDP's communication buckets instead of beside them, one copy fewer.
+        return DDPStrategy(gradient_as_bucket_view=recipe.ddp_bucket_view, timeout=timeout,
+                           process_group_backend=backend)
     if strategy == "fsdp":
         from lightning.fabric.strategies import ModelParallelStrategy
 

@@ -807,31 +807,38 @@ def _phase_high(ph: dict) -> int:
     return ph.get("phase_peak") or ph["peak_allocated"]
 
 
-def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = False) -> tuple[dict, int, list[str]]:
+def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = False,
+                 views: bool = True) -> tuple[dict, int, list[str]]:
     """DDP's reducer allocates flat gradient buckets for every trainable parameter when the model is
-    wrapped and keeps them for the whole run. With gradient_as_bucket_view (bigtune's setting) a synced
-    backward leaves each .grad a view into them, so after backward and the step they cost nothing extra;
-    but zero_grad(set_to_none) drops the views, not the buckets, so from there until the next synced
-    backward they sit beside whatever the step allocates: the whole forward, and backward from its start
-    (gradients accumulated under no_sync are separate tensors too). Counted under activations ("other").
+    wrapped and keeps them for the whole run. Without gradient_as_bucket_view (``views`` False: PyTorch's
+    and Lightning's default) they are a second copy of the gradients beside every phase. With it
+    (bigtune's default) a synced backward leaves each .grad a view into them, so after backward and the
+    step they cost nothing extra; but zero_grad(set_to_none) drops the views, not the buckets, so from
+    there until the next synced backward they sit beside whatever the step allocates: the whole forward,
+    and backward from its start (gradients accumulated under no_sync are separate tensors too). Counted under activations ("other").
     ``views_held``: the simulated forward already holds the last synced backward's gradients, which are
     those views (optim.zero_grad=before_backward without accumulation), so the forward costs nothing extra."""
     g = sim.phases["after_backward"]["gradients"]
     if not g:
         return phases, sim.peak_allocated, notes
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-    g_fwd = 0 if views_held else g
-    fwd, bwd, opt = _phase_high(f) + g_fwd, _phase_high(b_) + g, _phase_high(o)
+    g_fwd = 0 if views_held and views else g
+    g_opt = 0 if views else g
+    fwd, bwd, opt = _phase_high(f) + g_fwd, _phase_high(b_) + g, _phase_high(o) + g_opt
     cumulative = {"before_forward": 0, "after_forward": fwd, "after_backward": max(fwd, bwd),
                   "after_optimizer": max(fwd, bwd, opt)}
     for name, ph in phases.items():
-        if name in ("before_forward", "after_forward"):
-            ph["allocated"] += g_fwd
-            ph["activations"] += g_fwd
+        extra = g_fwd if name in ("before_forward", "after_forward") else g_opt
+        ph["allocated"] += extra
+        ph["activations"] += extra
         ph["phase_peak"] = None
         ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
-    notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on (the gradients are views into "
-                 "them after a synced backward; beside the step's memory during forward and backward)")
+    if views:
+        notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on (the gradients are views into "
+                     "them after a synced backward; beside the step's memory during forward and backward)")
+    else:
+        notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on, a second copy of the gradients "
+                     "(ddp_bucket_view=false); true makes the gradients views into them")
     return phases, max(fwd, bwd, opt), notes
 
 
@@ -852,7 +859,8 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         # CPU measurement does; CUDA's allocator counts every byte.
         if target.strategy == "ddp" and target.device == "cuda":
             return _ddp_buckets(sim, phases, notes,
-                                views_held=recipe.optim.zero_grad == "before_backward" and recipe.accumulate == 1)
+                                views_held=recipe.optim.zero_grad == "before_backward" and recipe.accumulate == 1,
+                                views=recipe.ddp_bucket_view)
         return phases, sim.peak_allocated, notes
     es = 4 if recipe.precision == "32-true" else 2
     gather = bucket = persistent_bucket = 0

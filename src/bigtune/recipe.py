@@ -266,6 +266,10 @@ class Recipe:
         "full", "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
         "backward (less communication); hybrid shards within a node and replicates across nodes.")
     fsdp_cpu_offload: bool = _f(False, "FSDP: keep sharded parameters, gradients and optimizer state in CPU RAM.")
+    ddp_bucket_view: bool = _f(
+        True, "DDP: each gradient is a view into the reducer's communication buckets, so the gradients are not "
+        "held twice. false is PyTorch's and Lightning's default (DDPStrategy()): the buckets then hold a second "
+        "copy of the gradients for the whole run (`bigtune plan` counts it). The lab's BLIP-2 DDP rung sets true.")
     dist_timeout_s: int = _f(600, "Seconds a rank waits in a collective before giving up (torch.distributed "
                              "init_process_group timeout), so a crashed or hung rank makes the others exit with an "
                              "error instead of hanging forever.", min=10)
