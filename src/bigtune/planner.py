@@ -815,7 +815,8 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = Fa
     (bigtune's default) a synced backward leaves each .grad a view into them, so after backward and the
     step they cost nothing extra; but zero_grad(set_to_none) drops the views, not the buckets, so from
     there until the next synced backward they sit beside whatever the step allocates: the whole forward,
-    and backward from its start (gradients accumulated under no_sync are separate tensors too). Counted under activations ("other").
+    and backward from its start (gradients accumulated under no_sync are separate tensors too). Counted
+    under activations ("other").
     ``views_held``: the simulated forward already holds the last synced backward's gradients, which are
     those views (optim.zero_grad=before_backward without accumulation), so the forward costs nothing extra."""
     g = sim.phases["after_backward"]["gradients"]
