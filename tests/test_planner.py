@@ -107,6 +107,22 @@ def test_alternatives_offer_the_default_gradient_order(capfd):
     assert "Automatic Mixed Precision" not in capfd.readouterr().err  # simulations stay quiet
 
 
+def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
+    import bigtune.planner as planner
+
+    r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2})
+    target = Target("cuda", find_gpu("a100-80gb"), 1)
+    run_sims, asked = planner._run_sims, []
+    monkeypatch.setattr(planner, "_run_sims", lambda jobs, *a, **k: asked.append(set(jobs)) or run_sims(jobs, *a, **k))
+    fresh = alternatives(r, target, max_gpus=2, workers=1)
+    sims: dict = {}
+    plan(r, target, sims=sims, replay=False)
+    reused = alternatives(r, target, max_gpus=2, workers=1, sims=sims)
+    assert len(sims) == 1 and set(sims) <= asked[0]  # one of the variants is the recipe's own step,
+    assert not set(sims) & asked[1]                  # which the plan has already simulated
+    assert [(p.variant, p.peak_allocated) for p in reused] == [(p.variant, p.peak_allocated) for p in fresh]
+
+
 def test_train_prints_plan_and_compares(tmp_path):
     s = train({}, {"train.max_steps": 2, "train.max_epochs": None, "memory.every_steps": 1,
                    "checkpoint.save_model": False, "accelerator": "cpu", "output_dir": str(tmp_path / "r"),

@@ -207,13 +207,14 @@ def _cmd_plan(args) -> int:
         return main_plan_inference(args, r, target)
     config = resolve_config(r)
     workers = min(2, os.cpu_count() or 1)
+    sims: dict = {}  # the plan's own simulation, which --alternatives reuses
     if args.data_lengths:
         from bigtune.datalengths import plan_at_data_lengths
 
         p = plan_at_data_lengths(r, target, config=config, workers=workers)
     else:
-        p = plan(r, target, config=config, workers=workers)
-    alts = alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters) \
+        p = plan(r, target, config=config, workers=workers, sims=sims)
+    alts = alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters, sims=sims) \
         if args.alternatives else None
     if args.json:
         out = {"plan": p.to_dict()}

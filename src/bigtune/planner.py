@@ -1051,7 +1051,7 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
 
 def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Optional[dict] = None,
          config=None, sim: Optional[Sim] = None, padded: bool = False, workers: int = 1,
-         replay: bool = True) -> Plan:
+         replay: bool = True, sims: Optional[dict[str, Sim]] = None) -> Plan:
     """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
 
     ``sim`` reuses a simulation of the same single-device step (reserved then comes from a fixed
@@ -1059,7 +1059,8 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     then gets an explicit mask, which can cost more on some kernels). ``workers`` > 1 runs the
     replay's two simulations in forked processes (never after CUDA is initialised); ``replay=False``
     skips the allocator replay (reserved then from the fixed ratio: for callers that need only the
-    allocated categories).
+    allocated categories). ``sims``: the simulation made here is added under its _sim_key, for
+    alternatives() of the same recipe and target to reuse.
     """
     t0 = time.perf_counter()
     config = config if config is not None else resolve_config(recipe)
@@ -1068,6 +1069,8 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     own_sim = sim is None
     if own_sim:
         sim = simulate_full_depth(sim_recipe, config, cuda, padded=padded, arch=target_arch(target))
+        if sims is not None and not padded:
+            sims[_sim_key(sim_recipe, sim_recipe.train.micro_batch_size)] = sim
     phases, peak, notes = _shard(sim, recipe, target, total_blocks(config))
     if "math" in sim.attention:
         notes.append("attention: no fused CUDA kernel takes these inputs on this GPU (cuda_kernels.sdpa_backend), "
@@ -1275,7 +1278,8 @@ class Alternatives(list):
 
 
 def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None,
-                 workers: Optional[int] = None, adapters: bool = False) -> list[Plan]:
+                 workers: Optional[int] = None, adapters: bool = False,
+                 sims: Optional[dict[str, Sim]] = None) -> list[Plan]:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
 
     Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
@@ -1284,7 +1288,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     adapters instead of every weight, a different result, so only on request); multi-GPU variants
     (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision. Micro batches
     between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
-    "interpolated"); everything else is simulated.
+    "interpolated"); everything else is simulated, except what ``sims`` (plan()'s, same target) holds.
     """
     import os
 
@@ -1381,7 +1385,9 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1], check=False), t[2], t[3])]
         needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
         jobs = {k: v for k, v in jobs.items() if k in needed}
-    sims = _run_sims(jobs, config, cuda, workers, target_arch(target))
+    known = sims or {}
+    sims = {**_run_sims({k: v for k, v in jobs.items() if k not in known}, config, cuda, workers, target_arch(target)),
+            **{k: known[k] for k in jobs if k in known}}
     plans = []
     for label, over, gpus, strategy, how in todo:
         if isinstance(how, tuple):
