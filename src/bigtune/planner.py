@@ -1097,6 +1097,10 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
             "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
             if recipe.model.quantize == "int8" else "; 4-bit matmuls emulated (fp32 hidden states, dequantized "
             "weight in backward)"))
+    if sim_recipe.optim.zero_grad == "before_backward":
+        held = phases["before_forward"]["gradients"]
+        notes.append(f"optim.zero_grad=before_backward (Lightning Trainer's order): the last step's gradients, "
+                     f"{held / GIB:.2f} GiB per device, live through the next forward; after_step frees them first")
     if recipe.train.compile:
         notes.append("train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
                      "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)")
