@@ -34,13 +34,23 @@ CPU_MATRIX = [
 ]
 
 
+def _cpu_run(data, out, **over) -> dict:
+    """Overrides for a 3-step CPU run on full-length rows, memory measured every step, into ``out``."""
+    return {"data.source": str(data), "data.max_seq_length": 64, "train.micro_batch_size": 4, "train.max_steps": 3,
+            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
+            "output_dir": str(out), "memory.plan": False, **over}
+
+
+# TinyLlama-1.1B's real shapes, 8 × 512 tokens, bf16-true: planned for GPUs (nothing runs)
+TINYLLAMA_8X512 = {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "precision": "bf16-true",
+                   "accelerator": "cpu", "data.max_seq_length": 512, "train.micro_batch_size": 8}
+
+
 @pytest.mark.parametrize("model, precision, optim, ckpt, acc", CPU_MATRIX)
 def test_cpu_plan_matches_measurement(tmp_path, full_length_data, model, precision, optim, ckpt, acc):
-    over = {"model.name": model, "data.source": str(full_length_data), "data.max_seq_length": 64,
-            "train.micro_batch_size": 4, "train.accumulate_grad_batches": acc, "train.max_steps": 3,
-            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
-            "precision": precision, "optim.name": optim.split("-")[0], "optim.grad_clip": 1.0,
-            "train.activation_checkpointing": ckpt, "output_dir": str(tmp_path / "run"), "memory.plan": False}
+    over = _cpu_run(full_length_data, tmp_path / "run", **{
+        "model.name": model, "train.accumulate_grad_batches": acc, "precision": precision,
+        "optim.name": optim.split("-")[0], "optim.grad_clip": 1.0, "train.activation_checkpointing": ckpt})
     if optim == "sgd-momentum":
         over["optim.momentum"] = 0.9
     summary = train({}, over, quiet_recipe=True)
@@ -58,11 +68,9 @@ def test_cpu_plan_matches_measurement(tmp_path, full_length_data, model, precisi
 def test_lightning_gradient_order_is_measured_and_planned(tmp_path, full_length_data, acc):
     # optim.zero_grad=before_backward (PyTorch Lightning Trainer's order): the last step's gradients live
     # through the next forward. Same losses; the plan follows the engine exactly.
-    over = {"model.name": "tiny-llama", "data.source": str(full_length_data), "data.max_seq_length": 64,
-            "train.micro_batch_size": 4, "train.accumulate_grad_batches": acc, "train.max_steps": 3,
-            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
-            "precision": "32-true", "output_dir": str(tmp_path / "late"), "memory.plan": False,
-            "optim.zero_grad": "before_backward"}
+    over = _cpu_run(full_length_data, tmp_path / "late", **{
+        "model.name": "tiny-llama", "train.accumulate_grad_batches": acc, "precision": "32-true",
+        "optim.zero_grad": "before_backward"})
     late = train({}, over, quiet_recipe=True)
     early = train({}, {**over, "optim.zero_grad": "after_step", "output_dir": str(tmp_path / "early")},
                   quiet_recipe=True)
@@ -85,11 +93,9 @@ def test_lightning_gradient_order_is_measured_and_planned(tmp_path, full_length_
 def test_lightning_gradient_order_on_a_gpu_plan():
     # On one GPU the forward's high-water mark grows by the gradients; under DDP those gradients are the
     # reducer buckets' views, so the buckets add nothing to that forward (backward still sees them).
-    base = {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "precision": "bf16-true",
-            "accelerator": "cpu", "data.max_seq_length": 512, "train.micro_batch_size": 8}
     gpu = find_gpu("a100-80gb")
-    early = plan(load_recipe({}, base), Target("cuda", gpu, 1), replay=False)
-    late_r = load_recipe({}, {**base, "optim.zero_grad": "before_backward"})
+    early = plan(load_recipe({}, TINYLLAMA_8X512), Target("cuda", gpu, 1), replay=False)
+    late_r = load_recipe({}, {**TINYLLAMA_8X512, "optim.zero_grad": "before_backward"})
     late = plan(late_r, Target("cuda", gpu, 1), replay=False)
     g = early.model_states["gradients"]
     assert late.phases["before_forward"]["allocated"] == early.phases["before_forward"]["allocated"] + g
@@ -195,9 +201,7 @@ def test_fsdp_divides_model_states_by_gpu_count():
 def test_ddp_keeps_its_gradient_buckets_beside_forward_and_backward():
     # DDP replicates the step and adds its reducer's buckets (one gradient copy) wherever the .grad
     # views into them are dropped: the lab's 4-GPU LitGPT printouts show exactly that extra copy.
-    r = load_recipe({}, {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
-                         "precision": "bf16-true", "accelerator": "cpu", "data.max_seq_length": 512,
-                         "train.micro_batch_size": 8})
+    r = load_recipe({}, TINYLLAMA_8X512)
     one = plan(r, Target("cuda", find_gpu("a100-80gb"), 1), replay=False)
     four = plan(r, Target("cuda", find_gpu("a100-80gb"), 4, "ddp"), replay=False)
     g = one.model_states["gradients"]
@@ -210,11 +214,10 @@ def test_ddp_keeps_its_gradient_buckets_beside_forward_and_backward():
 
 
 def test_ddp_without_bucket_views_holds_a_second_gradient_copy_throughout():
-    base = {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "precision": "bf16-true",
-            "accelerator": "cpu", "data.max_seq_length": 512, "train.micro_batch_size": 8}
     gpu = find_gpu("a100-80gb")
-    one = plan(load_recipe({}, base), Target("cuda", gpu, 1), replay=False)
-    four = plan(load_recipe({}, {**base, "ddp_bucket_view": False}), Target("cuda", gpu, 4, "ddp"), replay=False)
+    one = plan(load_recipe({}, TINYLLAMA_8X512), Target("cuda", gpu, 1), replay=False)
+    four = plan(load_recipe({}, {**TINYLLAMA_8X512, "ddp_bucket_view": False}), Target("cuda", gpu, 4, "ddp"),
+                replay=False)
     g = one.model_states["gradients"]
     for ph in one.phases:
         assert four.phases[ph]["allocated"] == one.phases[ph]["allocated"] + g
