@@ -63,6 +63,8 @@ PEFT_DS = "huggingface/peft: docs/source/accelerate/deepspeed.md (commit not rec
 LITGPT = ("litgpt's own GPT model code (fused qkv, its own attention/MLP) and chunked cross-entropy, "
           "Lightning; not HF transformers")
 LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full logits are never held)"
+LITGPT_QLORA = LITGPT_LORA + ("; bnb.nf4 through Fabric replaces every Linear, the output head too (bigtune, like "
+                              "HF loading, keeps the head 16-bit)")
 TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
                   "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
@@ -91,7 +93,10 @@ def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", dou
     over = {**LIT_FULL, "peft.method": "lora", "peft.r": r, "peft.alpha": alpha, "peft.dropout": 0.05,
             "peft.target_modules": targets, "peft.adapter_dtype": "bfloat16"}
     if quantize != "none":  # litgpt bnb.nf4 / bnb.nf4-dq: 4-bit base, bf16 compute (bf16-true)
-        over.update({"model.quantize": quantize, "model.double_quant": double_quant})
+        # Fabric's BitsandbytesPrecision swaps the Linear classes and builds everything else in bf16 (its
+        # tensor_init_context): no fp32 cast of norms/embeddings as peft's k-bit preparation does.
+        over.update({"model.quantize": quantize, "model.double_quant": double_quant,
+                     "model.upcast_unquantized": False})
     return over
 
 
@@ -252,7 +257,7 @@ ROWS: list[Row] = [
     Row("R3", RESOURCE, "phi-1.5 QLoRA nf4 r8 q,v, bf16-true, 1×1044, 1×A100-40", "peak_allocated", 3.78, "GB",
         "a100-sxm-40gb", {"model.name": "microsoft/phi-1_5", **lit_lora(8, 16, QV, "nf4"),
                           "train.micro_batch_size": 1, "data.max_seq_length": ALPACA_LONGEST_PHI15},
-        impl=LITGPT_LORA),
+        impl=LITGPT_QLORA),
     Row("R6", RESOURCE, "Llama-2-7B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 21.30, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
                           "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
@@ -264,17 +269,17 @@ ROWS: list[Row] = [
          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, expect="oom", impl=LITGPT_LORA),
     Row("R9a", RESOURCE, "Llama-2-7B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 14.14, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV, "nf4"), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
+                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA),
     Row("R9b", RESOURCE, "Llama-2-7B QLoRA nf4-dq r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 13.84,
         "GB", "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV, "nf4", double_quant=True),
                                 "train.micro_batch_size": 1, "data.max_seq_length": ALPACA_LONGEST_LLAMA2},
-        impl=LITGPT_LORA),
+        impl=LITGPT_QLORA),
     Row("R10", RESOURCE, "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 38.12, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
                           "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
     Row("R11", RESOURCE, "Llama-2-13B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 23.14, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV, "nf4"), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
+                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA),
     *[Row(f"R12{s}", RESOURCE, f"Llama-2-7B LoRA r8 q,v, bf16-true, {b}×1304, 2×A100-40 FSDP + act. ckpt",
           "peak_allocated", v, "GB", "a100-sxm-40gb",
           {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": b,
@@ -300,14 +305,14 @@ ROWS: list[Row] = [
                        "data.max_seq_length": 512}, impl=LITGPT_LORA),
     Row("R24", HUB, "TinyLlama-1.1B QLoRA nf4 r32 all linear + head, bf16-true, 8×512, 1×A10G", "peak_allocated",
         16.24, "GB", "a10g", {"model.name": TINYLLAMA, **lit_lora(32, 16, LLAMA_ALL_AND_HEAD, "nf4"),
-                              "train.micro_batch_size": 8, "data.max_seq_length": 512}, impl=LITGPT_LORA,
+                              "train.micro_batch_size": 8, "data.max_seq_length": 512}, impl=LITGPT_QLORA,
         note="tiny-llama/qlora.yaml (stored version): lora.yaml's adapters + quantize bnb.nf4"),
     Row("R25", HUB, "Llama-2-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 19.77, "GB", "a10g",
         {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV), "train.micro_batch_size": 2, "data.max_seq_length": 512},
         impl=LITGPT_LORA),
     Row("R26", HUB, "Llama-2-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 13.68, "GB", "a10g",
         {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_LORA,
+         "data.max_seq_length": 512}, impl=LITGPT_QLORA,
         note="assumed: qlora.yaml = lora.yaml + bnb.nf4 (as the stored tiny-llama pair)"),
     Row("R27", HUB, "Llama-2-7B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
         {"model.name": LLAMA2_7B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
@@ -317,7 +322,7 @@ ROWS: list[Row] = [
         impl=LITGPT_LORA, note="llama-3-8b/lora.yaml (stored version): r32 α16 q,v, mbs 1"),
     Row("R29", HUB, "Llama-3-8B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 17.41, "GB", "a10g",
         {"model.name": LLAMA3_8B, **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_LORA,
+         "data.max_seq_length": 512}, impl=LITGPT_QLORA,
         note="assumed: qlora.yaml = lora.yaml + bnb.nf4, mbs 2 as the table"),
     Row("R30", HUB, "Llama-3.1-8B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
         {"model.name": LLAMA31_8B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
@@ -333,7 +338,7 @@ ROWS: list[Row] = [
          "data.max_seq_length": 512}, impl=LITGPT_LORA, note="mistral-7b/lora.yaml (stored version)"),
     Row("R34b", HUB, "Mistral-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 14.29, "GB", "a10g",
         {"model.name": "mistralai/Mistral-7B-v0.1", **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_LORA, note="assumed: qlora.yaml = lora.yaml + bnb.nf4"),
+         "data.max_seq_length": 512}, impl=LITGPT_QLORA, note="assumed: qlora.yaml = lora.yaml + bnb.nf4"),
     # ---- torchtune README (current): bs 2, packed 2048, compile, activation checkpointing, GiB ----
     *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}", "reserved",
           v, "GiB", gpu, {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "paged_adamw8bit",
@@ -356,7 +361,8 @@ ROWS: list[Row] = [
         "reserved", 7.4, "GiB", "rtx-4090",
         {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
          "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
-         "peft.adapter_dtype": "bfloat16", "model.quantize": "nf4", "model.double_quant": True, "train.micro_batch_size": 2,
+         "peft.adapter_dtype": "bfloat16", "model.quantize": "nf4", "model.double_quant": True,
+         "model.upcast_unquantized": False, "train.micro_batch_size": 2,
          "data.max_seq_length": 2048, "train.activation_checkpointing": True},
         impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes", speed=(2413, "tokens/s")),
     # ---- HF transformers perf docs: bert-large-uncased, seq 512, V100 16GB, nvidia-smi (MiB) ----

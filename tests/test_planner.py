@@ -113,6 +113,28 @@ def test_alternatives_offer_the_default_gradient_order(capfd):
     assert "Automatic Mixed Precision" not in capfd.readouterr().err  # simulations stay quiet
 
 
+def test_qlora_plan_with_16_bit_hidden_states_and_its_alternative():
+    """On a GPU target, model.upcast_unquantized=false halves the unquantized weights' bytes and lowers the
+    activations (16-bit hidden states); --alternatives offers it to a QLoRA recipe that upcasts, and offers
+    no strategy that training would refuse for it."""
+    over = {"peft.method": "lora", "model.quantize": "nf4", "precision": "bf16-true", "train.micro_batch_size": 4}
+    r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", over)
+    target = Target("cuda", find_gpu("a100-80gb"), 1)
+    up = plan(r, target, replay=False)
+    b16 = plan(load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {**over, "model.upcast_unquantized": False}), target,
+               replay=False)
+    assert b16.model_states["parameters"] < up.model_states["parameters"]
+    acts = [p.phases["after_forward"]["activations"] for p in (b16, up)]
+    assert acts[0] < acts[1], acts
+    assert any("16-bit hidden states" in n for n in b16.notes) and any("fp32 hidden states" in n for n in up.notes)
+    alts = alternatives(r, target, max_gpus=2)
+    kept = [p for p in alts if p.overrides == {"model.upcast_unquantized": False}]
+    assert len(kept) == 1 and kept[0].peak_allocated == pytest.approx(b16.peak_allocated, rel=1e-6)
+    # training refuses a bitsandbytes base under FSDP or ZeRO: no such alternative is offered
+    assert any("2 GPUs ddp" in p.variant for p in alts)
+    assert not [p.variant for p in alts if "fsdp" in p.variant or "deepspeed" in p.variant]
+
+
 def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
     import bigtune.planner as planner
 
@@ -308,18 +330,20 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     assert json.loads(res.stdout)["plan"]["target"] == "2× a100-sxm-80gb (fsdp)"
 
 
-@pytest.mark.parametrize("model, precision, quantize, adapters", [
-    ("tiny-llama", "bf16-true", "nf4", "float32"), ("tiny-opt", "32-true", "nf4", "float32"),
-    ("tiny-llama", "bf16-true", "nf4", "bfloat16"), ("tiny-llama", "bf16-true", "none", "bfloat16")])
-def test_adapter_plan_matches_measurement(tmp_path, full_length_data, model, precision, quantize, adapters):
+@pytest.mark.parametrize("model, precision, quantize, adapters, upcast", [
+    ("tiny-llama", "bf16-true", "nf4", "float32", True), ("tiny-opt", "32-true", "nf4", "float32", True),
+    ("tiny-llama", "bf16-true", "nf4", "bfloat16", True), ("tiny-llama", "bf16-true", "none", "bfloat16", True),
+    ("tiny-llama", "bf16-true", "nf4", "float32", False)])
+def test_adapter_plan_matches_measurement(tmp_path, full_length_data, model, precision, quantize, adapters, upcast):
     """4-bit layers are emulated on fake tensors (fp32 hidden states between the 4-bit matmuls, the
-    dequantized weight in backward): the QLoRA peak is predicted like any other, not guessed. bf16
-    adapters (peft.adapter_dtype) take the same path in the simulation as in training."""
+    dequantized weight in backward; 16-bit ones with model.upcast_unquantized=false): the QLoRA peak is
+    predicted like any other, not guessed. bf16 adapters (peft.adapter_dtype) take the same path in the
+    simulation as in training."""
     over = {"model.name": model, "data.source": str(full_length_data), "data.max_seq_length": 64,
             "train.micro_batch_size": 4, "train.max_steps": 3, "train.max_epochs": None, "memory.every_steps": 1,
             "checkpoint.save_model": False, "accelerator": "cpu", "precision": precision, "model.quantize": quantize,
             "peft.method": "lora", "peft.adapter_dtype": adapters, "output_dir": str(tmp_path / "run"),
-            "memory.plan": False}
+            "memory.plan": False, "model.upcast_unquantized": upcast}
     summary = train({}, over, quiet_recipe=True)
     predicted = plan(load_recipe({}, over), Target("cpu"))
     steady = {s["phase"]: s for s in read_jsonl(tmp_path / "run" / "memory.jsonl") if s["step"] == 2}

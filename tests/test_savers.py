@@ -52,6 +52,29 @@ def test_qlora_base_weights_are_half_a_byte_per_parameter(tmp_path):
     assert saved == expected
 
 
+def test_qlora_without_upcast_keeps_16_bit_weights_and_hidden_states(tmp_path):
+    """model.upcast_unquantized=false skips peft's fp32 cast of the unquantized weights: they stay bf16
+    (2 bytes less each), the hidden states stay 16-bit (fewer activation bytes), and checkpointing is still
+    applied (peft's preparation is what turned it on otherwise)."""
+    q = {"peft.method": "lora", "model.quantize": "nf4", "precision": "bf16-true"}
+    s_up, up = _run(tmp_path / "up", **q)
+    s_16, b16 = _run(tmp_path / "b16", **q, **{"model.upcast_unquantized": False})
+    _, ck = _run(tmp_path / "ck", **q, **{"model.upcast_unquantized": False, "train.activation_checkpointing": True})
+    from bigtune.models import build_model
+    from bigtune.planner import quantized_linears
+    from bigtune.presets import tiny_tokenizer
+    from bigtune.recipe import ModelConfig
+
+    base = build_model(ModelConfig(), tiny_tokenizer(), "bf16-true", 0)
+    quantized = {id(m.weight) for _, m in quantized_linears(base)}
+    unquantized = sum(p.numel() for p in base.parameters() if id(p) not in quantized)  # embeddings, norms, head
+    assert up["before_forward"]["parameters"] - b16["before_forward"]["parameters"] == 2 * unquantized
+    acts = {k: r["after_forward"]["activations"] for k, r in (("up", up), ("b16", b16), ("ck", ck))}
+    assert acts["ck"] < acts["b16"] < acts["up"], acts
+    for s in (s_up, s_16):
+        assert s["final_loss"] < s["first_loss"], s
+
+
 def test_8bit_adam_state_is_one_byte_per_element_plus_block_scales(tmp_path):
     s, steady = _run(tmp_path / "r", **{"optim.name": "adamw8bit"})
     from bigtune.models import build_model

@@ -156,7 +156,8 @@ def build(recipe: Recipe, fabric) -> Built:
     if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
     if peft:
-        model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing, recipe.model.family)
+        model = apply_peft(model, recipe.peft, quantized, recipe.train.activation_checkpointing, recipe.model.family,
+                           upcast=recipe.model.upcast_unquantized)
     if recipe.train.compile:
         # After checkpointing and adapters (the compiled graph includes both), before Fabric's setup: FSDP2
         # then shards the compiled blocks, the order torchtitan uses.

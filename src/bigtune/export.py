@@ -62,6 +62,8 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
             return dest
         from peft import PeftModel
 
+        from bigtune.models import peft_renames_quiet
+
         base = run / "base" if (run / "base").is_dir() else None
         source = str(base) if base else recipe.model.name
         try:
@@ -71,7 +73,8 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
         except Exception as e:
             raise ExportError(f"could not load the base model {source!r} to merge into ({type(e).__name__}: "
                               f"{str(e)[:300]}); make it reachable (local folder or hub) and retry") from e
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        with peft_renames_quiet():
+            model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
         tokenizer_src = adapter
         dest = Path(out) if out else run / "merged"
     elif full.is_dir():

@@ -184,8 +184,11 @@ def attach_adapter(model, adapter: Path, base: str):
     """``model`` (the base) with the peft adapter at ``adapter`` attached, not merged."""
     from peft import PeftModel
 
+    from bigtune.models import peft_renames_quiet
+
     try:
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+        with peft_renames_quiet():
+            return PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     except Exception as e:
         raise InferError(f"could not attach adapter {adapter} to base {base} ({type(e).__name__}: {str(e)[:300]}); "
                          "check that the adapter was trained on this base model") from e

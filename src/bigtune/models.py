@@ -6,7 +6,9 @@ conversion to run), and remote code runs only when the recipe says ``trust_remot
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -272,23 +274,37 @@ def lora_targets(model: torch.nn.Module, wanted: list) -> list[str] | str:
     return DEFAULT_TARGETS[kind]
 
 
+@contextlib.contextmanager
+def peft_renames_quiet():
+    """Silence transformers' FutureWarnings about the *gradient_checkpointing* names it renamed in 5.23, which
+    peft still calls: they are peft's to fix, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
+        yield
+
+
 def apply_peft(model: torch.nn.Module, peft_cfg: PeftConfig, quantized: bool, checkpointing: bool,
-               family: str = "causal-lm"):
-    """Freeze the base, add LoRA/DoRA adapters (QLoRA: after peft's k-bit preparation)."""
+               family: str = "causal-lm", upcast: bool = True):
+    """Freeze the base, add LoRA/DoRA adapters (QLoRA: after peft's k-bit preparation when ``upcast``,
+    model.upcast_unquantized; without it the unquantized weights keep their dtype)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if quantized:
+    if quantized and upcast:
         # Casts the remaining (non-quantized) weights to fp32 for stability, as QLoRA does, and turns
         # on checkpointing itself when asked.
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        with peft_renames_quiet():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                    gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif quantized and checkpointing:  # (get_peft_model freezes the base either way)
+        enable_activation_checkpointing(model)
     config = LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
                         target_modules=lora_targets(model, peft_cfg.target_modules),
                         use_dora=peft_cfg.method == "dora",
                         # image-to-text: the plain PeftModel passes pixel_values / decoder_input_ids through as is;
                         # SEQ_CLS also trains (and saves) the new classification head in full.
                         task_type={"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(family))
-    model = get_peft_model(model, config)
+    with peft_renames_quiet():
+        model = get_peft_model(model, config)
     if peft_cfg.adapter_dtype == "bfloat16":
         recast_parameters(model, torch.bfloat16, lambda name, p: p.requires_grad and "lora_" in name)
     return model

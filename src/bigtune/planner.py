@@ -344,7 +344,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
         model = _auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
         model.config.use_cache = False
         if quantize in ("nf4", "fp4"):
-            _emulate_4bit(model, compute_dtype(recipe.model, r.precision))
+            _emulate_4bit(model, compute_dtype(recipe.model, r.precision), r.model.upcast_unquantized)
         if family == "image-to-text":
             freeze_parts(model, r.model)
         model.train()
@@ -409,7 +409,7 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
     if events is not None:
         reserved, in_use = _replay_steady(events, step1)
     if quantize != "none":
-        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant)
+        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
         for ph in steady.values():
             for c in ("parameters", "allocated", "peak_allocated", "phase_peak"):
                 ph[c] += delta
@@ -501,14 +501,15 @@ class _Fake4bitMatmul(torch.autograd.Function):
         return grad @ weight.clone(), None, None
 
 
-def _emulate_4bit(model: torch.nn.Module, compute: torch.dtype) -> None:
-    """Make a fake model behave like a QLoRA base for memory: peft's k-bit preparation keeps every
-    weight that is not quantized in fp32 (so hidden states run in fp32 between the 4-bit matmuls),
-    and each 4-bit layer casts its input to the compute dtype and its output back to the input's."""
+def _emulate_4bit(model: torch.nn.Module, compute: torch.dtype, upcast: bool = True) -> None:
+    """Make a fake model behave like a QLoRA base for memory: peft's k-bit preparation (``upcast``,
+    model.upcast_unquantized) keeps every weight that is not quantized in fp32 (so hidden states run
+    in fp32 between the 4-bit matmuls), and each 4-bit layer casts its input to the compute dtype and
+    its output back to the input's."""
     quantized = dict(quantized_linears(model))
     ids = {id(m.weight) for m in quantized.values()}
     for p in model.parameters():
-        if id(p) not in ids and p.dtype in (torch.float16, torch.bfloat16):
+        if upcast and id(p) not in ids and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.to(torch.float32)
     for mod in quantized.values():
         mod.weight.data = mod.weight.data.to(compute)
@@ -520,13 +521,13 @@ def _emulate_4bit(model: torch.nn.Module, compute: torch.dtype) -> None:
         mod.forward = forward
 
 
-def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quant: bool) -> int:
+def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quant: bool, upcast: bool = True) -> int:
     """Bytes that loading the base with bitsandbytes changes, relative to the simulated model.
 
     Every quantized nn.Linear (see quantized_linears) becomes 4-bit (n/2 bytes + one scale per 64
     weights: fp32, or uint8 with an fp32 scale per 256 scales under double quantization) or int8
-    (n bytes + an fp32 scale per row); peft's k-bit preparation casts the remaining 16-bit weights
-    (embeddings, norms, head) to fp32. For 4-bit the simulation already ran that way
+    (n bytes + an fp32 scale per row); peft's k-bit preparation (``upcast``) casts the remaining 16-bit
+    weights (embeddings, norms, head) to fp32. For 4-bit the simulation already ran that way
     (_emulate_4bit), so only the packed weights change here; int8 is analytic on top of a 16-bit
     simulation (its activations are under-counted: the real path keeps fp32 hidden states).
     """
@@ -537,7 +538,8 @@ def quantized_parameter_delta(model: torch.nn.Module, quantize: str, double_quan
         quantized_ids.add(id(w))
         delta += packed_weight_bytes(w, quantize, double_quant) - w.numel() * w.element_size()
     for name, p in model.named_parameters():
-        if id(p) not in quantized_ids and "lora_" not in name and p.dtype in (torch.float16, torch.bfloat16):
+        if upcast and id(p) not in quantized_ids and "lora_" not in name and p.dtype in (torch.float16,
+                                                                                       torch.bfloat16):
             delta += p.numel() * (4 - p.element_size())
     return delta
 
@@ -1093,10 +1095,14 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
     if cuda and host:
         notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
     if recipe.model.quantize != "none":
+        from bigtune.models import weights_dtype
+
+        fp32_hidden = recipe.model.upcast_unquantized or weights_dtype(recipe.precision) == torch.float32
+        hidden = "fp32" if fp32_hidden else "16-bit"
         notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic" + (
             "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
-            if recipe.model.quantize == "int8" else "; 4-bit matmuls emulated (fp32 hidden states, dequantized "
-            "weight in backward)"))
+            if recipe.model.quantize == "int8" and fp32_hidden else f"; 4-bit matmuls emulated ({hidden} hidden "
+            "states, dequantized weight in backward)" if recipe.model.quantize != "int8" else ""))
     if sim_recipe.optim.zero_grad == "before_backward":
         held = phases["before_forward"]["gradients"]
         notes.append(f"optim.zero_grad=before_backward (Lightning Trainer's order): the last step's gradients, "
@@ -1197,6 +1203,16 @@ def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
     return int(numel * es * (2 + opt))
 
 
+def _strategy_refused(recipe: Recipe, strategy: str, gpus: int) -> bool:
+    """Whether training would refuse ``recipe`` under ``strategy`` on ``gpus`` GPUs (this machine's installs
+    aside), judged as it is planned there (simulation_recipe: ZeRO's own optimizer and gradient order)."""
+    from bigtune.recipe import gpu_plan_problems
+
+    r = copy.deepcopy(simulation_recipe(recipe, strategy))
+    r.strategy, r.devices, r.num_nodes = strategy, gpus, 1
+    return bool(gpu_plan_problems(r))
+
+
 def _variant_recipe(recipe: Recipe, over: dict, check: bool = True, cuda: bool = False) -> Recipe:
     """``recipe`` with ``over`` applied; ``check``: refuse what the engine would refuse (RecipeError), on a
     GPU target only what concerns the GPU run (not this machine's installs: recipe.gpu_plan_problems)."""
@@ -1239,7 +1255,8 @@ def _sim_key(r: Recipe, micro: int) -> str:
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
                        r.optim.implementation, r.data.max_seq_length, micro, min(k, 2), r.peft.method,
-                       r.peft.adapter_dtype, r.model.quantize, r.optim.zero_grad, _step_kind(r, r.strategy)])
+                       r.peft.adapter_dtype, r.model.quantize, r.model.upcast_unquantized, r.optim.zero_grad,
+                       _step_kind(r, r.strategy)])
 
 
 def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,
@@ -1336,6 +1353,8 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
             key = _sim_key(r_g, m)
             jobs[key] = (r_g, m)
             for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
+                if _strategy_refused(r_g, strategy, gpus):
+                    continue  # e.g. a bitsandbytes base under FSDP or ZeRO: training would refuse it
                 # DeepSpeed's step may differ from the recipe's (true 16-bit, CPU Adam): its own simulation.
                 r_s = simulation_recipe(r_g, strategy)
                 k_s = _sim_key(r_s, m)
@@ -1361,11 +1380,12 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                 todo.append((f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × "
                              f"acc {g // m0}", over, 1, "single", key))
     # One GPU with ZeRO-2 and the optimizer in CPU RAM (the lab's DeepSpeed rung), the recipe's micro batch.
-    r_1 = simulation_recipe(recipe, "deepspeed_stage_2_offload")
-    k_1 = _sim_key(r_1, m0)
-    jobs[k_1] = (r_1, m0)
-    todo.append((f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}", {}, 1,
-                 "deepspeed_stage_2_offload", k_1))
+    if not _strategy_refused(recipe, "deepspeed_stage_2_offload", 1):
+        r_1 = simulation_recipe(recipe, "deepspeed_stage_2_offload")
+        k_1 = _sim_key(r_1, m0)
+        jobs[k_1] = (r_1, m0)
+        todo.append((f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}", {}, 1,
+                     "deepspeed_stage_2_offload", k_1))
     if recipe.optim.zero_grad == "before_backward":
         # Lightning's order holds the last step's gradients through the next forward; the default frees them.
         over = {"optim.zero_grad": "after_step"}
@@ -1374,6 +1394,15 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         jobs[k_z] = (r_z, m0)
         todo.append((f"{recipe.precision}, gradients freed after the step (optim.zero_grad=after_step), micro {m0} × "
                      f"acc {g // m0}", over, 1, "single", k_z))
+    if recipe.model.quantize != "none" and recipe.model.upcast_unquantized and recipe.precision.endswith("-true") \
+            and recipe.precision != "32-true":
+        # peft's k-bit preparation runs the hidden states in fp32; keeping them 16-bit is litgpt's/torchtune's QLoRA.
+        over = {"model.upcast_unquantized": False}
+        r_u = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+        k_u = _sim_key(r_u, m0)
+        jobs[k_u] = (r_u, m0)
+        todo.append((f"{recipe.precision}, 16-bit hidden states (model.upcast_unquantized=false), micro {m0} × "
+                     f"acc {g // m0}", over, 1, "single", k_u))
     # Model states alone are a lower bound on the peak: variants whose states cannot fit are
     # dropped before any simulation (for a 70B model that is most single-GPU variants).
     n_evaluated = len(todo)

@@ -74,6 +74,12 @@ class ModelConfig:
     double_quant: bool = _f(True, "4-bit: also quantize the quantization constants (saves ~0.4 bit/parameter).")
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
         "auto", "4-bit: dtype the dequantized matmuls run in (auto: bfloat16 unless precision is 32-true or 16-*).")
+    upcast_unquantized: bool = _f(
+        True, "Quantized base: cast the weights bitsandbytes leaves unquantized (embeddings, norms, output head) to "
+        "fp32, as peft's prepare_model_for_kbit_training and the QLoRA paper do; hidden states then run in fp32 "
+        "between the quantized matmuls. false keeps them in the precision's dtype: with bf16-true the hidden states "
+        "stay 16-bit (less activation memory, flash attention), as litgpt and torchtune run QLoRA. No effect when "
+        "the weights are already fp32 (32-true, *-mixed).")
     freeze_vision: bool = _f(True, "image-to-text: freeze the vision encoder (no gradients, no optimizer state), as "
                              "BLIP-2 fine-tuning usually does.")
     freeze_qformer: bool = _f(False, "image-to-text: freeze the Q-Former and its query tokens (the language "
