@@ -64,7 +64,8 @@ LITGPT = ("litgpt's own GPT model code (fused qkv, its own attention/MLP) and ch
           "Lightning; not HF transformers")
 LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full logits are never held)"
 LITGPT_QLORA = LITGPT_LORA + ("; bnb.nf4 through Fabric replaces every Linear, the output head too (bigtune, like "
-                              "HF loading, keeps the head 16-bit)")
+                              "HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
+                              "4-bit layer's input (planned so: legacy_bnb)")
 TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
                   "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
@@ -134,6 +135,10 @@ class Row:
     # answers the same batch: (value, "tokens/s" | "samples/s"). Sources whose batches are padded to a
     # varying longest sample (LitGPT's Alpaca, the lab) are left out: their mean length is not published.
     speed: Optional[tuple] = None
+    # bitsandbytes before 0.43.2 (July 2024, bitsandbytes PR #1270) kept each 4-bit layer's input for a
+    # backward that never used it; bigtune's bitsandbytes does not. Such rows are planned with that input
+    # kept (the source's library, emulated in the planner's 4-bit stand-in; the engine is not involved).
+    legacy_bnb: bool = False
 
     def value_gib(self) -> Optional[float]:
         if self.value is None:
@@ -257,7 +262,7 @@ ROWS: list[Row] = [
     Row("R3", RESOURCE, "phi-1.5 QLoRA nf4 r8 q,v, bf16-true, 1×1044, 1×A100-40", "peak_allocated", 3.78, "GB",
         "a100-sxm-40gb", {"model.name": "microsoft/phi-1_5", **lit_lora(8, 16, QV, "nf4"),
                           "train.micro_batch_size": 1, "data.max_seq_length": ALPACA_LONGEST_PHI15},
-        impl=LITGPT_QLORA),
+        impl=LITGPT_QLORA, legacy_bnb=True),
     Row("R6", RESOURCE, "Llama-2-7B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 21.30, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
                           "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
@@ -269,17 +274,17 @@ ROWS: list[Row] = [
          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, expect="oom", impl=LITGPT_LORA),
     Row("R9a", RESOURCE, "Llama-2-7B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 14.14, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV, "nf4"), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA),
+                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA, legacy_bnb=True),
     Row("R9b", RESOURCE, "Llama-2-7B QLoRA nf4-dq r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 13.84,
         "GB", "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV, "nf4", double_quant=True),
                                 "train.micro_batch_size": 1, "data.max_seq_length": ALPACA_LONGEST_LLAMA2},
-        impl=LITGPT_QLORA),
+        impl=LITGPT_QLORA, legacy_bnb=True),
     Row("R10", RESOURCE, "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 38.12, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
                           "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
     Row("R11", RESOURCE, "Llama-2-13B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 23.14, "GB",
         "a100-sxm-40gb", {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV, "nf4"), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA),
+                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA, legacy_bnb=True),
     *[Row(f"R12{s}", RESOURCE, f"Llama-2-7B LoRA r8 q,v, bf16-true, {b}×1304, 2×A100-40 FSDP + act. ckpt",
           "peak_allocated", v, "GB", "a100-sxm-40gb",
           {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": b,
@@ -305,14 +310,14 @@ ROWS: list[Row] = [
                        "data.max_seq_length": 512}, impl=LITGPT_LORA),
     Row("R24", HUB, "TinyLlama-1.1B QLoRA nf4 r32 all linear + head, bf16-true, 8×512, 1×A10G", "peak_allocated",
         16.24, "GB", "a10g", {"model.name": TINYLLAMA, **lit_lora(32, 16, LLAMA_ALL_AND_HEAD, "nf4"),
-                              "train.micro_batch_size": 8, "data.max_seq_length": 512}, impl=LITGPT_QLORA,
+                              "train.micro_batch_size": 8, "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True,
         note="tiny-llama/qlora.yaml (stored version): lora.yaml's adapters + quantize bnb.nf4"),
     Row("R25", HUB, "Llama-2-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 19.77, "GB", "a10g",
         {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV), "train.micro_batch_size": 2, "data.max_seq_length": 512},
         impl=LITGPT_LORA),
     Row("R26", HUB, "Llama-2-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 13.68, "GB", "a10g",
         {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_QLORA,
+         "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True,
         note="assumed: qlora.yaml = lora.yaml + bnb.nf4 (as the stored tiny-llama pair)"),
     Row("R27", HUB, "Llama-2-7B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
         {"model.name": LLAMA2_7B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
@@ -322,7 +327,7 @@ ROWS: list[Row] = [
         impl=LITGPT_LORA, note="llama-3-8b/lora.yaml (stored version): r32 α16 q,v, mbs 1"),
     Row("R29", HUB, "Llama-3-8B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 17.41, "GB", "a10g",
         {"model.name": LLAMA3_8B, **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_QLORA,
+         "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True,
         note="assumed: qlora.yaml = lora.yaml + bnb.nf4, mbs 2 as the table"),
     Row("R30", HUB, "Llama-3.1-8B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
         {"model.name": LLAMA31_8B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
@@ -338,7 +343,7 @@ ROWS: list[Row] = [
          "data.max_seq_length": 512}, impl=LITGPT_LORA, note="mistral-7b/lora.yaml (stored version)"),
     Row("R34b", HUB, "Mistral-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 14.29, "GB", "a10g",
         {"model.name": "mistralai/Mistral-7B-v0.1", **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_QLORA, note="assumed: qlora.yaml = lora.yaml + bnb.nf4"),
+         "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True, note="assumed: qlora.yaml = lora.yaml + bnb.nf4"),
     # ---- torchtune README (current): bs 2, packed 2048, compile, activation checkpointing, GiB ----
     *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}", "reserved",
           v, "GiB", gpu, {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "paged_adamw8bit",
@@ -434,6 +439,26 @@ def row_recipe(row: Row, check: bool = True):
     return r
 
 
+def _keep_4bit_inputs() -> None:
+    """Make the planner's 4-bit matmul also save its input, as bitsandbytes < 0.43.2 did (Row.legacy_bnb)."""
+    import torch
+
+    from bigtune import planner
+
+    class Legacy4bitMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias):
+            ctx.save_for_backward(weight, x)
+            return torch.nn.functional.linear(x, weight, bias)
+
+        @staticmethod
+        def backward(ctx, grad):
+            weight, _ = ctx.saved_tensors
+            return grad @ weight.clone(), None, None
+
+    planner._Fake4bitMatmul = Legacy4bitMatmul
+
+
 def plan_row(row: Row) -> dict:
     """Plan one row with the real planner; returns Plan.to_dict() (bytes)."""
     from bigtune.gpus import find_gpu
@@ -441,6 +466,8 @@ def plan_row(row: Row) -> dict:
 
     r = row_recipe(row, check=False)  # validated by tests/test_published.py; here only plan
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
+    if row.legacy_bnb:
+        _keep_4bit_inputs()
     return plan(r, target, workers=min(2, os.cpu_count() or 1)).to_dict()
 
 
