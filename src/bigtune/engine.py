@@ -697,14 +697,21 @@ def oom_advice(r: Recipe) -> list[str]:
     out = []
     if r.train.micro_batch_size > 1:
         half = max(1, r.train.micro_batch_size // 2)
-        out.append(f"train.micro_batch_size={half} with train.accumulate_grad_batches={r.accumulate * 2} "
-                   "(same global batch, roughly half the activations)")
+        if r.optim.in_backward:  # it cannot accumulate: the global batch shrinks with it
+            out.append(f"train.micro_batch_size={half} (roughly half the activations; optim.in_backward cannot "
+                       "accumulate, so the batch halves too)")
+        else:
+            out.append(f"train.micro_batch_size={half} with train.accumulate_grad_batches={r.accumulate * 2} "
+                       "(same global batch, roughly half the activations)")
     if not r.train.activation_checkpointing:
         out.append("train.activation_checkpointing=true (activations drop to about one layer input per layer)")
     if r.precision in ("32-true", "bf16-mixed", "16-mixed"):
         out.append("precision=bf16-true (halves parameters, gradients and optimizer state)")
     if r.optim.name == "adamw":
         out.append("optim.name=sgd (no optimizer state; expect slower convergence)")
+    if not r.optim.in_backward and r.world_size == 1 and r.optim.name in ("adamw", "sgd", "adamw8bit", "adam8bit"):
+        out.append("optim.in_backward=true (each weight steps inside the backward: no full set of gradients; needs "
+                   "train.accumulate_grad_batches=1 and optim.grad_clip=null)")
     return out
 
 

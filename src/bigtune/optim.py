@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -76,9 +76,16 @@ def make_optimizer(o: OptimConfig, model: torch.nn.Module, lr: float | None = No
     """The optimizer over the model's trainable parameters (frozen ones get no state).
 
     ``lr`` is the peak lr to use when it differs from ``o.lr`` (Recipe.lr: scaled per optim.lr_scaling).
+    With optim.in_backward, one such optimizer per parameter, stepped from the backward (InBackwardOptimizer).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     o = o if lr is None else dataclasses.replace(o, lr=lr)
+    if o.in_backward:
+        return InBackwardOptimizer(params, lambda ps: _optimizer(o, ps), o.lr)
+    return _optimizer(o, params)
+
+
+def _optimizer(o: OptimConfig, params: list) -> torch.optim.Optimizer:
     impl: dict[str, Any] = {}
     if o.implementation == "foreach":
         impl = {"foreach": True}
@@ -101,3 +108,57 @@ def make_optimizer(o: OptimConfig, model: torch.nn.Module, lr: float | None = No
         return CPUOffloadAdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay,
                                use_deepspeed=o.name == "deepspeed_cpu_adam")
     raise ValueError(f"optim.name: unknown optimizer {o.name!r}")
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """One optimizer per parameter, stepped from the backward pass as soon as that parameter's gradient
+    is complete, which then frees the gradient (optim.in_backward; torchtune's optimizer_in_bwd idea).
+
+    No full set of gradients ever exists: the step's peak loses the gradient bytes (a 16-bit copy of every
+    trainable weight). The price: nothing can look at all gradients together, so there is no global-norm
+    clipping, no gradient accumulation and no data parallelism (the recipe refuses those). ``step()`` only
+    steps parameters whose gradient was set outside a backward (the planner's warm-up); the scheduler moves
+    this optimizer's lr, which each parameter's step copies.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], make: Callable[[list], torch.optim.Optimizer], lr: float):
+        params = list(params)
+        super().__init__(params, {"lr": lr})
+        self.inner = {p: make([p]) for p in params}
+        self._alias_state()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._step_param)
+
+    def _alias_state(self) -> None:
+        # The memory monitor and checkpoints read optimizer.state: show each inner optimizer's own dict.
+        for p, opt in self.inner.items():
+            self.state[p] = opt.state[p]
+
+    @torch.no_grad()
+    def _step_param(self, p: torch.nn.Parameter) -> None:
+        opt = self.inner[p]
+        for g in opt.param_groups:
+            g["lr"] = self.param_groups[0]["lr"]
+        opt.step()
+        p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p in self.inner:
+            if p.grad is not None:
+                self._step_param(p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.inner:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return {"inner": [opt.state_dict() for opt in self.inner.values()], "lr": self.param_groups[0]["lr"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, saved in zip(self.inner.values(), state["inner"], strict=True):
+            opt.load_state_dict(saved)
+        self.state.clear()
+        self._alias_state()
+        for g in self.param_groups:
+            g["lr"] = state["lr"]

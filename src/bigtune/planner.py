@@ -1200,7 +1200,7 @@ def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
     opt = {"adamw": 2.0, "sgd": 1.0 if r.optim.momentum else 0.0}.get(r.optim.name, 0.0)
     if r.optim.name in EIGHT_BIT:
         opt = 2.0 / es  # two 1-byte moments per element
-    return int(numel * es * (2 + opt))
+    return int(numel * es * (1 + (not r.optim.in_backward) + opt))  # in_backward: no full set of gradients
 
 
 def _strategy_refused(recipe: Recipe, strategy: str, gpus: int) -> bool:
@@ -1254,7 +1254,8 @@ def _sim_key(r: Recipe, micro: int) -> str:
     """Simulations depend only on these; variants that agree on them share one."""
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
-                       r.optim.implementation, r.data.max_seq_length, micro, min(k, 2), r.peft.method,
+                       r.optim.implementation, r.optim.in_backward, r.data.max_seq_length, micro, min(k, 2),
+                       r.peft.method,
                        r.peft.adapter_dtype, r.model.quantize, r.model.upcast_unquantized, r.optim.zero_grad,
                        _step_kind(r, r.strategy)])
 
@@ -1349,6 +1350,8 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
             m = max(d for d in range(1, min(m0, per) + 1) if per % d == 0)
             over = {"train.micro_batch_size": m, "train.accumulate_grad_batches": per // m,
                     "train.global_batch_size": None}
+            if recipe.optim.in_backward:  # several GPUs sync the gradients: the usual step
+                over["optim.in_backward"] = False
             r_g = _variant_recipe(recipe, over, cuda=cuda)
             key = _sim_key(r_g, m)
             jobs[key] = (r_g, m)
@@ -1394,6 +1397,21 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         jobs[k_z] = (r_z, m0)
         todo.append((f"{recipe.precision}, gradients freed after the step (optim.zero_grad=after_step), micro {m0} × "
                      f"acc {g // m0}", over, 1, "single", k_z))
+    if not recipe.optim.in_backward:
+        # Each weight stepped inside the backward, its gradient freed at once (no full set of gradients). It needs
+        # one GPU, accumulation 1 (the global batch becomes the micro batch) and no global-norm clipping.
+        for ckpt in (False, True):
+            over = {"optim.in_backward": True, "optim.grad_clip": None, "train.activation_checkpointing": ckpt,
+                    "train.micro_batch_size": g, "train.accumulate_grad_batches": 1, "train.global_batch_size": None,
+                    "devices": 1, "num_nodes": 1, "strategy": "single"}
+            try:
+                r_b = simulation_recipe(_variant_recipe(recipe, over, cuda=cuda), "single")
+            except RecipeError:
+                break  # the recipe's optimizer or precision cannot step in the backward
+            key = _sim_key(r_b, g)
+            jobs[key] = (r_b, g)
+            todo.append((f"{recipe.precision}, optimizer in backward (optim.in_backward, no clipping), "
+                         f"{'ckpt' if ckpt else 'no ckpt'}, micro {g} × acc 1", over, 1, "single", key))
     if recipe.model.quantize != "none" and recipe.model.upcast_unquantized and recipe.precision.endswith("-true") \
             and recipe.precision != "32-true":
         # peft's k-bit preparation runs the hidden states in fp32; keeping them 16-bit is litgpt's/torchtune's QLoRA.

@@ -182,6 +182,11 @@ class OptimConfig:
         "gradient bytes to that forward's memory when accumulate_grad_batches is 1. Use it to compare with a "
         "Lightning Trainer's printouts; `bigtune plan` plans either. Not with DeepSpeed (ZeRO clears its own "
         "gradient buffers in its step).")
+    in_backward: bool = _f(
+        False, "Step each weight from its own backward hook as soon as its gradient is complete, then free that "
+        "gradient (torchtune's optimizer-in-backward): no full set of gradients ever exists, which saves their bytes "
+        "(2 per trained weight in bf16) at the peak. Needs what can work one gradient at a time: one device, "
+        "accumulate_grad_batches 1, no grad_clip, not the CPU-offloaded optimizers, not 16-mixed.")
     lr_scaling: Literal["none", "linear", "sqrt"] = _f(
         "none", "Scale optim.lr with the data-parallel size N = devices × num_nodes, for a global batch that grows "
         "with the GPU count: linear uses lr × N (the lab's 'lr × 4' on 4 GPUs), sqrt lr × √N (often better for "
@@ -554,6 +559,25 @@ def check_combinations(r: Recipe) -> list[str]:
     if r.optim.zero_grad == "before_backward" and r.strategy in DEEPSPEED_STRATEGIES:
         p.append(f"optim.zero_grad=before_backward with strategy={r.strategy}: ZeRO clears its own gradient buffers "
                  "in its step; use optim.zero_grad=after_step")
+    if r.optim.in_backward:
+        why = "optim.in_backward steps each weight as soon as its gradient is complete"
+        if r.world_size > 1 or r.strategy not in ("auto", "single"):
+            p.append(f"{why}, before any gradient sync between devices: use devices=1 with strategy=single (or "
+                     f"auto), or optim.in_backward=false (devices={r.devices}, num_nodes={r.num_nodes}, "
+                     f"strategy={r.strategy})")
+        if r.accumulate > 1:
+            p.append(f"{why}, so every micro-batch would step: set train.accumulate_grad_batches=1 (a larger "
+                     f"train.micro_batch_size keeps the batch) or optim.in_backward=false (accumulate is "
+                     f"{r.accumulate})")
+        if r.optim.grad_clip is not None:
+            p.append(f"{why}: global-norm clipping needs all of them at once; set optim.grad_clip=null or "
+                     "optim.in_backward=false")
+        if r.optim.name in ("cpu_offload_adamw", "deepspeed_cpu_adam"):
+            p.append(f"{why}, but optim.name={r.optim.name} copies all gradients to the CPU in one step; use "
+                     "adamw, adamw8bit or sgd with optim.in_backward")
+        if r.precision == "16-mixed":
+            p.append(f"{why}, but 16-mixed's loss scaler must check every gradient for inf before any step; use "
+                     "bf16-mixed or bf16-true")
     if r.optim.momentum and r.optim.name != "sgd":
         p.append("optim.momentum: only SGD uses momentum; remove it or set optim.name=sgd")
     world = r.devices * r.num_nodes
