@@ -348,9 +348,9 @@ ROWS: list[Row] = [
     *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}", "reserved",
           v, "GiB", gpu, {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "paged_adamw8bit",
                           "train.micro_batch_size": 2, "data.max_seq_length": 2048,
-                          "train.activation_checkpointing": True},
-          impl=TORCHTUNE_IMPL + "; optimizer_in_bwd (each gradient freed right after its update: no full set "
-          "of gradients is ever held)", note="paged optimizer state lives in CUDA managed memory, outside the "
+                          "train.activation_checkpointing": True, "optim.in_backward": True},
+          impl=TORCHTUNE_IMPL, note="optimizer_in_bwd=True in the config: optim.in_backward; "
+          "paged optimizer state lives in CUDA managed memory, outside the "
           "allocator's counters (so outside max_memory_reserved) - planned likewise",
           speed=(tok, "tokens/s"))
       for n, g, gpu, v, tok in ((8, "4090", "rtx-4090", 18.9, 1650), (9, "A6000", "rtx-a6000", 37.4, 2579))],
