@@ -66,6 +66,9 @@ LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full log
 LITGPT_QLORA = LITGPT_LORA + ("; bnb.nf4 through Fabric replaces every Linear, the output head too (bigtune, like "
                               "HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
                               "4-bit layer's input (planned so: legacy_bnb)")
+# torchtune's CEWithChunkedOutputLoss: the output projection and the loss in 8 chunks of the 2 × 2048 tokens;
+# bigtune's nearest setting (its chunks are also checkpointed, so even their logits are not kept).
+TT_CHUNKED_CE = {"train.loss_chunk_tokens": 512}
 TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
                   "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
@@ -348,7 +351,7 @@ ROWS: list[Row] = [
     *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}", "reserved",
           v, "GiB", gpu, {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "paged_adamw8bit",
                           "train.micro_batch_size": 2, "data.max_seq_length": 2048,
-                          "train.activation_checkpointing": True, "optim.in_backward": True},
+                          "train.activation_checkpointing": True, "optim.in_backward": True, **TT_CHUNKED_CE},
           impl=TORCHTUNE_IMPL, note="optimizer_in_bwd=True in the config: optim.in_backward; "
           "paged optimizer state lives in CUDA managed memory, outside the "
           "allocator's counters (so outside max_memory_reserved) - planned likewise",
@@ -358,7 +361,7 @@ ROWS: list[Row] = [
           "reserved", v, "GiB", gpu,
           {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
            "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
-           "peft.adapter_dtype": "bfloat16", "train.micro_batch_size": 2, "data.max_seq_length": 2048, "train.activation_checkpointing": True},
+           "peft.adapter_dtype": "bfloat16", "train.micro_batch_size": 2, "data.max_seq_length": 2048, "train.activation_checkpointing": True, **TT_CHUNKED_CE},
           impl=TORCHTUNE_IMPL, note="config llama3_1/8B_lora_single_device (adapters, dropout 0 as recalled, not "
           "re-read); the A6000 and 4090 rows state one setup but differ ~2×", speed=(tok, "tokens/s"))
       for n, g, gpu, v, tok in ((10, "4090", "rtx-4090", 16.2, 3083), (11, "A6000", "rtx-a6000", 30.3, 4699))],
@@ -368,7 +371,7 @@ ROWS: list[Row] = [
          "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
          "peft.adapter_dtype": "bfloat16", "model.quantize": "nf4", "model.double_quant": True,
          "model.upcast_unquantized": False, "train.micro_batch_size": 2,
-         "data.max_seq_length": 2048, "train.activation_checkpointing": True},
+         "data.max_seq_length": 2048, "train.activation_checkpointing": True, **TT_CHUNKED_CE},
         impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes", speed=(2413, "tokens/s")),
     # ---- HF transformers perf docs: bert-large-uncased, seq 512, V100 16GB, nvidia-smi (MiB) ----
     *[Row(f"H{n}", HF_PERF, f"BERT-large classifier full, {prec_label}, {opt_label}, {b}×512 acc {acc}"

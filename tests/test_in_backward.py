@@ -70,6 +70,7 @@ def test_gpu_plan_drops_the_gradients_and_alternatives_offer_it():
               replay=False)
     grads = usual.model_states["gradients"]
     assert ib.model_states["gradients"] == 0 and grads > 2e9
+    assert any(n.startswith("optim.in_backward") for n in ib.notes)
     assert usual.peak_allocated - ib.peak_allocated > 0.8 * grads
     alts = alternatives(r, target, max_gpus=1)
     fused = [a for a in alts if a.overrides.get("optim.in_backward")]

@@ -1103,6 +1103,9 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
             "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
             if recipe.model.quantize == "int8" and fp32_hidden else f"; 4-bit matmuls emulated ({hidden} hidden "
             "states, dequantized weight in backward)" if recipe.model.quantize != "int8" else ""))
+    if recipe.optim.in_backward:
+        notes.append("optim.in_backward: each weight steps inside the backward and its gradient is freed at once "
+                     "(no full set of gradients; its optimizer kernels are timed in the backward)")
     if sim_recipe.optim.zero_grad == "before_backward":
         held = phases["before_forward"]["gradients"]
         notes.append(f"optim.zero_grad=before_backward (Lightning Trainer's order): the last step's gradients, "
