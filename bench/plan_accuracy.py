@@ -70,6 +70,11 @@ CASES: dict[str, dict] = {
     "openllama7b-bf16true-lora-b4": {
         "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.micro_batch_size": 4, **LORA},
         "note": "7B LoRA r16 (q, v), frozen bf16 base", "est": 75, "timeout": 240},
+    "openllama7b-bf16true-adamw-inbwd-ckpt-b4": {
+        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.activation_checkpointing": True,
+                 "train.micro_batch_size": 4, "optim.in_backward": True, "optim.grad_clip": None},
+        "note": "the 7B checkpointed case with the optimizer stepped in the backward (optim.in_backward: no full "
+                "set of gradients; it cannot clip)", "est": 90, "timeout": 300},
     "blip2opt2.7b-bf16mixed-adamw-b8-acc8": {
         "recipe": BLIP2_RECIPE, "kind": "blip2",
         "over": {"precision": "bf16-mixed", "train.micro_batch_size": 8, "train.accumulate_grad_batches": 8},
