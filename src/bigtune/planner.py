@@ -1098,11 +1098,14 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
         from bigtune.models import weights_dtype
 
         fp32_hidden = recipe.model.upcast_unquantized or weights_dtype(recipe.precision) == torch.float32
-        hidden = "fp32" if fp32_hidden else "16-bit"
-        notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic" + (
-            "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
-            if recipe.model.quantize == "int8" and fp32_hidden else f"; 4-bit matmuls emulated ({hidden} hidden "
-            "states, dequantized weight in backward)" if recipe.model.quantize != "int8" else ""))
+        if recipe.model.quantize != "int8":
+            how = (f"; 4-bit matmuls emulated ({'fp32' if fp32_hidden else '16-bit'} hidden states, dequantized "
+                   "weight in backward)")
+        elif fp32_hidden:
+            how = "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
+        else:
+            how = ""
+        notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic{how}")
     if recipe.optim.in_backward:
         notes.append("optim.in_backward: each weight steps inside the backward and its gradient is freed at once "
                      "(no full set of gradients; its optimizer kernels are timed in the backward)")
@@ -1258,9 +1261,8 @@ def _sim_key(r: Recipe, micro: int) -> str:
     k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
     return json.dumps([r.precision, r.train.activation_checkpointing, r.optim.name, r.optim.momentum,
                        r.optim.implementation, r.optim.in_backward, r.data.max_seq_length, micro, min(k, 2),
-                       r.peft.method,
-                       r.peft.adapter_dtype, r.model.quantize, r.model.upcast_unquantized, r.optim.zero_grad,
-                       _step_kind(r, r.strategy)])
+                       r.peft.method, r.peft.adapter_dtype, r.model.quantize, r.model.upcast_unquantized,
+                       r.optim.zero_grad, _step_kind(r, r.strategy)])
 
 
 def _run_sims(jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int,
