@@ -174,9 +174,17 @@ def test_communication_is_exposed_only_where_compute_cannot_hide_it():
     hidden = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "ddp"), states,
                                             {"forward_s": 4.0, "backward_s": 8.0})
     assert hidden == pytest.approx(2 * 0.75 * planner.DDP_BUCKET_BYTES / bw)
-    # FSDP: the weights are gathered for every micro-batch's forward and backward, the gradients
-    # reduce-scattered on the last one
+    # FSDP: the weights are gathered for every micro-batch's forward and backward and the gradients
+    # reduce-scattered after each (they stay sharded through the window), behind its 0.03 s of compute
     fsdp = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
-    gather = 2 * 0.75 * 12 * gib / bw
-    assert fsdp == pytest.approx(4 * (gather - 0.03) + 0.75 * 12 * gib / bw)
+    gather, scatter = 2 * 0.75 * 12 * gib / bw, 0.75 * 12 * gib / bw
+    assert fsdp == pytest.approx(4 * (gather + scatter - 0.03))
+    # grad_op keeps the weights from the forward for the backward: one gather per micro-batch
+    r_op = _recipe(**{"train.accumulate_grad_batches": 4, "fsdp_sharding": "grad_op"})
+    op = planner._exposed_communication(r_op, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
+    assert op == pytest.approx(4 * (gather / 2 + scatter - 0.03))
+    # one flat unit (fsdp_wrap=none): gathered before the forward, reduced after the backward, nothing hidden
+    r_flat = _recipe(**{"train.accumulate_grad_batches": 4, "fsdp_wrap": "none"})
+    flat = planner._exposed_communication(r_flat, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
+    assert flat == pytest.approx(4 * (gather / 2 + scatter))
     assert planner._exposed_communication(r, planner.Target("cuda", a100, 1, "single"), states, slow) == 0.0

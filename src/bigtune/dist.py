@@ -44,7 +44,7 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def make_parallelize_fn(recipe: Recipe):
-    """fully_shard every decoder block, then the root (embeddings, head) — FSDP2."""
+    """fully_shard every decoder block (fsdp_wrap=block), then the root (embeddings, head) — FSDP2."""
 
     def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -55,10 +55,15 @@ def make_parallelize_fn(recipe: Recipe):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         if recipe.fsdp_cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        reshard = recipe.fsdp_sharding != "grad_op"
-        for block in decoder_blocks(model):
-            fully_shard(block, reshard_after_forward=reshard, **kwargs)
-        fully_shard(model, reshard_after_forward=reshard, **kwargs)
+        # full: FSDP2's default, every unit resharded after its forward except the root (embeddings,
+        # head), which the backward needs at once. An explicit True would reshard the root too (torch
+        # >= 2.8) and gather it again for the backward; the planner counts the root gathered throughout.
+        if recipe.fsdp_sharding == "grad_op":
+            kwargs["reshard_after_forward"] = False
+        # fsdp_wrap=none leaves the blocks to the root: one unit, the whole model gathered at once.
+        for block in decoder_blocks(model) if recipe.fsdp_wrap == "block" else ():
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
         return model
 
     return parallelize
@@ -168,9 +173,14 @@ def make_deepspeed_optimizer(recipe: Recipe, model: torch.nn.Module) -> torch.op
 def micro_batch_context(fabric, model, last: bool):
     """Around one micro-batch's forward/backward: no gradient sync before the window's last one.
 
-    DDP/FSDP: Fabric's no_backward_sync. DeepSpeed: its engine reduces gradients itself and is told
-    whether this micro-batch ends the accumulation window (a short last window then still steps).
+    DDP: Fabric's no_backward_sync. FSDP reduce-scatters every micro-batch: without the sync each
+    rank would hold every weight's unsharded gradient through the window, as much as DDP, which is
+    what sharding is for avoiding (the lab's Lightning FSDP syncs every micro-batch too). DeepSpeed:
+    its engine reduces gradients itself and is told whether this micro-batch ends the accumulation
+    window (a short last window then still steps).
     """
+    if is_sharded(fabric):
+        return contextlib.nullcontext()
     engine = _deepspeed_engine(fabric)
     if engine is None:
         return fabric.no_backward_sync(model, enabled=not last)

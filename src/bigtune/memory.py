@@ -32,6 +32,20 @@ class SimulatedOOM(torch.OutOfMemoryError):
     """Raised by the CPU tracker when live bytes exceed ``memory.cap_gib``."""
 
 
+# Trackers inside their `with`: told of every storage resize_, which no dispatch mode sees. FSDP2
+# gathers each unit's weights into storages it grows with resize_(n) and frees with resize_(0); a
+# tracker blind to that counted every weight ever gathered as alive until the step ended.
+_RESIZE_WATCHERS: list["LiveTensorTracker"] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _watched_resize(storage, size):
+    out = _ORIGINAL_RESIZE(storage, size)
+    for tracker in list(_RESIZE_WATCHERS):
+        tracker.resized(storage)
+    return out
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Counts the bytes of live tensor storages; exact on CPU and on fake tensors.
 
@@ -66,8 +80,57 @@ class LiveTensorTracker(TorchDispatchMode):
         self._refs.pop(key, None)
         if size is not None:
             self.live_bytes -= size
-            if self.events is not None:
-                self.events.append(("free", self._serial.pop(key)))
+            serial = self._serial.pop(key, None)
+            if self.events is not None and serial is not None:
+                self.events.append(("free", serial))
+
+    def __enter__(self):
+        _RESIZE_WATCHERS.append(self)
+        if len(_RESIZE_WATCHERS) == 1:
+            torch.UntypedStorage.resize_ = _watched_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self in _RESIZE_WATCHERS:
+                _RESIZE_WATCHERS.remove(self)
+            if not _RESIZE_WATCHERS:
+                torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE
+
+    def resized(self, st) -> None:
+        """A storage changed size in place: count its new size (registering it if it is new)."""
+        key = id(st)
+        if key not in self._sizes:
+            self._register(st)
+            self._after_growth()
+            return
+        size = -(-st.nbytes() // self.round_to) * self.round_to
+        self.live_bytes += size - self._sizes[key]
+        self._sizes[key] = size
+        if self.events is not None:
+            serial = self._serial.pop(key, None)
+            if serial is not None:
+                self.events.append(("free", serial))
+            if st.nbytes():
+                self._serial[key] = len(self.events)
+                self.events.append(("alloc", len(self.events), st.nbytes()))
+        self._after_growth()
+
+    def _register(self, st) -> None:
+        key = id(st)
+        size = -(-st.nbytes() // self.round_to) * self.round_to
+        gen = self._generation
+        try:
+            self._refs[key] = weakref.ref(st, lambda _r, k=key, g=gen: self._on_free(k, g))
+        except TypeError:
+            return
+        self._sizes[key] = size
+        self.live_bytes += size
+        if self.events is not None and st.nbytes():
+            self._serial[key] = len(self.events)
+            self.events.append(("alloc", len(self.events), st.nbytes()))
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -80,20 +143,11 @@ class LiveTensorTracker(TorchDispatchMode):
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
-            key = id(st)
-            if key in self._sizes:
-                continue
-            size = -(-st.nbytes() // self.round_to) * self.round_to
-            gen = self._generation
-            try:
-                self._refs[key] = weakref.ref(st, lambda _r, k=key, g=gen: self._on_free(k, g))
-            except TypeError:
-                continue
-            self._sizes[key] = size
-            self.live_bytes += size
-            if self.events is not None:
-                self._serial[key] = len(self.events)
-                self.events.append(("alloc", len(self.events), st.nbytes()))
+            if id(st) not in self._sizes:
+                self._register(st)
+        self._after_growth()
+
+    def _after_growth(self) -> None:
         if self.live_bytes > self.window_peak:
             self.window_peak = self.live_bytes
         if self.live_bytes > self.peak_bytes:
@@ -192,8 +246,9 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
                       device_type: str) -> dict[str, int]:
     """Parameters, gradients and optimizer state (split device/CPU), from the tensors themselves."""
     # ZeRO-3 leaves an empty placeholder in each parameter; its partition is `ds_tensor`.
-    params = [getattr(p, "ds_tensor", p) for p in model.parameters()]
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    own = fsdp_sharded_parameters(model) or list(model.parameters())
+    params = [getattr(p, "ds_tensor", p) for p in own]
+    grads = [p.grad for p in own if p.grad is not None]
     # bitsandbytes 4-bit weights keep their block scales beside the packed uint8 data.
     quant = [t for p in params for t in _quant_state_tensors(p)]
     opt_dev: list[torch.Tensor] = []
@@ -222,6 +277,34 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
         "optimizer_device": storage_bytes(opt_dev),
         "optimizer_cpu": storage_bytes(opt_cpu),
     }
+
+
+def fsdp_sharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """FSDP2: every parameter's own shard, also while its unit is gathered; [] for other models.
+
+    While a unit is gathered its module holds the full weights, and model.parameters() yields them:
+    they are communication buffers that the backward frees again, so the memory table counts them
+    under activations, as the planner does, and only the shard as parameters. (FSDP2's per-module
+    state is private; a torch that renames it falls back to model.parameters().)
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        try:
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
+            out += [fp.sharded_param for g in groups for fp in g.fsdp_params]
+        except AttributeError:
+            return []
+    return out
 
 
 def _quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:

@@ -866,15 +866,23 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
                                 views=recipe.ddp_bucket_view)
         return phases, sim.peak_allocated, notes
     es = 4 if recipe.precision == "32-true" else 2
-    gather = bucket = persistent_bucket = 0
+    gather = gathered_after_forward = bucket = persistent_bucket = 0
+    deepspeed = target.strategy.startswith("deepspeed")
+    flat = target.strategy == "fsdp" and recipe.fsdp_wrap == "none"  # one FSDP unit: the whole model
     if "parameters" in split:
         # Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
         # and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
-        # norm, head) stay gathered from the root's forward through its backward.
+        # norm, head) stay gathered from the root's forward through its backward: FSDP2 never
+        # reshards the root after its forward, nor (fsdp_sharding=grad_op) any block. With
+        # fsdp_wrap=none the root is everything. ZeRO-3 releases every gather after its use.
         per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
         root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
-        gather = int((root + 2 * per_block) * es)
-    deepspeed = target.strategy.startswith("deepspeed")
+        if flat:
+            gather = gathered_after_forward = int(sim.numel * es)
+        else:
+            gather = int((root + 2 * per_block) * es)
+            gathered_after_forward = gather if deepspeed else int(
+                (root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
     if deepspeed:
         from bigtune.dist import BUCKET_ELEMENTS
 
@@ -921,8 +929,16 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
 
     # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
-    fwd = device_states(f) + (_phase_high(f) - states(f)) + gather + persistent_bucket
+    # The forward peaks at its end (logits and loss), where FSDP holds only what stays gathered.
+    fwd = device_states(f) + (_phase_high(f) - states(f)) + persistent_bucket + (
+        gather if deepspeed else gathered_after_forward)
     bwd = device_states(b_) + max(0, _phase_high(b_) - states(b_)) + gather + bucket + persistent_bucket
+    if flat:
+        # One unit: every gradient stays unsharded until the backward ends; FSDP2 then frees the
+        # gathered weights and copies the gradients into one reduce-scatter input (fp32 for *-mixed).
+        unsharded = trainable * es
+        scatter_in = trainable * (4 if recipe.precision.endswith("-mixed") else es)
+        bwd = max(bwd + unsharded, device_states(b_) + unsharded + scatter_in)
     # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
     update_tmp = 0 if "optimizer_device" in moved else -(-max(0, _phase_high(o) - states(o)) // n)
     if masters and "optimizer_device" not in moved:
@@ -944,9 +960,9 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         if deepspeed and not grads_persist and name in ("before_forward", "after_optimizer"):
             ph["gradients"] = 0  # ZeRO-2 frees its gradient partition in the step
         ph["optimizer_cpu"] += -(-cpu // n)
-        # Buffers alive at this phase boundary: FSDP keeps the root's weights gathered; ZeRO-3
-        # releases its gathers and keeps its bucket.
-        live = (gather if not deepspeed or name == "after_forward" else 0) + persistent_bucket
+        # Buffers alive at this phase boundary: what the forward leaves gathered, until the backward
+        # reshards it; ZeRO-3 keeps its bucket throughout.
+        live = (gathered_after_forward if name == "after_forward" else 0) + persistent_bucket
         ph["allocated"] += states(ph) - full + live
         ph["activations"] += live
         ph["phase_peak"] = None  # not meaningful after the analytic split
@@ -954,6 +970,10 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     what = " and ".join(sorted(split))
     notes.append(f"{target.strategy}: {what} / {n}; + {(gather + bucket + persistent_bucket) / GIB:.2f} GiB "
                  "gather/reduce buffers")
+    if flat:
+        notes.append(f"fsdp_wrap=none: one FSDP unit, the whole model ({gather / GIB:.2f} GiB) gathered from the "
+                     f"forward through the backward and every gradient unsharded before one reduce-scatter; "
+                     "fsdp_wrap=block gathers and reduces one decoder block at a time")
     if masters:
         notes.append(f"{target.strategy} with {recipe.precision}: 16-bit weights and gradients, fp32 master "
                      "weights and optimizer state (DeepSpeed's mixed precision; no autocast)")
@@ -1021,8 +1041,10 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
     * DDP: one all-reduce of the gradients, overlapped with the last micro-batch's backward except its
       last bucket;
     * FSDP and ZeRO-3: the parameters gathered for every micro-batch's forward and again for its
-      backward, the gradients reduce-scattered on the last (ZeRO-3: on every one, it keeps only its
-      partition), overlapped with that micro-batch's forward and backward (prefetching);
+      backward (FSDP with fsdp_sharding=grad_op: once), the gradients reduce-scattered on every
+      micro-batch (each keeps only its partition), overlapped with that micro-batch's forward and
+      backward (prefetching); with fsdp_wrap=none nothing overlaps: the one unit is gathered before
+      the forward starts and reduced after the backward ends;
     * ZeRO-2: gradients reduce-scattered after every micro-batch's backward (overlapped with it) and
       the updated parameters all-gathered once after the step (not overlapped).
     """
@@ -1039,13 +1061,12 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
         reduce = 2 * f * grads / bw
         return max(0.0, reduce - bwd) + 2 * f * min(grads, DDP_BUCKET_BYTES) / bw
     if strategy == "fsdp" or strategy.startswith("deepspeed_stage_3"):
-        gather = 2 * f * params / bw
-        every = strategy != "fsdp"  # ZeRO-3 reduces on every micro-batch
-        exposed = 0.0
-        for i in range(k):
-            scatter = f * grads / bw if (every or i == k - 1) else 0.0
-            exposed += max(0.0, gather + scatter - fwd - bwd)
-        return exposed
+        fsdp = strategy == "fsdp"
+        gathers = 1 if fsdp and (recipe.fsdp_sharding == "grad_op" or recipe.fsdp_wrap == "none") else 2
+        gather, scatter = gathers * f * params / bw, f * grads / bw
+        if fsdp and recipe.fsdp_wrap == "none":
+            return k * (gather + scatter)
+        return k * max(0.0, gather + scatter - fwd - bwd)
     if strategy.startswith("deepspeed"):  # ZeRO-1/2: reduce every micro-batch, gather the new weights once
         return k * max(0.0, f * grads / bw - bwd) + f * params / bw
     return 0.0

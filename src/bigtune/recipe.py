@@ -277,6 +277,13 @@ class Recipe:
         "full", "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
         "backward (less communication); hybrid shards within a node and replicates across nodes.")
     fsdp_cpu_offload: bool = _f(False, "FSDP: keep sharded parameters, gradients and optimizer state in CPU RAM.")
+    fsdp_wrap: Literal["block", "none"] = _f(
+        "block", "FSDP units. block: each decoder block is its own unit (gathered for its forward and backward, its "
+        "gradients reduced as soon as they are done), then the root (embeddings, head). none: the root only, one "
+        "flat unit, as Lightning's FSDPStrategy() without an auto_wrap_policy (the lab's FSDP runs): the whole "
+        "model is gathered from the forward through the backward and every gradient exists unsharded before "
+        "the one reduce-scatter, so it needs far more memory and hides no communication; `bigtune plan` shows "
+        "how much.")
     ddp_bucket_view: bool = _f(
         True, "DDP: each gradient is a view into the reducer's communication buckets, so the gradients are not "
         "held twice. false is PyTorch's and Lightning's default (DDPStrategy()): the buckets then hold a second "
@@ -676,8 +683,8 @@ def check_deepspeed(r: Recipe, accel: str) -> list[str]:
                  f"strategy={s.removesuffix('_offload')} for SGD")
     if r.optim.implementation == "fused" and s.endswith("_offload"):
         p.append(f"optim.implementation=fused: strategy={s} steps on the CPU; use optim.implementation=auto")
-    if r.fsdp_cpu_offload or r.fsdp_sharding != "full":
-        p.append(f"fsdp_cpu_offload / fsdp_sharding apply to strategy=fsdp only; with DeepSpeed pick the offload "
+    if r.fsdp_cpu_offload or r.fsdp_sharding != "full" or r.fsdp_wrap != "block":
+        p.append(f"fsdp_cpu_offload / fsdp_sharding / fsdp_wrap apply to strategy=fsdp only; with DeepSpeed pick the offload "
                  f"through the strategy name (e.g. {s.removesuffix('_offload')}_offload) and remove the fsdp_* keys")
     return p
 
