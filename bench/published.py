@@ -163,6 +163,10 @@ def _tiny_lab(**over) -> dict:
             "train.micro_batch_size": 8, "train.accumulate_grad_batches": 4, **over}
 
 
+# The lab's FSDPStrategy(sharding_strategy="FULL_SHARD") names no auto_wrap_policy: one flat unit.
+LAB_FSDP_KEYS = {"devices": 4, "strategy": "fsdp", "fsdp_wrap": "none"}
+LAB_FSDP_IMPL = ("; Lightning FSDPStrategy (FSDP1, one flat parameter, gradients reduced every micro-batch), "
+                 "planned as bigtune's FSDP2 with the root as its only unit")
 LAB_NOTE = ("Alpaca2k truncated at 512 and padded to the batch's longest; planned at full 512-token rows "
             "(the printed step's batch may be shorter)")
 RANKS = "max of the ranks shown"
@@ -193,6 +197,24 @@ ROWS: list[Row] = [
     Row("L7.res", LAB_V100, "as L7: reserved", "reserved", 31.22, "GiB", "v100-32gb",
         _tiny_lab(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp", impl=LITGPT,
         note=f"{RANKS} (31.22 / 27.19 / 28.74)"),
+    *[Row(i, LAB_A100, f"OpenLLaMA-7B full, bf16-true, AdamW, {b}×≤512, 4×A100-80 FSDP, no wrap policy", m, v,
+          "GiB", "a100-80gb", _lab7b(**LAB_FSDP_KEYS, **{"train.micro_batch_size": b}), gpus=4, strategy="fsdp",
+          impl=LITGPT + LAB_FSDP_IMPL, note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""))
+      for i, b, m, v, ranks in (("L4", 4, "after_forward_allocated", 36.33, "31.96 / 32.79 / 36.33"),
+                                ("L4.res", 4, "reserved", 56.00, "56.00 / 55.98 / 55.76"),
+                                ("L5", 8, "after_forward_allocated", 62.95, "62.95 / 59.51 / 62.95"),
+                                ("L5.res", 8, "reserved", 67.67, "67.67 / 62.71 / 64.74"))],
+    *[Row(i, LAB_V100, "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 FSDP, no wrap policy", m,
+          v, "GiB", "v100-32gb", _tiny_lab(**LAB_FSDP_KEYS), gpus=4, strategy="fsdp", impl=LITGPT + LAB_FSDP_IMPL,
+          note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""))
+      for i, m, v, ranks in (("L8", "after_forward_allocated", 21.35, "19.13 / 20.65 / 21.35"),
+                             ("L8.res", "reserved", 26.12, "26.12 / 25.27 / 24.99"))],
+    *[Row(i, LAB_V100, "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 4×V100-32 FSDP, no wrap policy", m, v, "GiB",
+          "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
+                        "train.micro_batch_size": 1, **LAB_FSDP_KEYS}, gpus=4, strategy="fsdp",
+          impl=LITGPT + LAB_FSDP_IMPL, note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""))
+      for i, m, v, ranks in (("L9", "after_forward_allocated", 13.27, "13.12 / 13.26 / 13.27"),
+                             ("L9.res", "reserved", 28.35, "28.35 / 27.56 / 27.54"))],
     Row("L9.1dev", LAB_V100, "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 1×V100-32", "fit", None, "-",
         "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
                       "train.micro_batch_size": 1}, expect="oom", impl=LITGPT,
@@ -402,8 +424,6 @@ ROWS: list[Row] = [
 
 # Published data points not planned, and why (ids as in the notes).
 SKIPPED: dict[str, str] = {
-    "L4, L5, L8, L9": "FSDP FULL_SHARD without an auto_wrap_policy (one flat unit: the whole model gathered in "
-                      "forward); bigtune's FSDP shards per decoder block, so its plan answers another setup",
     "R4, R5, R15-R18, R32, R33": "StableLM-Alpha 3B (GPT-NeoX) config not bundled",
     "R14": "LLaMA-Adapter is not a bigtune method",
     "R19": "bf16-mixed LoRA OOM on a GPU the doc does not name (fit/OOM needs the card)",

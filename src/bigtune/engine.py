@@ -695,6 +695,9 @@ def gpu_peak_flops(device: torch.device, precision: str) -> Optional[float]:
 def oom_advice(r: Recipe) -> list[str]:
     """What usually frees the most memory for this recipe, most effective first."""
     out = []
+    if r.strategy == "fsdp" and r.fsdp_wrap == "none" and r.world_size > 1:
+        out.append("fsdp_wrap=block (one FSDP unit per decoder block: the whole model is no longer gathered at "
+                   "once, nor every gradient held unsharded until the backward ends)")
     if r.train.micro_batch_size > 1:
         half = max(1, r.train.micro_batch_size // 2)
         if r.optim.in_backward:  # it cannot accumulate: the global batch shrinks with it
