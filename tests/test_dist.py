@@ -215,3 +215,26 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, wrap, accumulate):
         assert block is None or plan["measured_peak_allocated"] > block["plan"]["measured_peak_allocated"]
     if accumulate > 1:  # the last micro-batch's forward holds only the first one's sharded gradients
         assert snaps["after_forward"]["gradients"] == snaps["after_backward"]["gradients"] > 0
+
+
+def test_flat_fsdp_unit_is_planned_far_larger_and_advised_against():
+    """The lab's OpenLLaMA-7B on 4 A100s: one flat unit gathers the whole model (12.55 GiB in bf16) and
+    holds every gradient unsharded, so its plan exceeds the per-block plan by at least the model; the
+    OOM advice names the per-block wrap first."""
+    from bigtune.engine import oom_advice
+    from bigtune.gpus import find_gpu
+    from bigtune.planner import Target, plan
+    from bigtune.recipe import load_recipe
+
+    over = {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true", "train.micro_batch_size": 4,
+            "data.max_seq_length": 512, "devices": 4, "strategy": "fsdp", "accelerator": "cpu"}
+    target = Target("cuda", find_gpu("a100-80gb"), 4, "fsdp")
+    block = plan(load_recipe({}, over), target)
+    flat_recipe = load_recipe({}, {**over, "fsdp_wrap": "none"})
+    flat = plan(flat_recipe, target)
+    model_bytes = 2 * 6.7e9
+    assert flat.peak_allocated - block.peak_allocated > model_bytes
+    assert flat.phases["after_forward"]["activations"] - block.phases["after_forward"]["activations"] > 0.9 * model_bytes
+    assert any("fsdp_wrap=none" in n for n in flat.notes)
+    assert oom_advice(flat_recipe)[0].startswith("fsdp_wrap=block")
+    assert not any("fsdp_wrap" in a for a in oom_advice(load_recipe({}, over)))
