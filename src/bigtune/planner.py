@@ -930,8 +930,7 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
 
     # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
     # The forward peaks at its end (logits and loss), where FSDP holds only what stays gathered.
-    fwd = device_states(f) + (_phase_high(f) - states(f)) + persistent_bucket + (
-        gather if deepspeed else gathered_after_forward)
+    fwd = device_states(f) + (_phase_high(f) - states(f)) + gathered_after_forward + persistent_bucket
     bwd = device_states(b_) + max(0, _phase_high(b_) - states(b_)) + gather + bucket + persistent_bucket
     if flat:
         # One unit: every gradient stays unsharded until the backward ends; FSDP2 then frees the
