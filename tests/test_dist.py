@@ -167,6 +167,37 @@ def test_tracker_sees_storage_resizes():
     assert torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE  # unpatched outside the tracker
 
 
+def test_monitor_separates_backward_transients_from_growing_gradients():
+    """The planner rebuilds a sharded backward from the simulated one: the high of what is not a model
+    state, over the whole backward and from the first block on, and how much of the new gradients was
+    still to come then. Two linear blocks, the second's backward first; numbers by hand."""
+    from bigtune.memory import MemoryMonitor
+
+    blocks = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    x = torch.randn(8, 64)
+    monitor = MemoryMonitor(torch.device("cpu"))
+    hooks = monitor.follow_gradients(blocks.parameters(), list(blocks))
+    monitor.begin_step(blocks, None, extra=[x])
+    loss = blocks(x).square().sum()
+    monitor.snapshot(0, "after_forward", blocks, None)
+    loss.backward()
+    snap = monitor.snapshot(0, "after_backward", blocks, None)
+    monitor.end_step()
+    for h in hooks:
+        h.remove()
+    weight, acts = 64 * 64 * 4, 8 * 64 * 4
+    assert snap.gradients == 2 * weight and snap.parameters == 2 * weight
+    # neither high counts a stored gradient; before any is stored, a weight's gradient in the making
+    # (one matrix) rides on top of the saved activations
+    assert snap.phase_peak_activations_late <= snap.phase_peak_activations < snap.phase_peak - snap.parameters
+    assert weight <= snap.phase_peak_activations <= 6 * acts + weight
+    assert 0 < snap.phase_gradients_pending_late <= 2 * weight
+    plain = MemoryMonitor(torch.device("cpu"))  # not told about gradients: no such measures
+    plain.begin_step(blocks, None)
+    assert plain.snapshot(0, "before_forward", blocks, None).phase_peak_activations is None
+    plain.end_step()
+
+
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory):
     """tiny-llama with 8 decoder blocks: enough blocks that gathering one at a time differs from all at once."""
@@ -184,20 +215,36 @@ def deep_model(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("wrap,accumulate", [("block", 1), ("none", 1), ("block", 2)])
-def test_fsdp_units_planned_per_phase(tmp_path, deep_model, wrap, accumulate):
-    """Per rank, every phase's parameters, gradients, optimizer state and allocated bytes exactly as
-    planned (gathered weights count under activations in both) and the peak within 4 %. One flat unit
+# Issue #6's CPU matrix on 2 ranks: precision × checkpointing × LoRA, per-block and flat units, accumulation.
+FSDP_MATRIX = {
+    "block": ("block", 1, {}),
+    "none": ("none", 1, {}),
+    "block-acc2": ("block", 2, {}),
+    "bf16-mixed": ("block", 1, {"precision": "bf16-mixed"}),
+    "bf16-true-lora": ("block", 1, {"precision": "bf16-true", "peft.method": "lora"}),
+    "ckpt": ("block", 1, {"train.activation_checkpointing": True}),
+    "bf16-mixed-ckpt": ("block", 1, {"precision": "bf16-mixed", "train.activation_checkpointing": True}),
+    "lora-ckpt": ("block", 1, {"peft.method": "lora", "train.activation_checkpointing": True}),
+    "none-ckpt": ("none", 1, {"train.activation_checkpointing": True}),
+    "sgd": ("block", 1, {"optim.name": "sgd"}),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_MATRIX))
+def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
+    """Per rank, every phase's parameters, gradients, optimizer state and allocated bytes as planned
+    (gathered weights count under activations in both) and the peak within 2 %. One flat unit
     (fsdp_wrap=none, as Lightning's FSDPStrategy() without a wrap policy) holds the whole model gathered
     after the forward and needs more memory than per-block units; with accumulation the gradients are
     reduce-scattered every micro-batch, so they stay sharded through the window."""
-    run = _train(tmp_path, f"{wrap}{accumulate}", devices=2, strategy="fsdp", fsdp_wrap=wrap,
+    wrap, accumulate, extra = FSDP_MATRIX[case]
+    run = _train(tmp_path, case if case != "block" else "block1", devices=2, strategy="fsdp", fsdp_wrap=wrap,
                  **{"model.name": str(deep_model), "model.init": "random", "data.source": str(deep_model / "long.jsonl"),
                     "optim.name": "adamw", "optim.lr": 1e-3,
                     "train.micro_batch_size": 4 // accumulate, "train.accumulate_grad_batches": accumulate,
-                    "memory.plan": True, "checkpoint.save_model": False})
+                    "memory.plan": True, "checkpoint.save_model": False, **extra})
     plan = json.loads((run / "summary.json").read_text())["plan"]
-    assert abs(plan["peak_error_pct"]) < 4.0, plan["peak_error_pct"]
+    assert abs(plan["peak_error_pct"]) < 2.0, plan["peak_error_pct"]
     snaps = {s["phase"]: s for s in read_jsonl(run / "memory.jsonl") if s["step"] == 2 and s["rank"] == 0}
     shard = snaps["before_forward"]["parameters"]  # this rank's half of the fp32 weights
     for phase, cats in plan["phases"].items():
@@ -207,7 +254,9 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, wrap, accumulate):
                 # waited on (timing-dependent under gloo): at most the root's weights (embeddings, head)
                 assert 0 <= cats[c]["measured"] - cats[c]["predicted"] < 0.35 * shard, (phase, cats[c])
             else:
-                assert cats[c]["measured"] == pytest.approx(cats[c]["predicted"], rel=1e-3), (phase, c, cats[c])
+                # (abs: Adam's step counters are whole on every rank; the plan halves them with the rest)
+                assert cats[c]["measured"] == pytest.approx(cats[c]["predicted"], rel=1e-3, abs=512), \
+                    (phase, c, cats[c])
     assert snaps["before_forward"]["activations"] < 0.05 * shard  # nothing left gathered
     after_forward = snaps["after_forward"]["activations"]
     if wrap == "none":

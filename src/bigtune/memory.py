@@ -66,6 +66,19 @@ class LiveTensorTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.window_peak = 0  # the most since reset_window(): one phase of a step
+        # Storages marked by hold() (model states: weights, gradients, optimizer state) and the window's
+        # high of everything else (activations, gathered copies, temporaries): the planner rebuilds a
+        # sharded step's peak from it, since the states it sees are not the ones a rank holds.
+        self._held: set[int] = set()
+        self.held_bytes = 0
+        self.window_unheld_peak = 0
+        # the same high after the window's first new gradient was stored (None before): a backward's
+        # transients at its start (the loss and logits) and once the blocks' gradients begin
+        self.window_unheld_late: Optional[int] = None
+        # held bytes when the window began, and the late high of everything but those (so with the
+        # window's new gradients): see MemoryMonitor.snapshot's phase_gradients_pending_late
+        self.window_held_start = 0
+        self.window_live_late = 0
         self._generation = 0
         # Called as observer(func, args, kwargs, out) after each operator: the planner's time model
         # (roofline.OpCounter.observe) rides on this mode instead of stacking a second one.
@@ -80,6 +93,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._refs.pop(key, None)
         if size is not None:
             self.live_bytes -= size
+            if key in self._held:
+                self._held.discard(key)
+                self.held_bytes -= size
             serial = self._serial.pop(key, None)
             if self.events is not None and serial is not None:
                 self.events.append(("free", serial))
@@ -108,6 +124,8 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         size = -(-st.nbytes() // self.round_to) * self.round_to
         self.live_bytes += size - self._sizes[key]
+        if key in self._held:
+            self.held_bytes += size - self._sizes[key]
         self._sizes[key] = size
         if self.events is not None:
             serial = self._serial.pop(key, None)
@@ -147,7 +165,39 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._register(st)
         self._after_growth()
 
+    def hold(self, tensors: Iterable[Any]) -> None:
+        """Count these tensors' storages as model states from now on (registering them if new)."""
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        self.track(tensors)
+        for t in tensors:
+            t = getattr(t, "_local_tensor", t)
+            try:
+                key = id(t.untyped_storage())
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            if key in self._sizes and key not in self._held:
+                self._held.add(key)
+                self.held_bytes += self._sizes[key]
+
+    def gradient_stored(self, grad: torch.Tensor, starts_late: bool = True) -> None:
+        """Autograd stored a gradient: hold it as a model state (and start the window's late high)."""
+        self.hold([grad])
+        if starts_late:
+            self.late_start()
+
+    def late_start(self) -> None:
+        """From now on this window also tracks its late high (see window_unheld_late)."""
+        if self.window_unheld_late is None:
+            self.window_unheld_late = self.live_bytes - self.held_bytes
+            self.window_live_late = self.live_bytes - self.window_held_start
+
     def _after_growth(self) -> None:
+        unheld = self.live_bytes - self.held_bytes
+        if unheld > self.window_unheld_peak:
+            self.window_unheld_peak = unheld
+        if self.window_unheld_late is not None:
+            self.window_unheld_late = max(self.window_unheld_late, unheld)
+            self.window_live_late = max(self.window_live_late, self.live_bytes - self.window_held_start)
         if self.live_bytes > self.window_peak:
             self.window_peak = self.live_bytes
         if self.live_bytes > self.peak_bytes:
@@ -158,10 +208,14 @@ class LiveTensorTracker(TorchDispatchMode):
                     f"({self.cap_bytes / GIB:.3f} GiB)")
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.window_peak = self.live_bytes
+        self.peak_bytes = self.live_bytes
+        self.reset_window()
 
     def reset_window(self) -> None:
         self.window_peak = self.live_bytes
+        self.window_unheld_peak = self.live_bytes - self.held_bytes
+        self.window_unheld_late = None
+        self.window_held_start, self.window_live_late = self.held_bytes, 0
 
     def clear(self) -> None:
         self._generation += 1
@@ -170,6 +224,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._serial.clear()
         self.live_bytes = 0
         self.peak_bytes = self.window_peak = 0
+        self._held.clear()
+        self.held_bytes = self.window_unheld_peak = 0
+        self.window_unheld_late = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -196,6 +253,16 @@ class Snapshot:
     # The most allocated since the previous phase's snapshot (CPU tracker only; the planner uses it
     # to tell a forward peak from a backward one): None where the allocator cannot say.
     phase_peak: Optional[int] = None
+    # The same phase's high of what is not a model state (activations, temporaries), where the tracker
+    # was told which storages are states (MemoryMonitor.follow_gradients, the planner's simulation).
+    phase_peak_activations: Optional[int] = None
+    # ... and its high from the backward's first repeated block on (or its first stored gradient; None
+    # if neither came): what remains once the loss and logits are through and the blocks begin.
+    phase_peak_activations_late: Optional[int] = None
+    # Of the gradients this phase newly stored, how many bytes were still to come at that late high
+    # (U + G - W for U that high, G the new gradients, W the late high counting them: U + G/n - this/n
+    # bounds the high of a rank holding 1/n of each gradient, exact when both highs coincide).
+    phase_gradients_pending_late: Optional[int] = None
     # CUDA: bytes in use on the whole device (cudaMemGetInfo: total - free), as nvidia-smi/nvtop show
     # it: the caching allocator's reserved memory plus the CUDA context and anything outside PyTorch
     # (other processes too). None on the CPU.
@@ -327,6 +394,7 @@ class MemoryMonitor:
         self.tracker = None if self.is_cuda else LiveTensorTracker(cap_bytes, round_to)
         self.cap_bytes = cap_bytes
         self._active = False
+        self._following = False  # follow_gradients() was called: phase_peak_activations is meaningful
         self._eager: Any = None  # torch.compiler.set_stance("force_eager") while the CPU tracker is on
         self.last: Optional[Snapshot] = None
         if self.is_cuda and cap_bytes is not None:
@@ -340,7 +408,7 @@ class MemoryMonitor:
             return
         assert self.tracker is not None
         self.tracker.clear()
-        existing: list[Any] = [getattr(p, "ds_tensor", p) for p in model.parameters()] + list(model.buffers())
+        existing: list[Any] = [getattr(p, "ds_tensor", p) for p in model.parameters()]
         existing += [t for group in zero_tensors(optimizer) for t in group]  # DeepSpeed's own buffers
         existing += [p.grad for p in model.parameters() if p.grad is not None]
         existing += [t for p in model.parameters() for t in _quant_state_tensors(p)]
@@ -350,8 +418,8 @@ class MemoryMonitor:
         elif optimizer is not None:
             for state in optimizer.state.values():
                 existing += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        existing += list(extra)
-        self.tracker.track(existing)
+        self.tracker.hold(existing)  # the model states (what the engine reports as such)
+        self.tracker.track(list(model.buffers()) + list(extra))
         self.tracker.reset_peak()
         if self._eager is None:
             # The tracker cannot see inside compiled code (train.compile), and torch.compile does not run
@@ -363,6 +431,26 @@ class MemoryMonitor:
             self.tracker.__enter__()
             self._active = True
 
+    def follow_gradients(self, params: Iterable[torch.Tensor], blocks: Iterable[torch.nn.Module] = ()) -> list:
+        """Count each new gradient of ``params`` as a model state once autograd stores it, so that
+        ``phase_peak_activations`` sees the backward's activations apart from the gradients growing
+        beside them. The late high starts when the backward reaches the first of ``blocks`` (the
+        repeated blocks: so that it grows by the same amount per block), or without blocks at the first
+        stored gradient. Returns the hook handles (remove them when done)."""
+        self._following = True
+        blocks = list(blocks)
+
+        def held(p: torch.Tensor) -> None:
+            if self.tracker is not None and p.grad is not None:
+                self.tracker.gradient_stored(p.grad, starts_late=not blocks)
+
+        def reached(module, grad_output) -> None:
+            if self.tracker is not None:
+                self.tracker.late_start()
+
+        return [p.register_post_accumulate_grad_hook(held) for p in params if p.requires_grad] + \
+            [b.register_full_backward_pre_hook(reached) for b in blocks]
+
     def end_step(self) -> None:
         if self._active and self.tracker is not None:
             self.tracker.__exit__(None, None, None)
@@ -373,7 +461,7 @@ class MemoryMonitor:
 
     def snapshot(self, step: int, phase: str, model: torch.nn.Module, optimizer) -> Snapshot:
         states = model_state_bytes(model, optimizer, self.device.type)
-        phase_peak = None
+        phase_peak = unheld_peak = unheld_late = pending = None
         if self.is_cuda:
             allocated = torch.cuda.memory_allocated(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -385,6 +473,12 @@ class MemoryMonitor:
             assert self.tracker is not None
             allocated, peak = self.tracker.live_bytes, self.tracker.peak_bytes
             phase_peak = self.tracker.window_peak
+            unheld_peak = self.tracker.window_unheld_peak if self._following else None
+            unheld_late = self.tracker.window_unheld_late if self._following else None
+            pending = None
+            if unheld_late is not None:
+                new_grads = max(0, self.tracker.held_bytes - self.tracker.window_held_start)
+                pending = max(0, unheld_late + new_grads - self.tracker.window_live_late)
             self.tracker.reset_window()
             reserved = peak_reserved = device_used = None  # no caching allocator on the CPU
         on_device = states["parameters"] + states["gradients"] + states["optimizer_device"]
@@ -392,7 +486,9 @@ class MemoryMonitor:
             on_device += states["optimizer_cpu"]  # on a CPU run, "offloaded" state shares the same memory
         snap = Snapshot(step=step, phase=phase, activations=max(0, allocated - on_device), allocated=allocated,
                         peak_allocated=peak, reserved=reserved, peak_reserved=peak_reserved,
-                        device=str(self.device), phase_peak=phase_peak, device_used=device_used, **states)
+                        device=str(self.device), phase_peak=phase_peak, device_used=device_used,
+                        phase_peak_activations=unheld_peak, phase_peak_activations_late=unheld_late,
+                        phase_gradients_pending_late=pending, **states)
         self.last = snap
         return snap
 
@@ -423,7 +519,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 _FIELDS = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
-           "peak_allocated", "reserved", "peak_reserved", "device_used")
+           "peak_allocated", "reserved", "peak_reserved", "device_used", "phase_peak")
 
 
 def gather_snapshots(fabric, snaps: list[Snapshot]) -> list[list[Snapshot]]:

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,7 +45,8 @@ from bigtune.recipe import Recipe, RecipeError, load_recipe
 GIB = 1024**3
 CONFIG_DIR = Path(__file__).resolve().parent / "assets" / "configs"
 CATEGORIES = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
-              "peak_allocated", "phase_peak")
+              "peak_allocated", "phase_peak", "phase_peak_activations",
+              "phase_peak_activations_late", "phase_gradients_pending_late")
 
 # --- assumptions for CUDA targets (not seen by simulation; uncalibrated until GPU runs are committed) ---
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)   # CUDA context + cuBLAS/cuDNN handles outside PyTorch's allocator
@@ -118,6 +120,11 @@ class Sim:
     in_use: int = 0           # its peak bytes of segments holding a live block (what must fit; see allocator.py)
     # roofline.OpCounter rows of one micro-batch's forward and backward and of one optimizer update
     ops: dict = field(default_factory=dict)
+    # FSDP with *-mixed computes on 16-bit copies of fp32 shards (_step_kind): the simulation's weights are
+    # 16-bit, the real states are not. (simulated bytes, real bytes) of all weights and of the trainable
+    # ones; () when the simulated weights are the real ones. See _shard's full_states.
+    fsdp_upcast: tuple[int, ...] = ()
+    fsdp_upcast_optimizer: bool = True  # False where the optimizer state does not follow the weights' dtype
 
 
 @dataclass(frozen=True)
@@ -354,10 +361,24 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
             model = apply_peft(model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing,
                                family=family)
-        if _step_kind(r, r.strategy)[0]:
+        ds_cast, _, fsdp_mixed = _step_kind(r, r.strategy)
+        if ds_cast:
             # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32
             # adapters and BLIP-2's fp32 Q-Former become 16-bit, with no fp32 input copy per adapted layer.
             recast_parameters(model, weights_dtype(r.precision), lambda name, p: p.dtype == torch.float32)
+        fsdp_upcast: tuple[int, ...] = ()
+        if fsdp_mixed:
+            # FSDP2's MixedPrecisionPolicy gathers every weight as a 16-bit copy of its shard, so the
+            # forward and backward run autocast over 16-bit weights: no autocast copy of each weight,
+            # a 16-bit residual stream, 16-bit norm outputs. Simulate that step on 16-bit weights and
+            # keep both byte counts: the shards, gradients and optimizer state stay in the real dtypes.
+            def nbytes(trainable: bool) -> int:
+                return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
+
+            real = (nbytes(False), nbytes(True))
+            low = torch.bfloat16 if r.precision.startswith("bf16") else torch.float16
+            recast_parameters(model, low, lambda name, p: p.dtype == torch.float32)
+            fsdp_upcast = (nbytes(False), real[0], nbytes(True), real[1])
         numel = sum(p.numel() for p in model.parameters())
         matmul_numel = _matmul_numel(model)
         from bigtune.dist import decoder_blocks
@@ -400,9 +421,19 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
             counter = OpCounter(state)  # what each kernel of the step costs (the time model)
             monitor.tracker.observer = counter.observe
             try:
-                _, snaps = train_step(built, batches, monitor, True, state, tokens)
+                blocks = decoder_blocks(model)
+            except ValueError:
+                blocks = []
+            hooks = monitor.follow_gradients(wrapped.parameters(), blocks)
+            try:
+                with warnings.catch_warnings():
+                    # the block hooks fire on outputs alone where no block input needs a gradient (LoRA)
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    _, snaps = train_step(built, batches, monitor, True, state, tokens)
             finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
                 monitor.end_step()
+                for h in hooks:
+                    h.remove()
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
     reserved = in_use = 0
@@ -426,7 +457,8 @@ def simulate(recipe: Recipe, config, depths: "int | dict[Stack, int]", cuda: boo
         reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
     # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
     ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
-    return Sim(steady, peak, numel, matmul_numel, block_numel, tuple(sorted(attention)), reserved, in_use, ops)
+    return Sim(steady, peak, numel, matmul_numel, block_numel, tuple(sorted(attention)), reserved, in_use, ops,
+               fsdp_upcast, not eight_bit)
 
 
 def _replay_steady(events: list, step1: int) -> tuple[int, int]:
@@ -583,6 +615,8 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
 
     def ext(get) -> int:
         b0 = get(base)
+        if b0 is None or any(get(sim) is None for sim, _ in grown):
+            return None  # a measure not every simulation has (e.g. no gradient stored in that phase)
         return int(round(b0 + sum((get(sim) - b0) * times for sim, times in grown)))
 
     phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
@@ -604,8 +638,10 @@ def simulate_full_depth(recipe: Recipe, config, cuda: bool, padded: bool = False
     ops = {k: [max(0.0, base.ops.get(k, zero)[i] + sum((sim.ops.get(k, zero)[i] - base.ops.get(k, zero)[i]) * times
                                                        for sim, times in grown)) for i in range(3)]
            for k in keys}
-    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), ext(lambda x: x.block_numel), base.attention, ext(lambda x: x.reserved),
-               ext(lambda x: x.in_use), ops)
+    upcast = tuple(ext(lambda x, i=i: x.fsdp_upcast[i]) for i in range(len(base.fsdp_upcast)))
+    return Sim(phases, peak, ext(lambda x: x.numel), ext(lambda x: x.matmul_numel), ext(lambda x: x.block_numel),
+               base.attention, ext(lambda x: x.reserved), ext(lambda x: x.in_use), ops, upcast,
+               base.fsdp_upcast_optimizer)
 
 
 RESERVED_DEPTHS = (4, 8)  # units of depth per stack in the two traced simulations reserved is estimated from
@@ -768,15 +804,18 @@ def zero_masters(recipe: Recipe, strategy: str) -> bool:
     return strategy.startswith("deepspeed") and recipe.precision != "32-true"
 
 
-def _step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool]:
+def _step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool, bool]:
     """What ``strategy`` changes in the engine's single-device step: DeepSpeed with a 16-bit precision
     casts the whole module to 16 bits, which changes the step where some weights are fp32 (PEFT's fp32
-    adapters, BLIP-2's fp32 Q-Former), and the chunked loss is off under FSDP and DeepSpeed
-    (engine.chunked_loss_head). Equal kinds share one simulation."""
+    adapters, BLIP-2's fp32 Q-Former), the chunked loss is off under FSDP and DeepSpeed
+    (engine.chunked_loss_head), and FSDP with a *-mixed precision computes on 16-bit gathered copies
+    (dist.make_parallelize_fn). Equal kinds share one simulation."""
     sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
     fp32_weights = (recipe.peft.method != "none" and recipe.peft.adapter_dtype == "float32") \
         or recipe.model.family == "image-to-text"
-    return zero_masters(recipe, strategy) and fp32_weights, bool(recipe.train.loss_chunk_tokens) and not sharded
+    fsdp_mixed = strategy == "fsdp" and recipe.precision.endswith("-mixed")
+    return (zero_masters(recipe, strategy) and fp32_weights, bool(recipe.train.loss_chunk_tokens) and not sharded,
+            fsdp_mixed)
 
 
 def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
@@ -809,6 +848,20 @@ def _phase_high(ph: dict) -> int:
     return ph.get("phase_peak") or ph["peak_allocated"]
 
 
+def _transient_high(ph: dict, late: bool = False) -> int:
+    """A phase's high of what is not a model state (activations, temporaries, gradients on their way
+    to being stored); ``late``: only from the phase's first stored gradient on (a backward past its
+    loss and logits). The simulation measures both where it followed the gradients; else the phase's
+    high less its end-of-phase states, which undercounts a backward whose high comes before most of
+    its gradients exist."""
+    got = ph.get("phase_peak_activations_late" if late else "phase_peak_activations")
+    if late and got is None:
+        got = ph.get("phase_peak_activations")
+    if got is not None:
+        return got
+    return max(0, _phase_high(ph) - sum(ph[c] for c in STATES))
+
+
 def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = False,
                  views: bool = True) -> tuple[dict, int, list[str]]:
     """DDP's reducer allocates flat gradient buckets for every trainable parameter when the model is
@@ -834,7 +887,8 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = Fa
         extra = g_fwd if name in ("before_forward", "after_forward") else g_opt
         ph["allocated"] += extra
         ph["activations"] += extra
-        ph["phase_peak"] = None
+        ph["phase_peak"] = ph["phase_peak_activations"] = ph["phase_peak_activations_late"] = \
+            ph["phase_gradients_pending_late"] = None
         ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
     if views:
         notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on (the gradients are views into "
@@ -847,7 +901,7 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = Fa
 
 def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
     """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
-    if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+    if target.gpus <= 1 and not target.strategy.startswith("deepspeed") and not sim.fsdp_upcast:
         return sim.phases, sim.peak_allocated, []
     n = target.gpus
     notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
@@ -907,6 +961,14 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     def full_states(ph: dict) -> dict[str, int]:
         """The model states of one unsharded device under this strategy's precision handling."""
         st = {c: ph[c] for c in STATES}
+        if sim.fsdp_upcast:
+            # FSDP *-mixed: simulated on 16-bit weights; the shards, their gradients (reduced in fp32,
+            # kept in the weights' dtype) and the optimizer state are in the real (fp32) dtypes.
+            sim_all, real_all, sim_train, real_train = sim.fsdp_upcast
+            st["parameters"] += real_all - sim_all
+            st["gradients"] = -(-st["gradients"] * real_train // max(1, sim_train))
+            if sim.fsdp_upcast_optimizer:
+                st["optimizer_device"] = -(-st["optimizer_device"] * real_train // max(1, sim_train))
         if grads_persist:
             st["gradients"] = persistent_grads
         if masters:
@@ -930,16 +992,41 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
 
     # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
     # The forward peaks at its end (logits and loss), where FSDP holds only what stays gathered.
-    fwd = device_states(f) + (_phase_high(f) - states(f)) + gathered_after_forward + persistent_bucket
-    bwd = device_states(b_) + max(0, _phase_high(b_) - states(b_)) + gather + bucket + persistent_bucket
+    fwd = device_states(f) + _transient_high(f) + gathered_after_forward + persistent_bucket
+    if target.strategy == "fsdp" and "parameters" in split:
+        # The root's first all-gather (the whole model with fsdp_wrap=none): NCCL's output buffer, the
+        # unsharded weights it is copied into and this rank's input shard, before any activation.
+        first = gathered_after_forward
+        fwd = max(fwd, device_states(f) + 2 * first + -(-first // n))
     if flat:
-        # One unit: every gradient stays unsharded until the backward ends; FSDP2 then frees the
+        # Measured (CPU, gloo, 2 ranks, micro-batches 2-8): the forward of one flat unit peaks a whole
+        # model's gathered size above its own end, whatever the batch; per-block units do not. Where
+        # FSDP2 allocates it is not identified, and it is not yet checked on a GPU.
+        fwd = max(fwd, device_states(f) + (f["allocated"] - states(f)) + 2 * gathered_after_forward
+                  + persistent_bucket)
+    # The backward has two highs. At its start (the loss and the logits' gradient, before any weight's
+    # gradient is stored) the states are the forward's and only what the forward left gathered is
+    # there; from the first stored gradient on, blocks are gathered and reduced one by one and at most
+    # all of this rank's gradient shards exist.
+    bwd_start = device_states(f) + _transient_high(b_) + gathered_after_forward + persistent_bucket
+    late = _transient_high(b_, late=True)
+    pending = b_.get("phase_gradients_pending_late") or 0
+    if flat:
+        # One unit: every gradient stays unsharded until the backward ends, growing as in the simulation
+        # (so its late high, gradients included, with the whole model gathered); FSDP2 then frees the
         # gathered weights and copies the gradients into one reduce-scatter input (fp32 for *-mixed).
         unsharded = trainable * es
         scatter_in = trainable * (4 if recipe.precision.endswith("-mixed") else es)
-        bwd = max(bwd + unsharded, device_states(b_) + unsharded + scatter_in)
+        bwd = max(device_states(f) + late + max(0, unsharded - pending) + gather,
+                  device_states(b_) + unsharded + scatter_in)
+    else:
+        if "gradients" in split and not grads_persist:
+            # Not every gradient shard exists yet at that high: each rank lacks 1/n of those to come.
+            late -= pending // n
+        bwd = device_states(b_) + late + gather + bucket + persistent_bucket
+    bwd = max(bwd_start, bwd)
     # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
-    update_tmp = 0 if "optimizer_device" in moved else -(-max(0, _phase_high(o) - states(o)) // n)
+    update_tmp = 0 if "optimizer_device" in moved else -(-_transient_high(o) // n)
     if masters and "optimizer_device" not in moved:
         # The update runs on fp32 state (temporaries twice the size) from an fp32 copy of the
         # gradient partition, made while the 16-bit partition still exists.
@@ -964,7 +1051,8 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         live = (gathered_after_forward if name == "after_forward" else 0) + persistent_bucket
         ph["allocated"] += states(ph) - full + live
         ph["activations"] += live
-        ph["phase_peak"] = None  # not meaningful after the analytic split
+        ph["phase_peak"] = ph["phase_peak_activations"] = ph["phase_peak_activations_late"] = \
+            ph["phase_gradients_pending_late"] = None  # not meaningful after the analytic split
         ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
     what = " and ".join(sorted(split))
     notes.append(f"{target.strategy}: {what} / {n}; + {(gather + bucket + persistent_bucket) / GIB:.2f} GiB "
@@ -1260,6 +1348,8 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
     t = (m - m_lo) / (m_hi - m_lo)
 
     def f(a: int, b: int) -> int:
+        if a is None or b is None:
+            return None
         return int(round(a + (b - a) * t))
 
     phases = {ph: {c: f(lo.phases[ph][c], hi.phases[ph][c]) for c in CATEGORIES} for ph in lo.phases}
@@ -1273,7 +1363,8 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
                 for i in range(3):
                     row[i] += v[i] * weight
     return Sim(phases, f(lo.peak_allocated, hi.peak_allocated), lo.numel, lo.matmul_numel, lo.block_numel,
-               lo.attention, f(lo.reserved, hi.reserved), f(lo.in_use, hi.in_use), ops)
+               lo.attention, f(lo.reserved, hi.reserved), f(lo.in_use, hi.in_use), ops, lo.fsdp_upcast,
+               lo.fsdp_upcast_optimizer)
 
 
 def _sim_key(r: Recipe, micro: int) -> str:
