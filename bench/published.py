@@ -104,6 +104,17 @@ def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", dou
     return over
 
 
+# lit-gpt's 2023 multi-GPU lora.py: FSDP1 (per Block, use_orig_params) over a batch of 128 in micro-batches,
+# accumulated under Fabric's no_backward_sync (FSDP1's no_sync: every rank keeps the unsharded gradients
+# through the window; any window longer than one needs the same memory).
+LIT_FSDP1 = ("FSDP1 per Block (lit-gpt 2023), not FSDP2: each Block is one flat unit holding the frozen weights "
+             "and the LoRA ones, so it keeps a gradient for all of them (planned so: fsdp1_units)")
+
+
+def LIT_FSDP_ACCUMULATION(devices: int, micro_batch: int) -> dict:  # noqa: N802 (a table constant)
+    return {"train.accumulate_grad_batches": max(1, 128 // devices // micro_batch), "fsdp_grad_sync": "step"}
+
+
 QV = ["q_proj", "v_proj"]
 LLAMA_ALL_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 # The longest Alpaca sample decides litgpt's resource-table peak (batches padded to the longest):
@@ -142,6 +153,9 @@ class Row:
     # backward that never used it; bigtune's bitsandbytes does not. Such rows are planned with that input
     # kept (the source's library, emulated in the planner's 4-bit stand-in; the engine is not involved).
     legacy_bnb: bool = False
+    # FSDP1 flat units with use_orig_params (litgpt 2023): a unit with any trainable weight holds gradients
+    # for all of its weights (PyTorch's FSDP docs warn of it; litgpt issue #1417)
+    fsdp1_units: bool = False
 
     def value_gib(self) -> Optional[float]:
         if self.value is None:
@@ -314,16 +328,16 @@ ROWS: list[Row] = [
           "peak_allocated", v, "GB", "a100-sxm-40gb",
           {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": b,
            "data.max_seq_length": ALPACA_LONGEST_LLAMA2, "train.activation_checkpointing": True,
-           "devices": 2, "strategy": "fsdp"}, gpus=2, strategy="fsdp",
-          impl=LITGPT_LORA + "; FSDP1 per Block (lit-gpt 2023), not FSDP2",
+           "devices": 2, "strategy": "fsdp", **LIT_FSDP_ACCUMULATION(2, b)}, gpus=2, strategy="fsdp",
+          impl=LITGPT_LORA + "; " + LIT_FSDP1, fsdp1_units=True,
           note="multi-GPU lora.py: FSDP wrapping and checkpointing each Block (litgpt's devices>1 setup)")
       for s, b, v in (("a", 1, 22.18), ("b", 2, 22.47), ("c", 4, 23.39))],
     Row("R13", RESOURCE, "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 4×A100-40 FSDP + act. ckpt", "peak_allocated",
         35.57, "GB", "a100-sxm-40gb",
         {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
          "data.max_seq_length": ALPACA_LONGEST_LLAMA2, "train.activation_checkpointing": True,
-         "devices": 4, "strategy": "fsdp"}, gpus=4, strategy="fsdp",
-        impl=LITGPT_LORA + "; FSDP1 per Block (lit-gpt 2023), not FSDP2"),
+         "devices": 4, "strategy": "fsdp", **LIT_FSDP_ACCUMULATION(4, 1)}, gpus=4, strategy="fsdp",
+        impl=LITGPT_LORA + "; " + LIT_FSDP1, fsdp1_units=True),
     # ---- litgpt config_hub/finetune/README.md (A10G 24GB, Alpaca2k max_seq_length 512) ----
     Row("R22", HUB, "TinyLlama-1.1B full, bf16-true, AdamW, 4×512, 1×A10G", "peak_allocated", 14.10, "GB", "a10g",
         {"model.name": TINYLLAMA, **LIT_FULL, "train.micro_batch_size": 4, "train.accumulate_grad_batches": 8,
@@ -357,12 +371,14 @@ ROWS: list[Row] = [
     Row("R30", HUB, "Llama-3.1-8B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
         {"model.name": LLAMA31_8B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
         expect="oom", impl=LITGPT),
-    Row("R31", HUB, "phi-2 full, bf16-true, AdamW, 4×512, 4×A10G FSDP + act. ckpt", "peak_allocated", 14.44, "GB",
+    Row("R31", HUB, "phi-2 full, bf16-true, AdamW, 4×512, 2×A10G FSDP + act. ckpt", "peak_allocated", 14.44, "GB",
         "a10g", {"model.name": "microsoft/phi-2", **LIT_FULL, "train.micro_batch_size": 4,
-                 "data.max_seq_length": 512, "train.activation_checkpointing": True, "devices": 4,
-                 "strategy": "fsdp"}, gpus=4, strategy="fsdp",
-        impl=LITGPT + "; FSDP1 per Block", note="device count uncertain: the table says 4xA10G, a stored "
-        "phi-2/full.yaml says devices 2; 2.78 B × 8 bytes of states cannot fit one 24 GB card, so > 1"),
+                 "data.max_seq_length": 512, "train.activation_checkpointing": True, "devices": 2,
+                 "strategy": "fsdp"}, gpus=2, strategy="fsdp",
+        impl=LITGPT + "; FSDP1 per Block", note="planned on the 2 devices of the stored phi-2/full.yaml (global "
+        "batch 8 = 2 × 4: no accumulation). The table's GPU column names the machine (4xA10G; an older version "
+        "1xA10G): its LoRA configs (devices 1) print the same memory on 1xA10G and 4xA10G, and 2.78 B × 8 bytes "
+        "of states cannot fit one 24 GB card"),
     Row("R34a", HUB, "Mistral-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 20.66, "GB", "a10g",
         {"model.name": "mistralai/Mistral-7B-v0.1", **lit_lora(32, 16, QV), "train.micro_batch_size": 2,
          "data.max_seq_length": 512}, impl=LITGPT_LORA, note="mistral-7b/lora.yaml (stored version)"),
@@ -491,6 +507,10 @@ def plan_row(row: Row) -> dict:
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
     if row.legacy_bnb:
         _keep_4bit_inputs()
+    if row.fsdp1_units:
+        from bigtune import planner
+
+        planner.fsdp_unit_grad_elements = lambda sim, trainable: sim.block_numel if trainable else 0
     return plan(r, target, workers=min(2, os.cpu_count() or 1)).to_dict()
 
 

@@ -227,6 +227,8 @@ FSDP_MATRIX = {
     "lora-ckpt": ("block", 1, {"peft.method": "lora", "train.activation_checkpointing": True}),
     "none-ckpt": ("none", 1, {"train.activation_checkpointing": True}),
     "sgd": ("block", 1, {"optim.name": "sgd"}),
+    "step-sync-acc2": ("block", 2, {"fsdp_grad_sync": "step"}),
+    "step-sync-acc2-bf16-mixed": ("block", 2, {"fsdp_grad_sync": "step", "precision": "bf16-mixed"}),
 }
 
 
@@ -264,7 +266,10 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
         block = json.loads((tmp_path / "block1" / "summary.json").read_text()) \
             if (tmp_path / "block1").exists() else None
         assert block is None or plan["measured_peak_allocated"] > block["plan"]["measured_peak_allocated"]
-    if accumulate > 1:  # the last micro-batch's forward holds only the first one's sharded gradients
+    if accumulate > 1 and "fsdp_grad_sync" in extra:
+        # reduced once per window: the last micro-batch's forward holds whole (fp32) gradients, twice a shard
+        assert snaps["after_forward"]["gradients"] == 2 * snaps["after_backward"]["gradients"] > 0
+    elif accumulate > 1:  # the last micro-batch's forward holds only the first one's sharded gradients
         assert snaps["after_forward"]["gradients"] == snaps["after_backward"]["gradients"] > 0
 
 
@@ -289,3 +294,33 @@ def test_flat_fsdp_unit_is_planned_far_larger_and_advised_against():
     assert any("fsdp_wrap=none" in n for n in flat.notes)
     assert oom_advice(flat_recipe)[0].startswith("fsdp_wrap=block")
     assert not any("fsdp_wrap" in a for a in oom_advice(load_recipe({}, over)))
+
+
+def test_gradient_sync_once_per_window_is_planned_as_unsharded_gradients():
+    """fsdp_grad_sync=step (Fabric's no_backward_sync under FSDP, as litgpt's multi-GPU scripts): every
+    rank holds the whole unsharded gradient (12.55 GiB in bf16 for OpenLLaMA-7B) through the window, so
+    the last micro-batch's forward carries it; the traffic falls to one reduce-scatter per window; the
+    OOM advice names the per-micro-batch sync."""
+    from bigtune.engine import oom_advice
+    from bigtune.gpus import find_gpu
+    from bigtune.planner import Target, plan
+    from bigtune.recipe import load_recipe
+
+    over = {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true", "train.micro_batch_size": 2,
+            "train.accumulate_grad_batches": 4, "data.max_seq_length": 512, "devices": 4, "strategy": "fsdp",
+            "accelerator": "cpu"}
+    target = Target("cuda", find_gpu("a100-80gb"), 4, "fsdp")
+    each = plan(load_recipe({}, over), target, replay=False)
+    step_recipe = load_recipe({}, {**over, "fsdp_grad_sync": "step"})
+    once = plan(step_recipe, target, replay=False)
+    whole = 2 * 6.74e9
+    assert once.phases["after_forward"]["gradients"] == pytest.approx(whole, rel=0.02)
+    assert each.phases["after_forward"]["gradients"] == pytest.approx(whole / 4, rel=0.02)
+    assert once.peak_allocated - each.peak_allocated > 0.7 * whole
+    assert once.phases["after_backward"]["gradients"] == each.phases["after_backward"]["gradients"]
+    assert any("fsdp_grad_sync=step" in n for n in once.notes)
+    assert once.step_time_s <= each.step_time_s  # NVLink hides the reduce-scatters either way
+    pcie = Target("cuda", find_gpu("l40s"), 4, "fsdp")  # there three fewer per window show
+    assert plan(step_recipe, pcie, replay=False).step_time_s < plan(load_recipe({}, over), pcie, replay=False).step_time_s
+    assert oom_advice(step_recipe)[0].startswith("fsdp_grad_sync=micro_batch")
+    assert not any("fsdp_grad_sync" in a for a in oom_advice(load_recipe({}, over)))

@@ -170,16 +170,18 @@ def make_deepspeed_optimizer(recipe: Recipe, model: torch.nn.Module) -> torch.op
                             betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, adamw_mode=True)
 
 
-def micro_batch_context(fabric, model, last: bool):
+def micro_batch_context(fabric, model, last: bool, fsdp_grad_sync: str = "micro_batch"):
     """Around one micro-batch's forward/backward: no gradient sync before the window's last one.
 
-    DDP: Fabric's no_backward_sync. FSDP reduce-scatters every micro-batch: without the sync each
-    rank would hold every weight's unsharded gradient through the window, as much as DDP, which is
-    what sharding is for avoiding (the lab's Lightning FSDP syncs every micro-batch too). DeepSpeed:
-    its engine reduces gradients itself and is told whether this micro-batch ends the accumulation
-    window (a short last window then still steps).
+    DDP: Fabric's no_backward_sync. FSDP reduce-scatters every micro-batch (fsdp_grad_sync=micro_batch):
+    without the sync each rank would hold every weight's unsharded gradient through the window, as
+    much as DDP, which is what sharding is for avoiding; fsdp_grad_sync=step asks for exactly that
+    trade (less traffic). DeepSpeed: its engine reduces gradients itself and is told whether this
+    micro-batch ends the accumulation window (a short last window then still steps).
     """
     if is_sharded(fabric):
+        if fsdp_grad_sync == "step":
+            return fabric.no_backward_sync(model, enabled=not last)
         return contextlib.nullcontext()
     engine = _deepspeed_engine(fabric)
     if engine is None:

@@ -287,7 +287,7 @@ def train_step(b: Built, batches: list[dict], monitor: Optional[mem.MemoryMonito
             monitor.begin_step(model, opt, extra=batch.values())
         if measure and i == 0:
             snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
-        with micro_batch_context(fabric, model, last):
+        with micro_batch_context(fabric, model, last, b.recipe.fsdp_grad_sync):
             state.phase = "forward"
             with hidden_states_out(head):
                 logits = model(**forward_inputs(batch, padded)).logits  # the hidden states when chunking
@@ -698,6 +698,9 @@ def oom_advice(r: Recipe) -> list[str]:
     if r.strategy == "fsdp" and r.fsdp_wrap == "none" and r.world_size > 1:
         out.append("fsdp_wrap=block (one FSDP unit per decoder block: the whole model is no longer gathered at "
                    "once, nor every gradient held unsharded until the backward ends)")
+    if r.strategy == "fsdp" and r.fsdp_grad_sync == "step" and r.accumulate > 1:
+        out.append("fsdp_grad_sync=micro_batch (gradients reduce-scattered after every micro-batch: each rank keeps "
+                   "only its shard, not every unsharded gradient through the window)")
     if r.train.micro_batch_size > 1:
         half = max(1, r.train.micro_batch_size // 2)
         if r.optim.in_backward:  # it cannot accumulate: the global batch shrinks with it

@@ -315,7 +315,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     # ZeRO-3 leaves an empty placeholder in each parameter; its partition is `ds_tensor`.
     own = fsdp_sharded_parameters(model) or list(model.parameters())
     params = [getattr(p, "ds_tensor", p) for p in own]
-    grads = [p.grad for p in own if p.grad is not None]
+    grads = [p.grad for p in own if p.grad is not None] + fsdp_unsharded_gradients(model)
     # bitsandbytes 4-bit weights keep their block scales beside the packed uint8 data.
     quant = [t for p in params for t in _quant_state_tensors(p)]
     opt_dev: list[torch.Tensor] = []
@@ -346,19 +346,13 @@ def model_state_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     }
 
 
-def fsdp_sharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """FSDP2: every parameter's own shard, also while its unit is gathered; [] for other models.
-
-    While a unit is gathered its module holds the full weights, and model.parameters() yields them:
-    they are communication buffers that the backward frees again, so the memory table counts them
-    under activations, as the planner does, and only the shard as parameters. (FSDP2's per-module
-    state is private; a torch that renames it falls back to model.parameters().)
-    """
+def _fsdp_params(model: torch.nn.Module) -> Optional[list]:
+    """FSDP2's per-parameter records of every unit (private state: None where a torch renames it)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return []
-    out: list[torch.Tensor] = []
+    out: list = []
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
@@ -368,10 +362,35 @@ def fsdp_sharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
             if groups is None:
                 one = getattr(state, "_fsdp_param_group", None)
                 groups = [one] if one is not None else []
-            out += [fp.sharded_param for g in groups for fp in g.fsdp_params]
+            out += [fp for g in groups for fp in g.fsdp_params]
         except AttributeError:
-            return []
+            return None
     return out
+
+
+def fsdp_unsharded_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """FSDP2 between reduce-scatters (fsdp_grad_sync=step): the unsharded gradients it accumulates, on
+    the gathered weight or, in the reduce dtype, beside it. Gradients, though no parameter shows them."""
+    out = []
+    for fp in _fsdp_params(model) or []:
+        acc = getattr(fp, "unsharded_accumulated_grad", None)
+        if acc is not None:
+            out.append(acc)
+        unsharded = fp.__dict__.get("_unsharded_param")
+        if unsharded is not None and unsharded.grad is not None:
+            out.append(unsharded.grad)
+    return out
+
+
+def fsdp_sharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """FSDP2: every parameter's own shard, also while its unit is gathered; [] for other models.
+
+    While a unit is gathered its module holds the full weights, and model.parameters() yields them:
+    they are communication buffers that the backward frees again, so the memory table counts them
+    under activations, as the planner does, and only the shard as parameters. (FSDP2's per-module
+    state is private; a torch that renames it falls back to model.parameters().)
+    """
+    return [fp.sharded_param for fp in _fsdp_params(model) or []]
 
 
 def _quant_state_tensors(p: torch.Tensor) -> list[torch.Tensor]:

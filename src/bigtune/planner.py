@@ -878,6 +878,8 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = Fa
     if not g:
         return phases, sim.peak_allocated, notes
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+    # the last micro-batch's forward holds the window's unsharded gradients, not shards of them
+    fwd_grads = window_grads - on_device(full_states(f), "gradients") if window_grads else 0
     g_fwd = 0 if views_held and views else g
     g_opt = 0 if views else g
     fwd, bwd, opt = _phase_high(f) + g_fwd, _phase_high(b_) + g, _phase_high(o) + g_opt
@@ -897,6 +899,13 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = Fa
         notes.append(f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on, a second copy of the gradients "
                      "(ddp_bucket_view=false); true makes the gradients views into them")
     return phases, max(fwd, bwd, opt), notes
+
+
+def fsdp_unit_grad_elements(sim: Sim, trainable: int) -> int:
+    """Gradient elements FSDP keeps for ``trainable`` trainable elements: exactly those under FSDP2,
+    which shards parameter by parameter. (FSDP1 with use_orig_params gives a flat unit that holds any
+    trainable weight a gradient for the whole unit: bench/published.py plans litgpt's 2023 runs so.)"""
+    return trainable
 
 
 def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
@@ -957,6 +966,12 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     # buffer; with the optimizer offloaded, reduced gradients go straight to pinned fp32 host memory.
     grads_persist = deepspeed and ("parameters" in split or zero_offload)
     persistent_grads = 4 * trainable if zero_offload else es * trainable
+    fsdp = target.strategy == "fsdp"
+    grad_elements = fsdp_unit_grad_elements(sim, trainable) if fsdp else trainable
+    # fsdp_grad_sync=step: every rank holds every unsharded gradient (fp32 under *-mixed, FSDP2 accumulates
+    # in the reduce dtype) from the window's first backward until the last one reduce-scatters them.
+    window_grads = grad_elements * (4 if recipe.precision.endswith("-mixed") else es) \
+        if fsdp and recipe.fsdp_grad_sync == "step" and recipe.accumulate > 1 else 0
 
     def full_states(ph: dict) -> dict[str, int]:
         """The model states of one unsharded device under this strategy's precision handling."""
@@ -969,6 +984,8 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
             st["gradients"] = -(-st["gradients"] * real_train // max(1, sim_train))
             if sim.fsdp_upcast_optimizer:
                 st["optimizer_device"] = -(-st["optimizer_device"] * real_train // max(1, sim_train))
+        if grad_elements != trainable and st["gradients"]:
+            st["gradients"] = grad_elements * es  # whole units' gradients (fsdp_unit_grad_elements)
         if grads_persist:
             st["gradients"] = persistent_grads
         if masters:
@@ -989,10 +1006,12 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         return sum(ph[c] for c in STATES)
 
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+    # the last micro-batch's forward holds the window's unsharded gradients, not shards of them
+    fwd_grads = window_grads - on_device(full_states(f), "gradients") if window_grads else 0
 
     # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
     # The forward peaks at its end (logits and loss), where FSDP holds only what stays gathered.
-    fwd = device_states(f) + _transient_high(f) + gathered_after_forward + persistent_bucket
+    fwd = device_states(f) + fwd_grads + _transient_high(f) + gathered_after_forward + persistent_bucket
     if target.strategy == "fsdp" and "parameters" in split:
         # The root's first all-gather (the whole model with fsdp_wrap=none): NCCL's output buffer, the
         # unsharded weights it is copied into and this rank's input shard, before any activation.
@@ -1008,7 +1027,7 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     # gradient is stored) the states are the forward's and only what the forward left gathered is
     # there; from the first stored gradient on, blocks are gathered and reduced one by one and at most
     # all of this rank's gradient shards exist.
-    bwd_start = device_states(f) + _transient_high(b_) + gathered_after_forward + persistent_bucket
+    bwd_start = device_states(f) + fwd_grads + _transient_high(b_) + gathered_after_forward + persistent_bucket
     late = _transient_high(b_, late=True)
     pending = b_.get("phase_gradients_pending_late") or 0
     if flat:
@@ -1023,7 +1042,10 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         if "gradients" in split and not grads_persist:
             # Not every gradient shard exists yet at that high: each rank lacks 1/n of those to come.
             late -= pending // n
-        bwd = device_states(b_) + late + gather + bucket + persistent_bucket
+        # fsdp_grad_sync=step: the unsharded gradients until each unit reduces them (then its shards
+        # replace them): at most all of them and no shard.
+        shards = on_device(full_states(b_), "gradients") if window_grads else 0
+        bwd = device_states(b_) - shards + window_grads + late + gather + bucket + persistent_bucket
     bwd = max(bwd_start, bwd)
     # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
     update_tmp = 0 if "optimizer_device" in moved else -(-_transient_high(o) // n)
@@ -1049,6 +1071,8 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
         # Buffers alive at this phase boundary: what the forward leaves gathered, until the backward
         # reshards it; ZeRO-3 keeps its bucket throughout.
         live = (gathered_after_forward if name == "after_forward" else 0) + persistent_bucket
+        if name == "after_forward" and fwd_grads:
+            ph["gradients"] += fwd_grads
         ph["allocated"] += states(ph) - full + live
         ph["activations"] += live
         ph["phase_peak"] = ph["phase_peak_activations"] = ph["phase_peak_activations_late"] = \
@@ -1057,6 +1081,9 @@ def _shard(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dic
     what = " and ".join(sorted(split))
     notes.append(f"{target.strategy}: {what} / {n}; + {(gather + bucket + persistent_bucket) / GIB:.2f} GiB "
                  "gather/reduce buffers")
+    if window_grads:
+        notes.append(f"fsdp_grad_sync=step: {window_grads / GIB:.2f} GiB of unsharded gradients on every rank "
+                     f"through each window of {recipe.accumulate} micro-batches; micro_batch keeps only shards")
     if flat:
         notes.append(f"fsdp_wrap=none: one FSDP unit, the whole model ({gather / GIB:.2f} GiB) gathered from the "
                      f"forward through the backward and every gradient unsharded before one reduce-scatter; "
@@ -1129,7 +1156,7 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
       last bucket;
     * FSDP and ZeRO-3: the parameters gathered for every micro-batch's forward and again for its
       backward (FSDP with fsdp_sharding=grad_op: once), the gradients reduce-scattered on every
-      micro-batch (each keeps only its partition), overlapped with that micro-batch's forward and
+      micro-batch (each keeps only its partition; fsdp_grad_sync=step: on the last one), overlapped with that micro-batch's forward and
       backward (prefetching); with fsdp_wrap=none nothing overlaps: the one unit is gathered before
       the forward starts and reduced after the backward ends;
     * ZeRO-2: gradients reduce-scattered after every micro-batch's backward (overlapped with it) and
@@ -1151,9 +1178,11 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
         fsdp = strategy == "fsdp"
         gathers = 1 if fsdp and (recipe.fsdp_sharding == "grad_op" or recipe.fsdp_wrap == "none") else 2
         gather, scatter = gathers * f * params / bw, f * grads / bw
+        # fsdp_grad_sync=step: the reduce-scatter only on the window's last micro-batch
+        every = 1 if fsdp and recipe.fsdp_grad_sync == "step" else k
         if fsdp and recipe.fsdp_wrap == "none":
-            return k * (gather + scatter)
-        return k * max(0.0, gather + scatter - fwd - bwd)
+            return k * gather + every * scatter
+        return (k - every) * max(0.0, gather - fwd - bwd) + every * max(0.0, gather + scatter - fwd - bwd)
     if strategy.startswith("deepspeed"):  # ZeRO-1/2: reduce every micro-batch, gather the new weights once
         return k * max(0.0, f * grads / bw - bwd) + f * params / bw
     return 0.0

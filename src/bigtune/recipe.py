@@ -284,6 +284,12 @@ class Recipe:
         "model is gathered from the forward through the backward and every gradient exists unsharded before "
         "the one reduce-scatter, so it needs far more memory and hides no communication; `bigtune plan` shows "
         "how much.")
+    fsdp_grad_sync: Literal["micro_batch", "step"] = _f(
+        "micro_batch", "FSDP with gradient accumulation: when gradients are reduce-scattered. micro_batch: after every "
+        "micro-batch's backward, so each rank only ever keeps its shard (least memory). step: only after the "
+        "window's last micro-batch, as Fabric's no_backward_sync and FSDP1's no_sync() do (litgpt's multi-GPU "
+        "scripts): 1/accumulate of the gradient traffic, but every rank holds every trainable weight's unsharded "
+        "gradient (fp32 under *-mixed) through the window; `bigtune plan` counts it.")
     ddp_bucket_view: bool = _f(
         True, "DDP: each gradient is a view into the reducer's communication buckets, so the gradients are not "
         "held twice. false is PyTorch's and Lightning's default (DDPStrategy()): the buckets then hold a second "
@@ -683,8 +689,9 @@ def check_deepspeed(r: Recipe, accel: str) -> list[str]:
                  f"strategy={s.removesuffix('_offload')} for SGD")
     if r.optim.implementation == "fused" and s.endswith("_offload"):
         p.append(f"optim.implementation=fused: strategy={s} steps on the CPU; use optim.implementation=auto")
-    if r.fsdp_cpu_offload or r.fsdp_sharding != "full" or r.fsdp_wrap != "block":
-        p.append(f"fsdp_cpu_offload / fsdp_sharding / fsdp_wrap apply to strategy=fsdp only; with DeepSpeed pick the offload "
+    if r.fsdp_cpu_offload or r.fsdp_sharding != "full" or r.fsdp_wrap != "block" or r.fsdp_grad_sync != "micro_batch":
+        p.append(f"fsdp_cpu_offload / fsdp_sharding / fsdp_wrap / fsdp_grad_sync apply to strategy=fsdp only; with "
+                 f"DeepSpeed pick the offload "
                  f"through the strategy name (e.g. {s.removesuffix('_offload')}_offload) and remove the fsdp_* keys")
     return p
 
