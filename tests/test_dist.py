@@ -324,3 +324,7 @@ def test_gradient_sync_once_per_window_is_planned_as_unsharded_gradients():
     assert plan(step_recipe, pcie, replay=False).step_time_s < plan(load_recipe({}, over), pcie, replay=False).step_time_s
     assert oom_advice(step_recipe)[0].startswith("fsdp_grad_sync=micro_batch")
     assert not any("fsdp_grad_sync" in a for a in oom_advice(load_recipe({}, over)))
+    # DDP (replicated states, its buckets) on the same cards: far above either
+    ddp = plan(load_recipe({}, {**over, "strategy": "ddp"}), Target("cuda", find_gpu("a100-80gb"), 4, "ddp"),
+               replay=False)
+    assert ddp.peak_allocated > once.peak_allocated + whole

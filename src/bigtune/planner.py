@@ -878,8 +878,6 @@ def _ddp_buckets(sim: Sim, phases: dict, notes: list[str], views_held: bool = Fa
     if not g:
         return phases, sim.peak_allocated, notes
     f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-    # the last micro-batch's forward holds the window's unsharded gradients, not shards of them
-    fwd_grads = window_grads - on_device(full_states(f), "gradients") if window_grads else 0
     g_fwd = 0 if views_held and views else g
     g_opt = 0 if views else g
     fwd, bwd, opt = _phase_high(f) + g_fwd, _phase_high(b_) + g, _phase_high(o) + g_opt
