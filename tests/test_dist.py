@@ -294,6 +294,12 @@ def test_flat_fsdp_unit_is_planned_far_larger_and_advised_against():
     assert any("fsdp_wrap=none" in n for n in flat.notes)
     assert oom_advice(flat_recipe)[0].startswith("fsdp_wrap=block")
     assert not any("fsdp_wrap" in a for a in oom_advice(load_recipe({}, over)))
+    # --alternatives offers FSDP with per-block units, named as the change it is
+    from bigtune.planner import alternatives
+
+    alts = alternatives(flat_recipe, target, max_gpus=4, workers=1)
+    named = [p for p in alts if "fsdp_wrap=block" in p.variant]
+    assert named and all(p.peak_allocated < flat.peak_allocated for p in named)
 
 
 def test_gradient_sync_once_per_window_is_planned_as_unsharded_gradients():

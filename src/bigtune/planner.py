@@ -1501,12 +1501,18 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
             for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
                 if _strategy_refused(r_g, strategy, gpus):
                     continue  # e.g. a bitsandbytes base under FSDP or ZeRO: training would refuse it
+                # FSDP alternatives take the per-block units and per-micro-batch sync (the least memory),
+                # named where the recipe asked otherwise.
+                o, label = over, ""
+                if strategy == "fsdp" and (r_g.fsdp_wrap, r_g.fsdp_grad_sync) != ("block", "micro_batch"):
+                    o = {**over, "fsdp_wrap": "block", "fsdp_grad_sync": "micro_batch"}
+                    label = " (fsdp_wrap=block, fsdp_grad_sync=micro_batch)"
                 # DeepSpeed's step may differ from the recipe's (true 16-bit, CPU Adam): its own simulation.
-                r_s = simulation_recipe(r_g, strategy)
+                r_s = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda) if label else r_g, strategy)
                 k_s = _sim_key(r_s, m)
                 jobs[k_s] = (r_s, m)
-                todo.append((f"{recipe.precision}, {gpus} GPUs {strategy}, micro {m} × acc {per // m}", over, gpus,
-                             strategy, k_s))
+                todo.append((f"{recipe.precision}, {gpus} GPUs {strategy}{label}, micro {m} × acc {per // m}", o,
+                             gpus, strategy, k_s))
         gpus *= 2
     # The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
     # QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
