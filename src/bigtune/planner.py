@@ -1154,9 +1154,10 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
       last bucket;
     * FSDP and ZeRO-3: the parameters gathered for every micro-batch's forward and again for its
       backward (FSDP with fsdp_sharding=grad_op: once), the gradients reduce-scattered on every
-      micro-batch (each keeps only its partition; fsdp_grad_sync=step: on the last one), overlapped with that micro-batch's forward and
-      backward (prefetching); with fsdp_wrap=none nothing overlaps: the one unit is gathered before
-      the forward starts and reduced after the backward ends;
+      micro-batch (each keeps only its partition; fsdp_grad_sync=step: on the last one only),
+      overlapped with that micro-batch's forward and backward (prefetching); with fsdp_wrap=none
+      nothing overlaps: the one unit is gathered before the forward starts and reduced after the
+      backward ends;
     * ZeRO-2: gradients reduce-scattered after every micro-batch's backward (overlapped with it) and
       the updated parameters all-gathered once after the step (not overlapped).
     """
