@@ -72,8 +72,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self._held: set[int] = set()
         self.held_bytes = 0
         self.window_unheld_peak = 0
-        # the same high after the window's first new gradient was stored (None before): a backward's
-        # transients at its start (the loss and logits) and once the blocks' gradients begin
+        # the same high from late_start() on (None before; MemoryMonitor.follow_gradients starts it at the
+        # backward's first repeated block or first stored gradient): past the loss and logits
         self.window_unheld_late: Optional[int] = None
         # held bytes when the window began, and the late high of everything but those (so with the
         # window's new gradients): see MemoryMonitor.snapshot's phase_gradients_pending_late
@@ -223,10 +223,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._refs.clear()
         self._serial.clear()
         self.live_bytes = 0
-        self.peak_bytes = self.window_peak = 0
+        self.peak_bytes = self.held_bytes = 0
         self._held.clear()
-        self.held_bytes = self.window_unheld_peak = 0
-        self.window_unheld_late = None
+        self.reset_window()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
