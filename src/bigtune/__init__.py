@@ -11,6 +11,13 @@ __version__ = "0.1.0"
 
 __all__ = ["train", "load_recipe", "Recipe", "RecipeError", "__version__"]
 
+import logging as _logging
+
+# bitsandbytes' CPU backend warns on import, on CPUs with AVX512-BF16, that an optional fused 4-bit kernel from
+# the `kernels` package is missing and tells the user to install it; it then uses its own kernel, which is what
+# bigtune tests and plans with. The advice is not ours to give, so its logger is quieted to errors.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
 
 def __getattr__(name):
     # Lazy so that `import bigtune` and `bigtune --help` stay fast (Lightning alone takes seconds).
