@@ -453,3 +453,25 @@ def test_alternatives_without_bitsandbytes_installed(monkeypatch):
     cpu = alternatives(r, Target("cpu"), max_gpus=1, workers=1)
     assert any("adamw8bit" in a.variant for a in gpu) and not any("adamw8bit" in a.variant for a in cpu)
     assert gpu and not any("32-true" in a.variant for a in gpu + cpu)
+
+
+def test_a_plan_near_the_card_is_called_tight_with_advice():
+    """Within the planner's typical error (FIT_UNCERTAINTY of the card) of the FITS line, either verdict
+    may turn: the plan says so, in text and JSON, and the advice fits the verdict."""
+    import dataclasses
+
+    from bigtune.planner import FIT_MARGIN, FIT_UNCERTAINTY, format_plan
+
+    r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", ["accelerator=cpu"])
+    p = plan(r, Target("cuda", find_gpu("l4")))
+    line = p.needed_total / (1 - FIT_MARGIN)  # the capacity at which the need sits exactly on the FITS line
+    for scale, fits, tight in ((1 + FIT_UNCERTAINTY / 2, True, True), (1 - FIT_UNCERTAINTY / 2, False, True),
+                               (1.5, True, False), (0.5, False, False)):
+        q = dataclasses.replace(p, capacity=int(line * scale), fits=fits)
+        assert q.tight is tight, scale
+        assert q.to_dict()["tight"] is tight
+        text = format_plan(q)
+        assert ("tight:" in text) is tight
+        if tight:
+            assert ("may still run out of memory" if fits else "may still fit") in text
+    assert dataclasses.replace(p, capacity=None).tight is False

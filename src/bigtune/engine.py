@@ -930,7 +930,8 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
     compared like for like; both predictions are kept.
     """
     out: dict[str, Any] = {"target": p.target, "predicted_peak_allocated": p.peak_allocated,
-                           "predicted_peak_total": p.peak_total, "predicted_fits": p.fits, "notes": p.notes,
+                           "predicted_peak_total": p.peak_total, "predicted_fits": p.fits,
+                           "predicted_tight": getattr(p, "tight", False), "notes": p.notes,
                            "phases": {}}
     snaps = [s for s in snaps if s.get("rank", 0) == 0]  # the plan is per device; compare rank 0's
     if not snaps:

@@ -54,6 +54,10 @@ RESERVED_OVER_ALLOCATED = 1.05        # caching-allocator fragmentation: reserve
 ZERO_ALTERNATIVE = "deepspeed_stage_3_offload"  # the DeepSpeed strategy --alternatives tries on several GPUs
 CUBLAS_HANDLES = 2                    # cuBLAS workspaces a training step creates (see plan())
 FIT_MARGIN = 0.02                     # keep 2 % of the card free before calling a plan FITS
+# Not a safety margin but a statement of what the planner knows: its median absolute error on published
+# GPU peaks is about 5 % (bench/results/published-cpu-2026-11-23.json, peak allocated 5.2 %). A plan whose
+# need lies within this fraction of the card of the FITS line is called tight: either verdict may turn.
+FIT_UNCERTAINTY = 0.05
 HOST_UPDATE_GBS = 40.0                # GB/s a many-core CPU Adam streams through its state (assumed)
 PCIE_GBS = 25.0                       # GB/s one direction, PCIe 4 x16 in practice (assumed)
 
@@ -763,7 +767,15 @@ class Plan:
     data_lengths: Optional[dict] = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "tight": self.tight}
+
+    @property
+    def tight(self) -> bool:
+        """FITS or OOM by less than the planner's typical error (FIT_UNCERTAINTY of the card)."""
+        if self.capacity is None:
+            return False
+        need = self.needed_total or self.peak_total
+        return abs(need - self.capacity * (1 - FIT_MARGIN)) <= FIT_UNCERTAINTY * self.capacity
 
     @property
     def model_states(self) -> dict[str, int]:
@@ -1629,6 +1641,8 @@ def format_plan(p: Plan) -> str:
         need = p.needed_total or p.peak_total
         lines.append(f"{verdict}: needs {need / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
                      f"({100 * need / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})")
+        if p.tight:
+            lines.append(tight_advice(p))
     if p.step_time_s:
         lines.append(f"step ≈ {p.step_time_s:.3f} s, ≈ {p.tokens_per_s:,.0f} tokens/s "
                      f"({p.tokens_per_step:,} tokens per optimizer step)")
@@ -1637,13 +1651,25 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def tight_advice(p: Plan) -> str:
+    """One line for a plan within the planner's typical error of the FITS line."""
+    band = f"tight: the need is within {FIT_UNCERTAINTY:.0%} of the card of the limit, the planner's typical error"
+    if p.fits:
+        return (f"{band}, so it may still run out of memory. Keep headroom (a smaller micro batch at the same "
+                "global batch, checkpointing, --alternatives) or try a few steps first (--set train.max_steps=3)")
+    return f"{band}, so it may still fit: try a few steps (--set train.max_steps=3) or see --alternatives"
+
+
 def format_alternatives(plans: list[Plan], limit: int = 20) -> str:
     if not plans:
         return "no variant fits; try more GPUs (--gpus) or a larger card"
     lines = [f"{'#':>3} {'tokens/s':>11} {'peak GiB':>9}  variant"]
     for i, p in enumerate(plans[:limit], 1):
         tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
-        lines.append(f"{i:>3} {tps:>11} {p.peak_total / GIB:>9.2f}  {p.variant}")
+        mark = " (tight)" if p.tight else ""
+        lines.append(f"{i:>3} {tps:>11} {p.peak_total / GIB:>9.2f}  {p.variant}{mark}")
     if len(plans) > limit:
         lines.append(f"... {len(plans) - limit} more (--json lists all)")
+    if any(p.tight for p in plans[:limit]):
+        lines.append(f"(tight: fits by less than {FIT_UNCERTAINTY:.0%} of the card, the planner's typical error)")
     return "\n".join(lines)

@@ -927,13 +927,18 @@ def plan_sweep(path: str | Path, gpu_name: str, tiny: bool = False, only: list[s
             if "error" in row:
                 print(f"{v.name[:28]:<28} cannot plan: {row['error']}", flush=True)
             else:
-                verdict = "FITS" if row["fits"] else "OOM"
+                verdict = ("FITS" if row["fits"] else "OOM") + ("~" if row.get("tight") else "")
                 step = f"{row['step_time_s']:.2f} s/step" if row.get("step_time_s") else "-"
                 need = row.get("needed_total") or row["peak_total"]
                 print(f"{v.name[:28]:<28} {verdict:<5} needs {human_bytes(need):>11} of "
                       f"{human_bytes(row['capacity'])} on {n}× {gpu.key}  {step}", flush=True)
     if as_json:
         print(json.dumps({"sweep": sweep.name, "gpu": gpu.key, "plans": out}, indent=2))
+    elif any(r.get("tight") for r in out):
+        from bigtune.planner import FIT_UNCERTAINTY
+
+        print(f"(~: tight, the need is within {FIT_UNCERTAINTY:.0%} of the card of the FITS line, the planner's "
+              "typical error: either verdict may turn)")
     return 0 if all("error" not in r for r in out) else 1
 
 
