@@ -1292,6 +1292,10 @@ def plan(recipe: Recipe, target: Target, variant: str = "recipe", overrides: Opt
             notes.extend(how)
             notes.append(f"FITS/OOM by the {needed / GIB:.2f} GiB of segments in use at the peak: near the capacity "
                          "PyTorch frees its wholly cached segments and retries, so the rest of reserved need not fit")
+            if not recipe.data.packing:
+                notes.append("reserved replays full-length batches only; batches padded to their longest sample "
+                             "change shape each step and reserved creeps above this over a run (not what must "
+                             "fit: bench/varlen_reserved.py)")
         else:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
             reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
             notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed)")
