@@ -553,6 +553,7 @@ def compare(row: Row, plan: Optional[dict]) -> dict:
     if plan is None:
         return out
     out["plan_fits"] = plan["fits"]
+    out["plan_tight"] = plan.get("tight")  # within the planner's typical error of the FITS line
     out["plan_needed_gib"] = (plan["needed_total"] or plan["peak_total"]) / GIB
     out["plan_capacity_gib"] = plan["capacity"] / GIB if plan["capacity"] else None
     out["plan_peak_allocated_gib"] = plan["peak_allocated"] / GIB
@@ -591,7 +592,7 @@ def print_table(results: list[dict]) -> None:
             continue
         if x["metric"] == "fit":
             plan_v = "FITS" if x.get("plan_fits") else "OOM"
-            mark = "agree" if x.get("agree") else "DISAGREE"
+            mark = ("agree" if x.get("agree") else "DISAGREE") + ("~" if x.get("plan_tight") else "")
             print(f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {x['expect'].upper():>16} {'':>7} {plan_v:>8} "
                   f"{mark:>7}  {flag} (needs {x['plan_needed_gib']:.1f} of {x['plan_capacity_gib']:.1f} GiB)")
             continue
@@ -630,7 +631,8 @@ def statistics_of(results: list[dict]) -> dict:
     out["step_time"] = stats(timed)
     fit = [x for x in results if x["metric"] == "fit" and "agree" in x]
     out["fit"] = {"agree": sum(x["agree"] for x in fit), "of": len(fit),
-                  "disagree": [x["id"] for x in fit if not x["agree"]]}
+                  "disagree": [x["id"] for x in fit if not x["agree"]],
+                  "tight": [x["id"] for x in fit if x.get("plan_tight")]}
     return out
 
 
@@ -644,7 +646,8 @@ def print_statistics(s: dict) -> None:
               f"({v['worst_id']})  mean signed {v['mean_signed_pct']:+5.1f} %")
     f = s["fit"]
     print(f"fit/OOM: plan agrees with the source on {f['agree']} of {f['of']}"
-          + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else ""))
+          + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else "")
+          + (f"; called tight by the plan (~): {', '.join(f['tight'])}" if f.get("tight") else ""))
 
 
 def write_json(path: Path, doc: dict) -> None:
