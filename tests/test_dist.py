@@ -253,8 +253,10 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
         for c in ("parameters", "gradients", "optimizer_device", "allocated"):
             if c == "allocated" and phase in ("after_backward", "after_optimizer"):
                 # the root's last reduce-scatter input may outlive the backward until its collective is
-                # waited on (timing-dependent under gloo): at most the root's weights (embeddings, head)
-                assert 0 <= cats[c]["measured"] - cats[c]["predicted"] < 0.35 * shard, (phase, cats[c])
+                # waited on (timing-dependent under gloo): at most the root's unsharded gradients, its
+                # weights' size (embeddings and head; with one flat unit, the whole model: 2 shards here)
+                root_grads = 2 * shard + 512 if wrap == "none" else 0.35 * shard
+                assert 0 <= cats[c]["measured"] - cats[c]["predicted"] < root_grads, (phase, cats[c])
             else:
                 # (abs: Adam's step counters are whole on every rank; the plan halves them with the rest)
                 assert cats[c]["measured"] == pytest.approx(cats[c]["predicted"], rel=1e-3, abs=512), \
