@@ -129,3 +129,51 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": str(ROOT / "src")}).stdout.strip()
     assert out == "False False"
+
+
+def test_unreachable_hub_is_known_at_once_and_loads_go_to_the_cache(monkeypatch, tmp_path):
+    """No internet (a compute node): the hub's host is asked once; hub ids then load from the local cache
+    only (a missing file fails at once instead of after minutes of retries); folders are untouched; a proxy
+    is trusted without asking; HF_HUB_OFFLINE needs no question at all."""
+    import bigtune.models as models
+
+    for var in models.PROXY_VARS + ("HF_HUB_OFFLINE",):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setattr(models, "_HUB_ANSWERS", None)
+    assert models.hub_reachable() is False
+    assert models.hub_kwargs("Salesforce/blip2-opt-2.7b") == {"local_files_only": True}
+    assert models.hub_kwargs(str(tmp_path)) == {}
+
+    monkeypatch.setattr(models, "_HUB_ANSWERS", None)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert models.hub_reachable() is True
+
+    monkeypatch.setattr(models, "_HUB_ANSWERS", None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.hub_reachable() is False
+
+
+def test_plan_data_lengths_of_hub_model_and_data_offline_fails_at_once(tmp_path):
+    """`plan --data-lengths` needs the real tokenizer; with the hub unreachable and nothing cached, one
+    clear error that says the hub does not answer and how to bring the files, exit code 2."""
+    import os
+    import subprocess
+    import sys
+
+    from bigtune.models import PROXY_VARS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",) + PROXY_VARS}
+    env.update(PYTHONPATH=str(ROOT / "src"), HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    res = subprocess.run([sys.executable, "-m", "bigtune", "plan", str(ROOT / "recipes" / "tinyllama-full.yaml"),
+                          "--gpu", "l4", "--data-lengths"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
+    assert "does not answer" in res.stderr and "local folder" in res.stderr
+    # past the tokenizer (random init uses bigtune's own), the recipe's hub dataset: datasets' offline mode
+    res = subprocess.run([sys.executable, "-m", "bigtune", "plan", str(ROOT / "recipes" / "tinyllama-full.yaml"),
+                          "--gpu", "l4", "--data-lengths", "--set", "model.init=random"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "hf:mhenrichsen/alpaca_2k_test" in res.stderr and "OfflineModeIsEnabled" in res.stderr
+    assert "save_to_disk" in res.stderr and "Traceback" not in res.stderr

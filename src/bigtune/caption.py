@@ -54,9 +54,11 @@ def _load_processor(*candidates):
 def _load_model(source: str, torch_dtype, device: str):
     from transformers import AutoModelForImageTextToText
 
+    from bigtune.models import hub_kwargs
+
     try:
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
-                                                            trust_remote_code=False)
+                                                            trust_remote_code=False, **hub_kwargs(source))
     except Exception as e:
         raise InferError(f"could not load an image-to-text model from {source!r} ({type(e).__name__}: "
                          f"{str(e)[:300]})") from e

@@ -236,9 +236,12 @@ def load_classifier(path_or_run: str, dtype: str = "auto", device: str = "auto")
     torch_dtype = _torch_dtype(dtype, device)
 
     def load(source: str, names: Optional[list] = None):
+        from bigtune.models import hub_kwargs
+
         try:
             return AutoModelForSequenceClassification.from_pretrained(
-                source, dtype=torch_dtype, use_safetensors=True, trust_remote_code=False, **label_config(names))
+                source, dtype=torch_dtype, use_safetensors=True, trust_remote_code=False, **label_config(names),
+                **hub_kwargs(source))
         except Exception as e:
             raise InferError(f"could not load a sequence-classification model from {source!r} "
                              f"({type(e).__name__}: {str(e)[:300]})") from e

@@ -130,13 +130,22 @@ def _read_hf(path: Path, split: str) -> list[Any]:
 
 def _read_hub(dataset_id: str, split: str) -> list[Any]:
     import datasets
+    import datasets.config
 
+    from bigtune.models import hub_reachable
+
+    # With no hub to ask, datasets' own offline switch makes it read its cache at once instead of
+    # retrying the hub for tens of seconds before the same error.
+    offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = offline or not hub_reachable()
     try:
         ds = datasets.load_dataset(dataset_id, split=split)
     except Exception as e:
         raise DataError(f"data.source hf:{dataset_id}: could not load split {split!r} from the hub ({e}). Offline, "
                         "save it elsewhere with `datasets.load_dataset(...).save_to_disk(DIR)` and point "
                         "data.source at DIR") from e
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
     return [row for row in ds]
 
 

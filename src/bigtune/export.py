@@ -62,14 +62,15 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
             return dest
         from peft import PeftModel
 
-        from bigtune.models import peft_renames_quiet
+        from bigtune.models import hub_kwargs, peft_renames_quiet
 
         base = run / "base" if (run / "base").is_dir() else None
         source = str(base) if base else recipe.model.name
         try:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
                                                          revision=None if base else recipe.model.revision,
-                                                         trust_remote_code=recipe.model.trust_remote_code)
+                                                         trust_remote_code=recipe.model.trust_remote_code,
+                                                         **hub_kwargs(source))
         except Exception as e:
             raise ExportError(f"could not load the base model {source!r} to merge into ({type(e).__name__}: "
                               f"{str(e)[:300]}); make it reachable (local folder or hub) and retry") from e

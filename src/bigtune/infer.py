@@ -80,9 +80,11 @@ def _check_model_folder(folder: Path) -> None:
 def _load_model(source: str, torch_dtype, device: str):
     from transformers import AutoModelForCausalLM
 
+    from bigtune.models import hub_kwargs
+
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
-                                                     trust_remote_code=False)
+                                                     trust_remote_code=False, **hub_kwargs(source))
     except Exception as e:  # transformers raises OSError/ValueError/hub errors
         local = Path(source).expanduser().exists()
         hint = ("check that the folder is complete" if local else
@@ -94,12 +96,14 @@ def _load_model(source: str, torch_dtype, device: str):
 
 def load_first(what: str, loader, candidates, hint: str):
     """``loader.from_pretrained`` on the first candidate folder that works (remote code off)."""
+    from bigtune.models import hub_kwargs
+
     errors = []
     for src in candidates:
         if src is None:
             continue
         try:
-            return loader.from_pretrained(str(src), trust_remote_code=False)
+            return loader.from_pretrained(str(src), trust_remote_code=False, **hub_kwargs(str(src)))
         except Exception as e:  # noqa: BLE001 - try the next place it may live
             errors.append(f"{src}: {type(e).__name__}: {str(e)[:200]}")
     raise InferError(f"could not load {what} (" + "; ".join(errors) + f"); {hint}")

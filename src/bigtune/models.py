@@ -43,7 +43,7 @@ def load_tokenizer(cfg: ModelConfig):
     src = cfg.tokenizer or cfg.name
     try:
         tok = AutoTokenizer.from_pretrained(_local_or_id(src), revision=cfg.revision,
-                                            trust_remote_code=cfg.trust_remote_code)
+                                            trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src))
     except Exception as e:  # transformers raises OSError/ValueError/HF hub errors
         raise ModelError(_load_hint("tokenizer", src, e)) from e
     if tok.pad_token is None:
@@ -71,7 +71,7 @@ def load_processor(cfg: ModelConfig):
     src = cfg.tokenizer or cfg.name
     try:
         proc = AutoProcessor.from_pretrained(_local_or_id(src), revision=cfg.revision,
-                                             trust_remote_code=cfg.trust_remote_code)
+                                             trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src))
     except Exception as e:
         raise ModelError(_load_hint("processor", src, e)) from e
     tok = getattr(proc, "tokenizer", None)
@@ -93,10 +93,54 @@ def _local_or_id(name: str) -> str:
     return str(p) if p.exists() else name
 
 
+_HUB_ANSWERS: Optional[bool] = None
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub's host takes a connection at all (asked once per process).
+
+    Compute nodes often have no internet. There, transformers retries every file it looks for with
+    back-off before it gives up, minutes per load; once the host is known to be unreachable, loads go
+    straight to the local cache (``local_files_only``) and a missing file fails at once. HF_HUB_OFFLINE
+    says offline without asking; behind a proxy a direct connection proves nothing, so it is not tried.
+    """
+    global _HUB_ANSWERS
+    if _HUB_ANSWERS is None:
+        import os
+        import socket
+        from urllib.parse import urlparse
+
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            _HUB_ANSWERS = False
+        elif any(os.environ.get(v) for v in PROXY_VARS):
+            _HUB_ANSWERS = True
+        else:
+            url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+            try:
+                socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+                _HUB_ANSWERS = True
+            except OSError:
+                _HUB_ANSWERS = False
+    return _HUB_ANSWERS
+
+
+def hub_kwargs(name: str) -> dict:
+    """from_pretrained keywords for ``name``: cache only when it is a hub id and the hub does not answer."""
+    if Path(name).expanduser().exists() or hub_reachable():
+        return {}
+    return {"local_files_only": True}
+
+
 def _load_hint(what: str, name: str, e: Exception) -> str:
     local = Path(name).expanduser().exists()
     if local:
         return f"could not load the {what} from folder {name}: {e}"
+    if not hub_reachable():
+        return (f"could not load the {what} {name!r}: the Hugging Face hub does not answer from this machine "
+                "(no connection within 3 s, or HF_HUB_OFFLINE is set) and it is not in the local cache. Download it "
+                "where there is internet (`huggingface-cli download ...`), copy it here and set model.name to that "
+                "local folder, or fill the cache (HF_HOME) there and copy that.")
     return (f"could not load the {what} {name!r} from the Hugging Face hub ({type(e).__name__}: {str(e)[:300]}). "
             "Without internet, download it elsewhere (`huggingface-cli download ...`) and set model.name to the "
             "local folder; for a gated model, log in with `huggingface-cli login`.")
@@ -163,7 +207,8 @@ def _from_pretrained(name: str, cfg: ModelConfig, dtype: torch.dtype, quant,
     try:
         return AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-            use_safetensors=True, attn_implementation=cfg.attn_implementation, quantization_config=quant, **kwargs)
+            use_safetensors=True, attn_implementation=cfg.attn_implementation, quantization_config=quant,
+            **hub_kwargs(name), **kwargs)
     except Exception as e:
         raise ModelError(_load_hint("model", cfg.name, e)) from e
 

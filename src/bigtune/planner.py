@@ -99,9 +99,11 @@ def resolve_config_name(model_cfg):
         if "tie_word_embeddings" in text:  # transformers 5 forces tying on a T5 sub-config; Flan-T5 unties
             config.text_config.tie_word_embeddings = text["tie_word_embeddings"]
         return config
+    from bigtune.models import hub_kwargs
+
     try:
         return AutoConfig.from_pretrained(name, revision=model_cfg.revision,
-                                          trust_remote_code=model_cfg.trust_remote_code)
+                                          trust_remote_code=model_cfg.trust_remote_code, **hub_kwargs(name))
     except Exception as e:
         known = sorted(p.stem.replace("--", "/") for p in CONFIG_DIR.glob("*.json"))
         raise PlanError(f"model.name {name!r}: no config.json found (not a preset, not a local folder, not bundled, "
