@@ -475,3 +475,23 @@ def test_a_plan_near_the_card_is_called_tight_with_advice():
         if tight:
             assert ("may still run out of memory" if fits else "may still fit") in text
     assert dataclasses.replace(p, capacity=None).tight is False
+
+
+def test_alternatives_add_checkpointing_where_several_gpus_are_not_enough():
+    """7B full fine-tune, 8 × 1024 tokens per GPU on 40 GB cards: sharded over 2-4 GPUs the model states fit
+    but the activations do not, so --alternatives offers the same GPUs with checkpointing (labelled), and
+    those plans fit; GPU counts whose plain variant fits get no checkpointed twin."""
+    r = load_recipe(ROOT / "recipes" / "open-llama-7b-full.yaml",
+                    ["accelerator=cpu", "train.micro_batch_size=8", "train.global_batch_size=32",
+                     "data.max_seq_length=1024"])
+    target = Target("cuda", find_gpu("a100-40gb"))
+    alts = alternatives(r, target, max_gpus=4, workers=2)
+    labels = [a.variant for a in alts]
+    ckpt_several = [a for a in alts if "GPUs" in a.variant and ", ckpt," in a.variant]
+    assert any("4 GPUs fsdp, ckpt" in v for v in labels), labels
+    assert all(a.fits and a.overrides["train.activation_checkpointing"] is True for a in ckpt_several)
+    assert not any("GPUs fsdp, micro" in v for v in labels), labels  # plain FSDP does not fit here
+    # a recipe whose sharded variants fit as they are gets no checkpointed multi-GPU variants
+    small = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", ["accelerator=cpu"])
+    assert not any(", ckpt," in a.variant and "GPUs" in a.variant
+                   for a in alternatives(small, Target("cuda", find_gpu("l4")), max_gpus=4, workers=2))

@@ -1470,7 +1470,8 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     optimizer (AdamW, 8-bit AdamW, SGD) × micro batch, plus one GPU with ZeRO-2 and the optimizer
     offloaded, and with ``adapters`` LoRA and QLoRA (with and without checkpointing: they train
     adapters instead of every weight, a different result, so only on request); multi-GPU variants
-    (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision. Micro batches
+    (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision; one that runs out of memory though its
+    share of the model states fits is tried again with activation checkpointing. Micro batches
     between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
     "interpolated"); everything else is simulated, except what ``sims`` (plan()'s, same target) holds.
     """
@@ -1506,6 +1507,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                         tag = "" if m == 1 else " (interpolated)"
                         todo.append((f"{base}, micro {m} × acc {g // m}{tag}", mo, 1, "single", how))
     gpus = 2
+    several: dict[tuple[int, str], tuple[dict, int, str]] = {}  # (GPUs, strategy): (overrides, micro, label)
     while gpus <= max_gpus:
         if g % gpus == 0:
             per = g // gpus
@@ -1532,6 +1534,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
                 jobs[k_s] = (r_s, m)
                 todo.append((f"{recipe.precision}, {gpus} GPUs {strategy}{label}, micro {m} × acc {per // m}", o,
                              gpus, strategy, k_s))
+                several[(gpus, strategy)] = (o, m, label)
         gpus *= 2
     # The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
     # QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
@@ -1607,7 +1610,7 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
     known = sims or {}
     sims = {**_run_sims({k: v for k, v in jobs.items() if k not in known}, config, cuda, workers, target_arch(target)),
             **{k: known[k] for k in jobs if k in known}}
-    plans = []
+    plans, oom_several = [], []
     for label, over, gpus, strategy, how in todo:
         if isinstance(how, tuple):
             key_lo, key_hi, m = how
@@ -1618,6 +1621,27 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         p = plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
         if p.fits is None or p.fits:
             plans.append(p)
+        elif (gpus, strategy) in several:
+            oom_several.append((gpus, strategy))
+    # Where several GPUs were not enough though their share of the model states would fit (those were
+    # simulated), the activations are what is left: the same GPUs and strategy with activation
+    # checkpointing. Only there, so a model that already fits costs no more simulations.
+    if oom_several and not recipe.train.activation_checkpointing:
+        extra = []
+        for gpus, strategy in oom_several:
+            o, m, label = several[(gpus, strategy)]
+            o = {**o, "train.activation_checkpointing": True}
+            r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda), strategy)
+            extra.append((f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {g // gpus // m}",
+                          o, gpus, strategy, _sim_key(r_c, m), r_c, m))
+        sims.update(_run_sims({k: (r_c, m) for *_, k, r_c, m in extra if k not in sims}, config, cuda, workers,
+                              target_arch(target)))
+        n_evaluated += len(extra)
+        for label, o, gpus, strategy, k, _, _ in extra:
+            p = plan(_variant_recipe(recipe, o, check=False), Target(target.device, target.gpu, gpus, strategy), label,
+                     o, config, sim=sims[k])
+            if p.fits is None or p.fits:
+                plans.append(p)
     plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
     return Alternatives(plans, evaluated=n_evaluated)
 
