@@ -1631,7 +1631,10 @@ def alternatives(recipe: Recipe, target: Target, max_gpus: int = 64, config=None
         for gpus, strategy in oom_several:
             o, m, label = several[(gpus, strategy)]
             o = {**o, "train.activation_checkpointing": True}
-            r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda), strategy)
+            try:
+                r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda), strategy)
+            except RecipeError:
+                continue  # a combination training refuses is no alternative
             extra.append((f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {g // gpus // m}",
                           o, gpus, strategy, _sim_key(r_c, m), r_c, m))
         sims.update(_run_sims({k: (r_c, m) for *_, k, r_c, m in extra if k not in sims}, config, cuda, workers,
