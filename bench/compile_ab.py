@@ -32,21 +32,32 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from throughput import BIGTUNE_EXTRA, PRESETS, fixed_length_source, peak_flops_of  # noqa: E402
-
-from bigtune.engine import LoopState, build, setup_fabric, train_step  # noqa: E402
+from bigtune.engine.loop import LoopState, build, setup_fabric, train_step  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
+from throughput import BIGTUNE_EXTRA, PRESETS, fixed_length_source, peak_flops_of  # noqa: E402
 
 CYCLE = 60  # distinct micro-batches the windows cycle through
 
 
 def measure(config: str, data: str, pairs: int, window: int, tmp: Path) -> dict:
-    over = {**PRESETS[config], **BIGTUNE_EXTRA[config], "train.compile": True, "memory.enabled": False,
-            "memory.plan": False, "checkpoint.save_model": False, "train.max_steps": 10**6, "train.max_epochs": None}
+    over = {
+        **PRESETS[config],
+        **BIGTUNE_EXTRA[config],
+        "train.compile": True,
+        "memory.enabled": False,
+        "memory.plan": False,
+        "checkpoint.save_model": False,
+        "train.max_steps": 10**6,
+        "train.max_epochs": None,
+    }
     mb = over["train.micro_batch_size"]
     if data == "fixed":
-        over.update({"data.source": fixed_length_source(tmp, mb * CYCLE, over["data.max_seq_length"]),
-                     "data.format": "jsonl-text"})
+        over.update(
+            {
+                "data.source": fixed_length_source(tmp, mb * CYCLE, over["data.max_seq_length"]),
+                "data.format": "jsonl-text",
+            }
+        )
     else:
         over.update({"data.source": "demo", "data.packing": data == "packed"})
     r = load_recipe({}, over)
@@ -80,18 +91,26 @@ def measure(config: str, data: str, pairs: int, window: int, tmp: Path) -> dict:
         run(2)
     tps: dict[str, list[float]] = {"eager": [], "compiled": []}
     for i in range(pairs):
-        for mode in (("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")):
+        for mode in ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager"):
             with torch.compiler.set_stance("force_eager") if mode == "eager" else contextlib.nullcontext():
                 tps[mode].append(run(window))
     ratios = [c / e for c, e in zip(tps["compiled"], tps["eager"])]
-    res = {"eager_tokens_per_s": tps["eager"], "compiled_tokens_per_s": tps["compiled"], "ratios": ratios,
-           "median_ratio": statistics.median(ratios), "eager_median": statistics.median(tps["eager"]),
-           "compiled_median": statistics.median(tps["compiled"]), "warmup_seconds": compile_s,
-           "graphs": counters["stats"]["unique_graphs"]}
-    print(f"[{data}] eager {res['eager_median']:,.0f} tok/s, compiled {res['compiled_median']:,.0f} tok/s (medians); "
-          f"compiled/eager per pair: median {res['median_ratio']:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} "
-          f"({pairs} pairs of {window} steps); warm-up incl. compiling {compile_s:.1f} s, {res['graphs']} graphs",
-          flush=True)
+    res = {
+        "eager_tokens_per_s": tps["eager"],
+        "compiled_tokens_per_s": tps["compiled"],
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "eager_median": statistics.median(tps["eager"]),
+        "compiled_median": statistics.median(tps["compiled"]),
+        "warmup_seconds": compile_s,
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+    print(
+        f"[{data}] eager {res['eager_median']:,.0f} tok/s, compiled {res['compiled_median']:,.0f} tok/s (medians); "
+        f"compiled/eager per pair: median {res['median_ratio']:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} "
+        f"({pairs} pairs of {window} steps); warm-up incl. compiling {compile_s:.1f} s, {res['graphs']} graphs",
+        flush=True,
+    )
     torch._dynamo.reset()  # the next data set compiles from scratch
     counters.clear()
     return res
@@ -115,18 +134,31 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda" if PRESETS[config]["accelerator"] == "cuda" else "cpu")
     _, gpu_name = peak_flops_of(device, PRESETS[config]["precision"])
-    print(f"compile A/B: {config} on {gpu_name} ({torch.get_num_threads()} threads); torch {torch.__version__}",
-          flush=True)
+    print(
+        f"compile A/B: {config} on {gpu_name} ({torch.get_num_threads()} threads); torch {torch.__version__}",
+        flush=True,
+    )
     results = {}
     with tempfile.TemporaryDirectory() as d:
-        for data in (["fixed", "real", "packed"] if args.data == "all" else [args.data]):
+        for data in ["fixed", "real", "packed"] if args.data == "all" else [args.data]:
             results[data] = measure(config, data, args.pairs, args.window, Path(d))
-    record = {"config": config, "overrides": PRESETS[config], "device": gpu_name, "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "pairs": args.pairs, "window": args.window, "results": results,
-              "command": "python bench/compile_ab.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    record = {
+        "config": config,
+        "overrides": PRESETS[config],
+        "device": gpu_name,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "pairs": args.pairs,
+        "window": args.window,
+        "results": results,
+        "command": "python bench/compile_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     if not args.no_json:
-        path = Path(args.json) if args.json else \
-            ROOT / "bench" / "results" / f"compile_ab-{gpu_name}-{datetime.date.today().isoformat()}.json"
+        path = (
+            Path(args.json)
+            if args.json
+            else ROOT / "bench" / "results" / f"compile_ab-{gpu_name}-{datetime.date.today().isoformat()}.json"
+        )
         path.write_text(json.dumps(record, indent=2) + "\n")
         print(f"\nwrote {path}")
     return 0

@@ -67,7 +67,7 @@ if torch.cuda.is_available():
     torch.cuda.synchronize()
     print(f"bf16 8192^3 matmul: {10 * 2 * 8192**3 / (time.perf_counter() - t0) / 1e12:.0f} TFLOP/s")
 import bigtune
-from bigtune.gpus import detect_gpu
+from bigtune.core.gpus import detect_gpu
 print("bigtune", bigtune.__version__, "from", bigtune.__file__)
 if torch.cuda.is_available():
     g = detect_gpu(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)

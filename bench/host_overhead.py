@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bigtune.engine import LoopState, build, setup_fabric, train_step  # noqa: E402
+from bigtune.engine.loop import LoopState, build, setup_fabric, train_step  # noqa: E402
+from bigtune.plan.roofline import HOST_SECONDS_PER_OP, OpCounter  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
-from bigtune.roofline import HOST_SECONDS_PER_OP, OpCounter  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -41,16 +41,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/host_overhead-cpu-<date>.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    over = {"model.name": "tiny-llama", "data.max_seq_length": 256, "train.micro_batch_size": 1,
-            "train.accumulate_grad_batches": args.accumulate, "precision": "32-true", "accelerator": "cpu",
-            "optim.implementation": "foreach", "optim.grad_clip": 1.0, "output_dir": "/tmp/bigtune-host-overhead"}
+    over = {
+        "model.name": "tiny-llama",
+        "data.max_seq_length": 256,
+        "train.micro_batch_size": 1,
+        "train.accumulate_grad_batches": args.accumulate,
+        "precision": "32-true",
+        "accelerator": "cpu",
+        "optim.implementation": "foreach",
+        "optim.grad_clip": 1.0,
+        "output_dir": "/tmp/bigtune-host-overhead",
+    }
     recipe = load_recipe({"name": "host-overhead"}, over)
     fabric = setup_fabric(recipe)
     built = build(recipe, fabric)
     vocab = built.model.config.vocab_size if hasattr(built.model, "config") else 256
     g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": (ids := torch.randint(3, vocab, (1, 16), generator=g)),
-                "attention_mask": torch.ones_like(ids), "labels": ids.clone()} for _ in range(args.accumulate)]
+    batches = [
+        {
+            "input_ids": (ids := torch.randint(3, vocab, (1, 16), generator=g)),
+            "attention_mask": torch.ones_like(ids),
+            "labels": ids.clone(),
+        }
+        for _ in range(args.accumulate)
+    ]
     state = LoopState(step=1)
     for _ in range(5):  # warm-up: optimizer state, allocator, lazy inits
         train_step(built, batches, None, False, state)
@@ -65,18 +79,27 @@ def main(argv=None) -> dict:
             train_step(built, batches, None, False, state)
         per_step.append((time.perf_counter() - t0) / args.steps)
     step = statistics.median(per_step)
-    out = {"date": datetime.date.today().isoformat(),
-           "command": "python bench/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread",
-           "setup": "engine train_step, tiny-llama preset, 16 tokens × 1 per micro-batch, "
-                    f"{args.accumulate} micro-batches, fp32, foreach AdamW, grad clip 1.0",
-           "operators_per_step": ops, "kernel_operators_per_step": kernels,
-           "step_s_median": step, "step_s_all": per_step,
-           "us_per_operator": 1e6 * step / ops, "planner_us_per_operator": HOST_SECONDS_PER_OP * 1e6}
-    print(f"{ops} aten operators per step ({kernels} launch a kernel), {step * 1e3:.2f} ms per step "
-          f"(median of {args.repeats} × {args.steps})")
-    print(f"host time per operator: {out['us_per_operator']:.1f} µs (planner assumes "
-          f"{out['planner_us_per_operator']:.1f} µs)")
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python bench/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 thread",
+        "setup": "engine train_step, tiny-llama preset, 16 tokens × 1 per micro-batch, "
+        f"{args.accumulate} micro-batches, fp32, foreach AdamW, grad clip 1.0",
+        "operators_per_step": ops,
+        "kernel_operators_per_step": kernels,
+        "step_s_median": step,
+        "step_s_all": per_step,
+        "us_per_operator": 1e6 * step / ops,
+        "planner_us_per_operator": HOST_SECONDS_PER_OP * 1e6,
+    }
+    print(
+        f"{ops} aten operators per step ({kernels} launch a kernel), {step * 1e3:.2f} ms per step "
+        f"(median of {args.repeats} × {args.steps})"
+    )
+    print(
+        f"host time per operator: {out['us_per_operator']:.1f} µs (planner assumes "
+        f"{out['planner_us_per_operator']:.1f} µs)"
+    )
     path = Path(args.out or Path(__file__).parent / "results" / f"host_overhead-cpu-{out['date']}.json")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=2) + "\n")

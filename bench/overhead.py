@@ -23,20 +23,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bigtune.data import Collator, EpochSampler, ListDataset, build_examples  # noqa: E402
-from bigtune.engine import train  # noqa: E402
-from bigtune.models import build_model, load_tokenizer  # noqa: E402
+from bigtune.core.stepmath import causal_lm_loss_sum, loss_normaliser  # noqa: E402
+from bigtune.data.text import Collator, EpochSampler, ListDataset, build_examples  # noqa: E402
+from bigtune.models.build import build_model, load_tokenizer  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
-from bigtune.stepmath import causal_lm_loss_sum, loss_normaliser  # noqa: E402
+from bigtune.run.training import train  # noqa: E402
 
 LOG_EVERY = 20
 
 
 def overrides(steps: int, out: str) -> dict:
-    return {"model.name": "tiny-llama", "data.max_seq_length": 128, "train.micro_batch_size": 8,
-            "train.max_steps": steps, "train.max_epochs": None, "train.log_every_steps": LOG_EVERY,
-            "memory.every_steps": 10**9, "checkpoint.save_model": False, "accelerator": "cpu",
-            "output_dir": out, "optim.lr": 1e-3}
+    return {
+        "model.name": "tiny-llama",
+        "data.max_seq_length": 128,
+        "train.micro_batch_size": 8,
+        "train.max_steps": steps,
+        "train.max_epochs": None,
+        "train.log_every_steps": LOG_EVERY,
+        "memory.every_steps": 10**9,
+        "checkpoint.save_model": False,
+        "accelerator": "cpu",
+        "output_dir": out,
+        "optim.lr": 1e-3,
+    }
 
 
 def engine_steps_per_s(steps: int) -> float:
@@ -55,8 +64,9 @@ def bare_steps_per_s(steps: int) -> float:
     model = build_model(r.model, tok, r.precision, r.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=r.optim.lr)
     sampler = EpochSampler(len(examples), r.seed)
-    loader = torch.utils.data.DataLoader(ListDataset(examples), batch_size=8, sampler=sampler,
-                                         collate_fn=Collator(tok.pad_token_id))
+    loader = torch.utils.data.DataLoader(
+        ListDataset(examples), batch_size=8, sampler=sampler, collate_fn=Collator(tok.pad_token_id)
+    )
     it = iter(loader)
     t0 = None
     for step in range(steps):
@@ -91,9 +101,18 @@ def main() -> int:
         bare.append(bare_steps_per_s(args.steps))
         engine.append(engine_steps_per_s(args.steps))
     e, b = statistics.median(engine), statistics.median(bare)
-    result = {"engine_steps_per_s": e, "bare_steps_per_s": b, "ratio": e / b, "steps": args.steps,
-              "repeats": args.repeats, "engine_all": engine, "bare_all": bare, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "command": "python bench/overhead.py " + " ".join(sys.argv[1:])}
+    result = {
+        "engine_steps_per_s": e,
+        "bare_steps_per_s": b,
+        "ratio": e / b,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "engine_all": engine,
+        "bare_all": bare,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "command": "python bench/overhead.py " + " ".join(sys.argv[1:]),
+    }
     print(f"engine {e:.2f} steps/s   bare loop {b:.2f} steps/s   ratio {e / b:.3f} (goal >= 0.97)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

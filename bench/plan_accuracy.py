@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
 OPENLLAMA3B, OPENLLAMA7B = "openlm-research/open_llama_3b", "openlm-research/open_llama_7b"
-BLIP2_RECIPE = "recipes/blip2-opt-2.7b.yaml"   # the lab's BLIP-2 recipe (every part trained, as the lab's script)
+BLIP2_RECIPE = "recipes/blip2-opt-2.7b.yaml"  # the lab's BLIP-2 recipe (every part trained, as the lab's script)
 LORA = {"peft.method": "lora", "peft.r": 16, "peft.alpha": 32, "peft.dropout": 0.05}
 
 # One case: recipe overrides (over), the base recipe (None: the built-in defaults; BLIP2_RECIPE for the
@@ -53,105 +53,220 @@ LORA = {"peft.method": "lora", "peft.r": 16, "peft.alpha": 32, "peft.dropout": 0
 CASES: dict[str, dict] = {
     "tinyllama-bf16true-adamw-b4": {
         "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.micro_batch_size": 4},
-        "note": "baseline: the smallest real LLM; checks the whole path first", "est": 45, "timeout": 150},
+        "note": "baseline: the smallest real LLM; checks the whole path first",
+        "est": 45,
+        "timeout": 150,
+    },
     "blip2opt2.7b-bf16true-adamw-b16-acc4": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
         "over": {"precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
-        "note": "lab rung 5 (bs 16/4, bf16-true)", "est": 75, "timeout": 240},
+        "note": "lab rung 5 (bs 16/4, bf16-true)",
+        "est": 75,
+        "timeout": 240,
+    },
     "openllama7b-bf16true-adamw-ckpt-b4": {
-        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.activation_checkpointing": True,
-                 "train.micro_batch_size": 4},
+        "over": {
+            "model.name": OPENLLAMA7B,
+            "precision": "bf16-true",
+            "train.activation_checkpointing": True,
+            "train.micro_batch_size": 4,
+        },
         "note": "7B full fine-tune, AdamW, near capacity (reserved/fragmentation matter here)",
-        "est": 90, "timeout": 300},
+        "est": 90,
+        "timeout": 300,
+    },
     "blip2opt2.7b-32true-adamw-b16": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
         "over": {"precision": "32-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 1},
-        "note": "lab rung 2 (bs 16/1, fp32)", "est": 75, "timeout": 240},
+        "note": "lab rung 2 (bs 16/1, fp32)",
+        "est": 75,
+        "timeout": 240,
+    },
     "openllama7b-bf16true-lora-b4": {
         "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.micro_batch_size": 4, **LORA},
-        "note": "7B LoRA r16 (q, v), frozen bf16 base", "est": 75, "timeout": 240},
+        "note": "7B LoRA r16 (q, v), frozen bf16 base",
+        "est": 75,
+        "timeout": 240,
+    },
     "openllama7b-bf16true-adamw-inbwd-ckpt-b4": {
-        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.activation_checkpointing": True,
-                 "train.micro_batch_size": 4, "optim.in_backward": True, "optim.grad_clip": None},
+        "over": {
+            "model.name": OPENLLAMA7B,
+            "precision": "bf16-true",
+            "train.activation_checkpointing": True,
+            "train.micro_batch_size": 4,
+            "optim.in_backward": True,
+            "optim.grad_clip": None,
+        },
         "note": "the 7B checkpointed case with the optimizer stepped in the backward (optim.in_backward: no full "
-                "set of gradients; it cannot clip)", "est": 90, "timeout": 300},
+        "set of gradients; it cannot clip)",
+        "est": 90,
+        "timeout": 300,
+    },
     "blip2opt2.7b-bf16mixed-adamw-b8-acc8": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
         "over": {"precision": "bf16-mixed", "train.micro_batch_size": 8, "train.accumulate_grad_batches": 8},
         "note": "lab rung 6 at half its micro batch (bf16-mixed: fp32 weights, autocast; 16/4 is planned OOM "
-                "on 80 GB with full-length captions)", "est": 80, "timeout": 240},
+        "on 80 GB with full-length captions)",
+        "est": 80,
+        "timeout": 240,
+    },
     "blip2opt2.7b-bf16true-adamw-ckpt-b16": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
-        "over": {"precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 1,
-                 "train.activation_checkpointing": True},
-        "note": "lab rung 5 shape + activation checkpointing", "est": 70, "timeout": 240},
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
+        "over": {
+            "precision": "bf16-true",
+            "train.micro_batch_size": 16,
+            "train.accumulate_grad_batches": 1,
+            "train.activation_checkpointing": True,
+        },
+        "note": "lab rung 5 shape + activation checkpointing",
+        "est": 70,
+        "timeout": 240,
+    },
     "blip2flant5xxl-bf16true-sgd-b16-acc4": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
-        "over": {"model.name": "Salesforce/blip2-flan-t5-xxl", "precision": "bf16-true", "optim.name": "sgd",
-                 "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
+        "over": {
+            "model.name": "Salesforce/blip2-flan-t5-xxl",
+            "precision": "bf16-true",
+            "optim.name": "sgd",
+            "train.micro_batch_size": 16,
+            "train.accumulate_grad_batches": 4,
+        },
         "note": "lab rung 10 as the lab ran it on its A100 (flan-t5-xxl, SGD, bs 16/4): encoder-decoder",
-        "est": 110, "timeout": 300},
+        "est": 110,
+        "timeout": 300,
+    },
     "openllama7b-bf16true-sgd-b2": {
-        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "optim.name": "sgd",
-                 "train.micro_batch_size": 2},
-        "note": "7B, SGD (no optimizer state), no checkpointing", "est": 80, "timeout": 240},
+        "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "optim.name": "sgd", "train.micro_batch_size": 2},
+        "note": "7B, SGD (no optimizer state), no checkpointing",
+        "est": 80,
+        "timeout": 240,
+    },
     "blip2opt6.7b-bf16true-adamw-b16-acc4": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
-        "over": {"model.name": "Salesforce/blip2-opt-6.7b", "precision": "bf16-true", "train.micro_batch_size": 16,
-                 "train.accumulate_grad_batches": 4},
-        "note": "lab rung 7 as the lab ran it on its A100 (opt-6.7b, bs 16/4, bf16-true)", "est": 100,
-        "timeout": 300},
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
+        "over": {
+            "model.name": "Salesforce/blip2-opt-6.7b",
+            "precision": "bf16-true",
+            "train.micro_batch_size": 16,
+            "train.accumulate_grad_batches": 4,
+        },
+        "note": "lab rung 7 as the lab ran it on its A100 (opt-6.7b, bs 16/4, bf16-true)",
+        "est": 100,
+        "timeout": 300,
+    },
     "tinyllama-32true-adamw-b4": {
         "over": {"model.name": TINYLLAMA, "precision": "32-true", "train.micro_batch_size": 4},
-        "note": "fp32 weights, gradients, AdamW state", "est": 45, "timeout": 150},
+        "note": "fp32 weights, gradients, AdamW state",
+        "est": 45,
+        "timeout": 150,
+    },
     "tinyllama-bf16mixed-adamw-b4": {
         "over": {"model.name": TINYLLAMA, "precision": "bf16-mixed", "train.micro_batch_size": 4},
-        "note": "fp32 weights with bf16 autocast copies", "est": 45, "timeout": 150},
+        "note": "fp32 weights with bf16 autocast copies",
+        "est": 45,
+        "timeout": 150,
+    },
     "openllama3b-32true-sgd-b2": {
-        "over": {"model.name": OPENLLAMA3B, "precision": "32-true", "optim.name": "sgd",
-                 "train.micro_batch_size": 2},
-        "note": "3B in fp32 (SGD: fp32 AdamW state would not fit)", "est": 70, "timeout": 240},
+        "over": {"model.name": OPENLLAMA3B, "precision": "32-true", "optim.name": "sgd", "train.micro_batch_size": 2},
+        "note": "3B in fp32 (SGD: fp32 AdamW state would not fit)",
+        "est": 70,
+        "timeout": 240,
+    },
     "openllama7b-bf16true-adamw-b8": {
         "over": {"model.name": OPENLLAMA7B, "precision": "bf16-true", "train.micro_batch_size": 8},
-        "note": "7B AdamW without checkpointing at batch 8 (planned at 83% of the card)", "est": 100, "timeout": 300},
+        "note": "7B AdamW without checkpointing at batch 8 (planned at 83% of the card)",
+        "est": 100,
+        "timeout": 300,
+    },
     "openllama3b-bf16true-adamw-b2": {
         "over": {"model.name": OPENLLAMA3B, "precision": "bf16-true", "train.micro_batch_size": 2},
-        "note": "3B full fine-tune", "est": 60, "timeout": 200},
+        "note": "3B full fine-tune",
+        "est": 60,
+        "timeout": 200,
+    },
     "tinyllama-bf16true-sgd-b8": {
         "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "optim.name": "sgd", "train.micro_batch_size": 8},
-        "note": "SGD, larger batch (activations dominate)", "est": 45, "timeout": 150},
+        "note": "SGD, larger batch (activations dominate)",
+        "est": 45,
+        "timeout": 150,
+    },
     "tinyllama-bf16true-adamw-ckpt-b8": {
-        "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.activation_checkpointing": True,
-                 "train.micro_batch_size": 8},
-        "note": "activation checkpointing", "est": 45, "timeout": 150},
+        "over": {
+            "model.name": TINYLLAMA,
+            "precision": "bf16-true",
+            "train.activation_checkpointing": True,
+            "train.micro_batch_size": 8,
+        },
+        "note": "activation checkpointing",
+        "est": 45,
+        "timeout": 150,
+    },
     "tinyllama-bf16true-adamw-b4-acc2": {
-        "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.micro_batch_size": 4,
-                 "train.accumulate_grad_batches": 2},
-        "note": "gradient accumulation", "est": 45, "timeout": 150},
+        "over": {
+            "model.name": TINYLLAMA,
+            "precision": "bf16-true",
+            "train.micro_batch_size": 4,
+            "train.accumulate_grad_batches": 2,
+        },
+        "note": "gradient accumulation",
+        "est": 45,
+        "timeout": 150,
+    },
     "opt1.3b-bf16true-adamw-b4": {
         "over": {"model.name": "facebook/opt-1.3b", "precision": "bf16-true", "train.micro_batch_size": 4},
-        "note": "another architecture (OPT, learned positions, tied output layer)", "est": 45, "timeout": 150},
+        "note": "another architecture (OPT, learned positions, tied output layer)",
+        "est": 45,
+        "timeout": 150,
+    },
     "openllama7b-32true-lora-b2": {
         "over": {"model.name": OPENLLAMA7B, "precision": "32-true", "train.micro_batch_size": 2, **LORA},
-        "note": "7B LoRA on an fp32 base", "est": 80, "timeout": 240},
+        "note": "7B LoRA on an fp32 base",
+        "est": 80,
+        "timeout": 240,
+    },
     "blip2opt2.7b-32true-adamw-b64": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
         "over": {"precision": "32-true", "train.micro_batch_size": 64, "train.accumulate_grad_batches": 1},
         "note": "OOM check: lab rung 1 (bs 64/1, fp32; the lab reports OOM even on a 94 GB H100)",
-        "expect": "oom", "est": 90, "timeout": 300},
+        "expect": "oom",
+        "est": 90,
+        "timeout": 300,
+    },
     "blip2flant5xxl-32true-lora-b32-acc2": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
-        "over": {"model.name": "Salesforce/blip2-flan-t5-xxl", "precision": "32-true", "train.micro_batch_size": 32,
-                 "train.accumulate_grad_batches": 2, **LORA},
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
+        "over": {
+            "model.name": "Salesforce/blip2-flan-t5-xxl",
+            "precision": "32-true",
+            "train.micro_batch_size": 32,
+            "train.accumulate_grad_batches": 2,
+            **LORA,
+        },
         "note": "lab rung 14 (flan-t5-xxl LoRA r16 on q, v, fp32, bs 32/2): the lab says it fits easily on an "
-                "A100 80 GB with its captions; full 50-token captions are planned tight, near the card",
-        "est": 120, "timeout": 300},
+        "A100 80 GB with its captions; full 50-token captions are planned tight, near the card",
+        "est": 120,
+        "timeout": 300,
+    },
     "blip2flant5xxl-bf16true-adamw-b32-acc2": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
-        "over": {"model.name": "Salesforce/blip2-flan-t5-xxl", "precision": "bf16-true",
-                 "train.micro_batch_size": 32, "train.accumulate_grad_batches": 2},
-        "note": "OOM check: lab rung 8 (flan-t5-xxl, AdamW, bs 32/2, bf16-true)", "expect": "oom",
-        "est": 120, "timeout": 300},
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
+        "over": {
+            "model.name": "Salesforce/blip2-flan-t5-xxl",
+            "precision": "bf16-true",
+            "train.micro_batch_size": 32,
+            "train.accumulate_grad_batches": 2,
+        },
+        "note": "OOM check: lab rung 8 (flan-t5-xxl, AdamW, bs 32/2, bf16-true)",
+        "expect": "oom",
+        "est": 120,
+        "timeout": 300,
+    },
 }
 
 # --smoke: the same machinery on the CPU with tiny presets (seconds per case). The last one must run
@@ -159,20 +274,47 @@ CASES: dict[str, dict] = {
 SMOKE_CASES: dict[str, dict] = {
     "smoke-tiny-llama-32true-adamw-b4": {
         "over": {"model.name": "tiny-llama", "precision": "32-true", "train.micro_batch_size": 4},
-        "note": "smoke: causal LM", "est": 20, "timeout": 120},
+        "note": "smoke: causal LM",
+        "est": 20,
+        "timeout": 120,
+    },
     "smoke-tiny-opt-bf16true-sgd-ckpt-b4": {
-        "over": {"model.name": "tiny-opt", "precision": "bf16-true", "optim.name": "sgd",
-                 "train.activation_checkpointing": True, "train.micro_batch_size": 4},
-        "note": "smoke: OPT, SGD, checkpointing", "est": 20, "timeout": 120},
+        "over": {
+            "model.name": "tiny-opt",
+            "precision": "bf16-true",
+            "optim.name": "sgd",
+            "train.activation_checkpointing": True,
+            "train.micro_batch_size": 4,
+        },
+        "note": "smoke: OPT, SGD, checkpointing",
+        "est": 20,
+        "timeout": 120,
+    },
     "smoke-tiny-blip2-opt-32true-adamw-b4-acc2": {
-        "recipe": BLIP2_RECIPE, "kind": "blip2",
-        "over": {"model.name": "tiny-blip2-opt", "precision": "32-true", "train.micro_batch_size": 4,
-                 "train.accumulate_grad_batches": 2},
-        "note": "smoke: BLIP-2 on the lab's recipe", "est": 25, "timeout": 120},
+        "recipe": BLIP2_RECIPE,
+        "kind": "blip2",
+        "over": {
+            "model.name": "tiny-blip2-opt",
+            "precision": "32-true",
+            "train.micro_batch_size": 4,
+            "train.accumulate_grad_batches": 2,
+        },
+        "note": "smoke: BLIP-2 on the lab's recipe",
+        "est": 25,
+        "timeout": 120,
+    },
     "smoke-tiny-llama-oom": {
-        "over": {"model.name": "tiny-llama", "precision": "32-true", "train.micro_batch_size": 4,
-                 "memory.cap_gib": 0.0005},
-        "note": "smoke: an out-of-memory row (memory.cap_gib 0.5 MiB)", "expect": "oom", "est": 20, "timeout": 120},
+        "over": {
+            "model.name": "tiny-llama",
+            "precision": "32-true",
+            "train.micro_batch_size": 4,
+            "memory.cap_gib": 0.0005,
+        },
+        "note": "smoke: an out-of-memory row (memory.cap_gib 0.5 MiB)",
+        "expect": "oom",
+        "est": 20,
+        "timeout": 120,
+    },
 }
 
 SEQ = {"llm": 512, "blip2": 50}
@@ -182,34 +324,59 @@ _clock = time.perf_counter  # the budget's clock (tests replace it)
 
 # -- data ---------------------------------------------------------------------------------------------
 
+
 def write_data(work: Path) -> dict[str, Path]:
     """Synthetic full-length data: every record is longer than any max_seq_length used here."""
     sys.path.insert(0, str(ROOT / "src"))
-    from bigtune.imagedata import DEMO_IMAGES
+    from bigtune.data.images import DEMO_IMAGES
 
     text = work / "long.jsonl"
-    text.write_text("".join(json.dumps({"text": f"sample {i}: " + "a plate of tomato soup with basil. " * 120}) + "\n"
-                            for i in range(256)))
+    text.write_text(
+        "".join(
+            json.dumps({"text": f"sample {i}: " + "a plate of tomato soup with basil. " * 120}) + "\n"
+            for i in range(256)
+        )
+    )
     images = sorted((DEMO_IMAGES / "images").glob("*.png"))
     captions = work / "long_captions.jsonl"
-    captions.write_text("".join(
-        json.dumps({"image": str(images[i % len(images)]),
-                    "text": f"a plate {i} of tomato soup with basil and bread on a wooden table " * 4}) + "\n"
-        for i in range(512)))
+    captions.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "image": str(images[i % len(images)]),
+                    "text": f"a plate {i} of tomato soup with basil and bread on a wooden table " * 4,
+                }
+            )
+            + "\n"
+            for i in range(512)
+        )
+    )
     return {"llm": text, "blip2": captions}
 
 
-def case_recipe(case: dict, data: dict[str, Path], out_dir: Path, name: str, steps: int, accelerator: str,
-                smoke: bool) -> tuple[str | None, dict]:
+def case_recipe(
+    case: dict, data: dict[str, Path], out_dir: Path, name: str, steps: int, accelerator: str, smoke: bool
+) -> tuple[str | None, dict]:
     """(base recipe path or None, overrides) for one case, as `bigtune train` gets them."""
     kind = case.get("kind", "llm")
-    over = {"model.init": "random", "data.source": str(data[kind]), "data.val_fraction": 0.0,
-            "data.max_seq_length": (SMOKE_SEQ if smoke else SEQ)[kind], "train.max_steps": steps,
-            "train.max_epochs": None, "memory.every_steps": 1, "memory.plan": True,
-            # an OOM is a result here; the in-process search for fitting variants would hold the GPU for minutes
-            "memory.oom_alternatives": False, "checkpoint.enabled": False,
-            "checkpoint.save_model": False, "accelerator": accelerator, "output_dir": str(out_dir), "name": name,
-            "train.log_every_steps": 1}
+    over = {
+        "model.init": "random",
+        "data.source": str(data[kind]),
+        "data.val_fraction": 0.0,
+        "data.max_seq_length": (SMOKE_SEQ if smoke else SEQ)[kind],
+        "train.max_steps": steps,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "memory.plan": True,
+        # an OOM is a result here; the in-process search for fitting variants would hold the GPU for minutes
+        "memory.oom_alternatives": False,
+        "checkpoint.enabled": False,
+        "checkpoint.save_model": False,
+        "accelerator": accelerator,
+        "output_dir": str(out_dir),
+        "name": name,
+        "train.log_every_steps": 1,
+    }
     if kind == "blip2" and not smoke:
         # images are decoded and resized to 224 px per sample: in the training process that would add to the
         # measured step time what the time model does not plan (the lab sets num_workers too)
@@ -225,11 +392,13 @@ def _value(v) -> str:
 
 # -- one case -----------------------------------------------------------------------------------------
 
+
 def run_process(args: list[str], timeout: float, env: dict | None = None, cwd: str | None = None) -> dict:
     """Run a command in its own process group; on timeout kill the whole group (DataLoader workers,
     compile workers) so the GPU memory is released. Returns returncode, stdout, stderr, timed_out."""
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
     try:
         out, err = p.communicate(timeout=timeout)
         return {"returncode": p.returncode, "stdout": out, "stderr": err, "timed_out": False}
@@ -242,26 +411,47 @@ def run_process(args: list[str], timeout: float, env: dict | None = None, cwd: s
         return {"returncode": p.returncode, "stdout": out, "stderr": err, "timed_out": True}
 
 
-def run_case(name: str, case: dict, data: dict[str, Path], work: Path, steps: int, timeout: float,
-             accelerator: str, smoke: bool, log: Path | None = None) -> dict:
+def run_case(
+    name: str,
+    case: dict,
+    data: dict[str, Path],
+    work: Path,
+    steps: int,
+    timeout: float,
+    accelerator: str,
+    smoke: bool,
+    log: Path | None = None,
+) -> dict:
     out_dir = work / name
     recipe, over = case_recipe(case, data, out_dir, name, steps, accelerator, smoke)
     args = [sys.executable, "-m", "bigtune", "train"] + ([recipe] if recipe else [])
     for k, v in over.items():
         args += ["--set", f"{k}={_value(v)}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
-                                                      if x), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x),
+        PYTHONUNBUFFERED="1",
+    )
     t0 = time.perf_counter()
     res = run_process(args, timeout, env=env, cwd=str(work))
     if log is not None:  # every case's own output, for reading what a surprising number came from
         with open(log, "a") as f:
-            f.write(f"\n===== {name}: {'TIMED OUT' if res['timed_out'] else 'finished'} (limit {timeout:.0f} s), "
-                    f"exit {res['returncode']}\n$ {' '.join(args)}\n{res['stdout']}\n----- stderr\n"
-                    f"{res['stderr'][-20000:]}\n")
-    row: dict = {"case": name, "note": case.get("note"), "expect": case.get("expect", "fit"),
-                 "recipe": case.get("recipe"), "overrides": case["over"],
-                 "max_seq_length": over["data.max_seq_length"], "exit_code": res["returncode"],
-                 "seconds": round(time.perf_counter() - t0, 2), "timeout_s": round(timeout, 1)}
+            f.write(
+                f"\n===== {name}: {'TIMED OUT' if res['timed_out'] else 'finished'} (limit {timeout:.0f} s), "
+                f"exit {res['returncode']}\n$ {' '.join(args)}\n{res['stdout']}\n----- stderr\n"
+                f"{res['stderr'][-20000:]}\n"
+            )
+    row: dict = {
+        "case": name,
+        "note": case.get("note"),
+        "expect": case.get("expect", "fit"),
+        "recipe": case.get("recipe"),
+        "overrides": case["over"],
+        "max_seq_length": over["data.max_seq_length"],
+        "exit_code": res["returncode"],
+        "seconds": round(time.perf_counter() - t0, 2),
+        "timeout_s": round(timeout, 1),
+    }
     summary_path = out_dir / "summary.json"
     if res["timed_out"]:
         row["status"] = "timeout"
@@ -272,8 +462,11 @@ def run_case(name: str, case: dict, data: dict[str, Path], work: Path, steps: in
         row["stderr_tail"] = res["stderr"][-2500:]
         return row
     s = json.loads(summary_path.read_text())
-    metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (out_dir / "metrics.jsonl").exists() else []
+    metrics = (
+        [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+        if (out_dir / "metrics.jsonl").exists()
+        else []
+    )
     row.update(row_from_summary(s, metrics))
     if row["status"] == "error":
         row["stderr_tail"] = res["stderr"][-2500:]
@@ -283,8 +476,12 @@ def run_case(name: str, case: dict, data: dict[str, Path], work: Path, steps: in
 def row_from_summary(s: dict, metrics: list[dict]) -> dict:
     """The measured and predicted numbers of one run, and the errors computed from them."""
     plan = s.get("plan") or {}
-    row: dict = {"status": s["status"], "steps": s.get("steps"), "device": (s.get("device") or {}).get("name"),
-                 "parameters": s.get("parameters")}
+    row: dict = {
+        "status": s["status"],
+        "steps": s.get("steps"),
+        "device": (s.get("device") or {}).get("name"),
+        "parameters": s.get("parameters"),
+    }
     row["measured_peak_allocated"] = plan.get("measured_peak_allocated")
     row["predicted_peak_allocated"] = plan.get("predicted_peak_allocated_like_for_like")
     row["predicted_peak_allocated_worst_case"] = plan.get("predicted_peak_allocated")
@@ -299,9 +496,11 @@ def row_from_summary(s: dict, metrics: list[dict]) -> dict:
     row["total_error_pct"] = error_pct(row["predicted_peak_total"], row["measured_device_used"])
     # calibration inputs for the planner's CUDA assumptions (RESERVED_OVER_ALLOCATED, CUDA_CONTEXT_BYTES)
     row["measured_reserved_over_allocated"] = ratio(row["measured_peak_reserved"], row["measured_peak_allocated"])
-    row["measured_outside_allocator"] = (row["measured_device_used"] - row["measured_peak_reserved"]
-                                         if row["measured_device_used"] is not None
-                                         and row["measured_peak_reserved"] is not None else None)
+    row["measured_outside_allocator"] = (
+        row["measured_device_used"] - row["measured_peak_reserved"]
+        if row["measured_device_used"] is not None and row["measured_peak_reserved"] is not None
+        else None
+    )
     row["phases"] = plan.get("phases")
     # Time: the steady steps only (the first ones include cuBLAS/allocator warm-up and the first snapshot).
     timed = steady_steps(metrics)
@@ -349,11 +548,16 @@ def ratio(a, b):
 
 # -- the run ------------------------------------------------------------------------------------------
 
+
 def stats(values: list[float]) -> dict:
     if not values:
         return {"cases": 0, "median_abs_pct": None, "worst_abs_pct": None, "mean_pct": None}
-    return {"cases": len(values), "median_abs_pct": statistics.median(abs(v) for v in values),
-            "worst_abs_pct": max(abs(v) for v in values), "mean_pct": statistics.fmean(values)}
+    return {
+        "cases": len(values),
+        "median_abs_pct": statistics.median(abs(v) for v in values),
+        "worst_abs_pct": max(abs(v) for v in values),
+        "mean_pct": statistics.fmean(values),
+    }
 
 
 def result_record(rows: list[dict], device: str, argv: list[str], started: float) -> dict:
@@ -362,11 +566,17 @@ def result_record(rows: list[dict], device: str, argv: list[str], started: float
     def col(key):
         return [r[key] for r in rows if r.get(key) is not None]
 
-    errors = {"peak_allocated": stats(col("peak_error_pct")), "peak_reserved": stats(col("reserved_error_pct")),
-              "device_total": stats(col("total_error_pct")), "step_time": stats(col("step_time_error_pct"))}
-    cal = {"reserved_over_allocated_median": _median(col("measured_reserved_over_allocated")),
-           "outside_allocator_bytes_median": _median(col("measured_outside_allocator")),
-           "mfu_median": _median(col("measured_mfu"))}
+    errors = {
+        "peak_allocated": stats(col("peak_error_pct")),
+        "peak_reserved": stats(col("reserved_error_pct")),
+        "device_total": stats(col("total_error_pct")),
+        "step_time": stats(col("step_time_error_pct")),
+    }
+    cal = {
+        "reserved_over_allocated_median": _median(col("measured_reserved_over_allocated")),
+        "outside_allocator_bytes_median": _median(col("measured_outside_allocator")),
+        "mfu_median": _median(col("measured_mfu")),
+    }
     versions = {"torch": torch.__version__}
     for mod in ("transformers", "lightning", "peft"):
         try:
@@ -376,16 +586,26 @@ def result_record(rows: list[dict], device: str, argv: list[str], started: float
     status_counts: dict[str, int] = {}
     for r in rows:
         status_counts[r["status"]] = status_counts.get(r["status"], 0) + 1
-    return {"device": device, **versions, "date": datetime.date.today().isoformat(),
-            "command": "python bench/plan_accuracy.py " + " ".join(argv), "elapsed_s": round(time.time() - started, 1),
-            # peak allocated: kept at the top level as before
-            "median_abs_error_pct": errors["peak_allocated"]["median_abs_pct"],
-            "worst_abs_error_pct": errors["peak_allocated"]["worst_abs_pct"],
-            "cases_compared": errors["peak_allocated"]["cases"],
-            "errors": errors, "calibration": cal, "status_counts": status_counts,
-            "expectation_mismatches": [r["case"] for r in rows if r["status"] in ("ok", "oom")
-                                       and (r["status"] == "oom") != (r.get("expect") == "oom")],
-            "cases": rows}
+    return {
+        "device": device,
+        **versions,
+        "date": datetime.date.today().isoformat(),
+        "command": "python bench/plan_accuracy.py " + " ".join(argv),
+        "elapsed_s": round(time.time() - started, 1),
+        # peak allocated: kept at the top level as before
+        "median_abs_error_pct": errors["peak_allocated"]["median_abs_pct"],
+        "worst_abs_error_pct": errors["peak_allocated"]["worst_abs_pct"],
+        "cases_compared": errors["peak_allocated"]["cases"],
+        "errors": errors,
+        "calibration": cal,
+        "status_counts": status_counts,
+        "expectation_mismatches": [
+            r["case"]
+            for r in rows
+            if r["status"] in ("ok", "oom") and (r["status"] == "oom") != (r.get("expect") == "oom")
+        ],
+        "cases": rows,
+    }
 
 
 def _median(values):
@@ -407,8 +627,17 @@ def slug(device: str) -> str:
 def print_row(row: dict) -> None:
     """One line per case: measured / predicted (error) for peak allocated, peak reserved, the device's
     memory in use (nvidia-smi) against the plan's total, and the steady step time."""
-    sizes = [row.get(k) for k in ("measured_peak_allocated", "predicted_peak_allocated", "measured_peak_reserved",
-                                  "predicted_peak_reserved", "measured_device_used", "predicted_peak_total")]
+    sizes = [
+        row.get(k)
+        for k in (
+            "measured_peak_allocated",
+            "predicted_peak_allocated",
+            "measured_peak_reserved",
+            "predicted_peak_reserved",
+            "measured_device_used",
+            "predicted_peak_total",
+        )
+    ]
     unit, div = ("GiB", 2**30) if max((x for x in sizes if x is not None), default=0) >= 2**30 else ("MiB", 2**20)
 
     def mem(n):
@@ -424,22 +653,31 @@ def print_row(row: dict) -> None:
     if row["status"] == "skipped":
         print(f"{row['case']:<42} skipped  {row.get('reason', '')}", flush=True)
         return
-    print(f"{row['case']:<42} {row['status']:<8} alloc {mem(row.get('measured_peak_allocated'))} / "
-          f"{mem(row.get('predicted_peak_allocated'))} {pct(row.get('peak_error_pct'))}%  reserved "
-          f"{mem(row.get('measured_peak_reserved'))} / {mem(row.get('predicted_peak_reserved'))} "
-          f"{pct(row.get('reserved_error_pct'))}%  device {mem(row.get('measured_device_used'))} / "
-          f"{mem(row.get('predicted_peak_total'))} {pct(row.get('total_error_pct'))}% {unit}  step "
-          f"{sec(row.get('measured_step_time_s'))} / {sec(row.get('predicted_step_time_s'))} s  "
-          f"[{row['seconds']:.0f}s]{expect}", flush=True)
+    print(
+        f"{row['case']:<42} {row['status']:<8} alloc {mem(row.get('measured_peak_allocated'))} / "
+        f"{mem(row.get('predicted_peak_allocated'))} {pct(row.get('peak_error_pct'))}%  reserved "
+        f"{mem(row.get('measured_peak_reserved'))} / {mem(row.get('predicted_peak_reserved'))} "
+        f"{pct(row.get('reserved_error_pct'))}%  device {mem(row.get('measured_device_used'))} / "
+        f"{mem(row.get('predicted_peak_total'))} {pct(row.get('total_error_pct'))}% {unit}  step "
+        f"{sec(row.get('measured_step_time_s'))} / {sec(row.get('predicted_step_time_s'))} s  "
+        f"[{row['seconds']:.0f}s]{expect}",
+        flush=True,
+    )
 
 
 def print_summary(record: dict) -> None:
-    for key, label in (("peak_allocated", "peak allocated"), ("peak_reserved", "peak reserved"),
-                       ("device_total", "device total"), ("step_time", "step time")):
+    for key, label in (
+        ("peak_allocated", "peak allocated"),
+        ("peak_reserved", "peak reserved"),
+        ("device_total", "device total"),
+        ("step_time", "step time"),
+    ):
         e = record["errors"][key]
         if e["cases"]:
-            print(f"{label} error over {e['cases']} cases: median |err| {e['median_abs_pct']:.2f}%, worst "
-                  f"{e['worst_abs_pct']:.2f}%, mean {e['mean_pct']:+.2f}%")
+            print(
+                f"{label} error over {e['cases']} cases: median |err| {e['median_abs_pct']:.2f}%, worst "
+                f"{e['worst_abs_pct']:.2f}%, mean {e['mean_pct']:+.2f}%"
+            )
         else:
             print(f"{label} error: no case compared")
     print(f"statuses: {record['status_counts']}; expectation mismatches: {record['expectation_mismatches'] or 'none'}")
@@ -448,8 +686,9 @@ def print_summary(record: dict) -> None:
 def check_plans(names: list[str], cases: dict, gpu_name: str, smoke: bool) -> int:
     """Plan each case for the GPU here on the CPU (what the GPU run will predict) and check `expect`."""
     sys.path.insert(0, str(ROOT / "src"))
-    from bigtune.gpus import find_gpu
-    from bigtune.planner import Target, plan
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
 
     gpu = find_gpu(gpu_name)
@@ -465,9 +704,12 @@ def check_plans(names: list[str], cases: dict, gpu_name: str, smoke: bool) -> in
             ok = verdict == case.get("expect", "fit")
             bad += not ok
             step = f"{p.step_time_s:.3f}" if p.step_time_s else "-"
-            print(f"{name:<42} allocated {p.peak_allocated / 2**30:6.2f} total {p.peak_total / 2**30:6.2f} of "
-                  f"{p.capacity / 2**30:.2f} GiB -> {verdict:<3} (expect {case.get('expect', 'fit')}) step {step} s"
-                  f"{'' if ok else '  MISMATCH'}  [{time.perf_counter() - t0:.1f}s]", flush=True)
+            print(
+                f"{name:<42} allocated {p.peak_allocated / 2**30:6.2f} total {p.peak_total / 2**30:6.2f} of "
+                f"{p.capacity / 2**30:.2f} GiB -> {verdict:<3} (expect {case.get('expect', 'fit')}) step {step} s"
+                f"{'' if ok else '  MISMATCH'}  [{time.perf_counter() - t0:.1f}s]",
+                flush=True,
+            )
     return 1 if bad else 0
 
 
@@ -478,8 +720,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="case names to run (in the given order)")
     ap.add_argument("--skip", nargs="*", default=[], help="case names not to run")
     ap.add_argument("--steps", type=int, help="optimizer steps per case (default 6; --smoke 3)")
-    ap.add_argument("--budget-s", type=float, help="start no case whose estimate would end past this many seconds "
-                    "from the start (the rest are written as skipped)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="start no case whose estimate would end past this many seconds "
+        "from the start (the rest are written as skipped)",
+    )
     ap.add_argument("--case-timeout-s", type=float, help="override every case's own time limit")
     ap.add_argument("--resume", help="an earlier result JSON: keep its finished rows, run only the other cases")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder for plan_accuracy-<gpu>.json")
@@ -496,8 +742,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for i, n in enumerate(names, 1):
             c = cases[n]
-            print(f"{i:>2} {n:<42} expect {c.get('expect', 'fit'):<3} est {c['est']:>3}s max {c['timeout']:>3}s  "
-                  f"{c.get('note', '')}")
+            print(
+                f"{i:>2} {n:<42} expect {c.get('expect', 'fit'):<3} est {c['est']:>3}s max {c['timeout']:>3}s  "
+                f"{c.get('note', '')}"
+            )
         return 0
     if args.check_plans:
         return check_plans(names, cases, args.gpu, args.smoke)
@@ -509,8 +757,10 @@ def main(argv: list[str] | None = None) -> int:
     elif torch.cuda.is_available():
         accelerator, device = "cuda", torch.cuda.get_device_name(0)
     else:
-        print("plan_accuracy: no CUDA GPU here; nothing measured (use --smoke for the CPU path, --check-plans for "
-              "the plans)")
+        print(
+            "plan_accuracy: no CUDA GPU here; nothing measured (use --smoke for the CPU path, --check-plans for "
+            "the plans)"
+        )
         return 0
     steps = args.steps or (3 if args.smoke else 6)
     path = Path(args.out) / f"plan_accuracy-{slug(device)}{'-smoke' if args.smoke else ''}.json"
@@ -524,10 +774,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in prev["cases"] if r["status"] not in ("skipped",)]
         done = {r["case"] for r in rows}
         print(f"resume: {len(done)} finished case(s) from {args.resume}", flush=True)
-    print(f"plan_accuracy on {device}: {len(names)} cases, {steps} steps each, budget "
-          f"{args.budget_s or 'none'} s; writing {path}", flush=True)
-    print("per case: measured / predicted (error) for peak allocated, peak reserved, device memory in use "
-          "(nvidia-smi) vs the plan's total; steady step time; [wall seconds]", flush=True)
+    print(
+        f"plan_accuracy on {device}: {len(names)} cases, {steps} steps each, budget "
+        f"{args.budget_s or 'none'} s; writing {path}",
+        flush=True,
+    )
+    print(
+        "per case: measured / predicted (error) for peak allocated, peak reserved, device memory in use "
+        "(nvidia-smi) vs the plan's total; steady step time; [wall seconds]",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         data = write_data(work)
@@ -542,16 +798,31 @@ def main(argv: list[str] | None = None) -> int:
                 pace = min(1.5, max(0.5, spent["s"] / spent["est"])) if spent["est"] else 1.0
                 need = case["est"] * pace
                 if left < need:
-                    rows.append({"case": name, "note": case.get("note"), "expect": case.get("expect", "fit"),
-                                 "status": "skipped", "reason": f"time budget: {left:.0f} s left, estimate "
-                                 f"{need:.0f} s"})
+                    rows.append(
+                        {
+                            "case": name,
+                            "note": case.get("note"),
+                            "expect": case.get("expect", "fit"),
+                            "status": "skipped",
+                            "reason": f"time budget: {left:.0f} s left, estimate {need:.0f} s",
+                        }
+                    )
                     print_row(rows[-1])
                     write_json(path, result_record(rows, device, argv, started))
                     continue
                 timeout = min(timeout, left)
             c0 = _clock()
-            row = run_case(name, case, data, work, steps, timeout, accelerator, args.smoke,
-                           Path(args.case_log) if args.case_log else None)
+            row = run_case(
+                name,
+                case,
+                data,
+                work,
+                steps,
+                timeout,
+                accelerator,
+                args.smoke,
+                Path(args.case_log) if args.case_log else None,
+            )
             spent["s"] += _clock() - c0
             spent["est"] += case["est"]
             rows.append(row)

@@ -45,8 +45,12 @@ def main() -> int:
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
         for _ in range(max(1, args.repeat)):
             t0 = time.perf_counter()
-            res = subprocess.run([sys.executable, "-m", "bigtune", "plan", str(recipe), "--gpu", args.gpu,
-                                  "--alternatives", "--json"], capture_output=True, text=True, env=env)
+            res = subprocess.run(
+                [sys.executable, "-m", "bigtune", "plan", str(recipe), "--gpu", args.gpu, "--alternatives", "--json"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             walls.append(time.perf_counter() - t0)
             if res.returncode != 0:
                 print(res.stderr)
@@ -55,12 +59,21 @@ def main() -> int:
     evaluated = out["plan"].get("variants_evaluated")
     fitting = len(out["alternatives"])
     median = statistics.median(walls)
-    result = {"seconds": median, "seconds_max": max(walls), "runs_s": [round(w, 2) for w in walls],
-              "variants_evaluated": evaluated, "variants_fitting": fitting, "gpu": args.gpu,
-              "cpu_count": os.cpu_count(), "command": "python bench/plan_speed.py " + " ".join(sys.argv[1:])}
-    print(f"70B plan + alternatives: median {median:.1f} s, slowest {max(walls):.1f} s wall over {len(walls)} runs "
-          f"({', '.join(f'{w:.1f}' for w in walls)}; goal < 10 s), {evaluated} variants evaluated, "
-          f"{fitting} fit on {args.gpu}")
+    result = {
+        "seconds": median,
+        "seconds_max": max(walls),
+        "runs_s": [round(w, 2) for w in walls],
+        "variants_evaluated": evaluated,
+        "variants_fitting": fitting,
+        "gpu": args.gpu,
+        "cpu_count": os.cpu_count(),
+        "command": "python bench/plan_speed.py " + " ".join(sys.argv[1:]),
+    }
+    print(
+        f"70B plan + alternatives: median {median:.1f} s, slowest {max(walls):.1f} s wall over {len(walls)} runs "
+        f"({', '.join(f'{w:.1f}' for w in walls)}; goal < 10 s), {evaluated} variants evaluated, "
+        f"{fitting} fit on {args.gpu}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -5,7 +5,7 @@
     python bench/published.py --list               # the table and the skipped data points, nothing planned
     python bench/published.py --json OUT           # write the JSON here instead of bench/results/published-cpu-<date>.json
 
-No GPU needed: each row is planned with the real planner (``bigtune.planner.plan`` on a CUDA target from the
+No GPU needed: each row is planned with the real planner (``bigtune.plan.planner.plan`` on a CUDA target from the
 catalog) in its own process with a time limit, and compared like with like:
 
   metric kind              published counter                                    planned quantity
@@ -55,60 +55,86 @@ LAB_BLIP = "teaching-on-testbeds/llm-chi: single/snippets/single_gpu.md (commit 
 RESOURCE = "Lightning-AI/litgpt: tutorials/resource-tables.md @4839345a (prefix as recorded)"
 HUB = "Lightning-AI/litgpt: config_hub/finetune/README.md @03ffc551 (prefix as recorded)"
 TORCHTUNE = "pytorch/torchtune: README.md @0031bfb0 (prefix as recorded)"
-HF_PERF = ("huggingface/transformers: docs perf_train_gpu_one / model_memory_anatomy, older version "
-           "(stored Korean translation, id 37018384513; English identical for these rows)")
+HF_PERF = (
+    "huggingface/transformers: docs perf_train_gpu_one / model_memory_anatomy, older version "
+    "(stored Korean translation, id 37018384513; English identical for these rows)"
+)
 PEFT_DS = "huggingface/peft: docs/source/accelerate/deepspeed.md (commit not recorded in the notes)"
 
 # -- implementation flags: how the source's engine differs from bigtune's ----------------------------------
-LITGPT = ("litgpt's own GPT model code (fused qkv, its own attention/MLP) and chunked cross-entropy, "
-          "Lightning; not HF transformers")
+LITGPT = (
+    "litgpt's own GPT model code (fused qkv, its own attention/MLP) and chunked cross-entropy, "
+    "Lightning; not HF transformers"
+)
 LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full logits are never held)"
-LITGPT_QLORA = LITGPT_LORA + ("; bnb.nf4 through Fabric replaces every Linear, the output head too (bigtune, like "
-                              "HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
-                              "4-bit layer's input (planned so: legacy_bnb)")
+LITGPT_QLORA = LITGPT_LORA + (
+    "; bnb.nf4 through Fabric replaces every Linear, the output head too (bigtune, like "
+    "HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
+    "4-bit layer's input (planned so: legacy_bnb)"
+)
 # torchtune's CEWithChunkedOutputLoss: the output projection and the loss in 8 chunks of the 2 × 2048 tokens;
 # bigtune's nearest setting (its chunks are also checkpointed, so even their logits are not kept).
 TT_CHUNKED_CE = {"train.loss_chunk_tokens": 512}
-TORCHTUNE_IMPL = ("torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
-                  "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step")
+TORCHTUNE_IMPL = (
+    "torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
+    "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step"
+)
 # Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
 # holds the previous step's gradients; bigtune's engine frees them at its optimizer step (set_to_none).
 # The lab's 4-GPU runs: Lightning's DDPStrategy() keeps gradient_as_bucket_view=False, so DDP's reducer buckets
 # hold a second copy of the gradients beside .grad (bigtune's default is true: ddp_bucket_view).
 LIGHTNING_DDP_KEYS = {"devices": 4, "strategy": "ddp", "ddp_bucket_view": False}
-HF_TRAINER = ("HF Trainer on an older transformers (eager attention); nvidia-smi total includes a measured "
-              "1343 MB CUDA context vs the planner's assumed 0.5 GiB")
+HF_TRAINER = (
+    "HF Trainer on an older transformers (eager attention); nvidia-smi total includes a measured "
+    "1343 MB CUDA context vs the planner's assumed 0.5 GiB"
+)
 
 # -- base settings shared by rows -------------------------------------------------------------------------
-OPENLLAMA7B, OPENLLAMA3B, OPENLLAMA13B = ("openlm-research/open_llama_7b", "openlm-research/open_llama_3b",
-                                          "openlm-research/open_llama_13b")
+OPENLLAMA7B, OPENLLAMA3B, OPENLLAMA13B = (
+    "openlm-research/open_llama_7b",
+    "openlm-research/open_llama_3b",
+    "openlm-research/open_llama_13b",
+)
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
-LLAMA2_7B, LLAMA2_13B, LLAMA2_70B = ("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-13b-hf",
-                                     "meta-llama/Llama-2-70b-hf")
+LLAMA2_7B, LLAMA2_13B, LLAMA2_70B = (
+    "meta-llama/Llama-2-7b-hf",
+    "meta-llama/Llama-2-13b-hf",
+    "meta-llama/Llama-2-70b-hf",
+)
 LLAMA3_8B, LLAMA31_8B = "meta-llama/Meta-Llama-3-8B", "meta-llama/Llama-3.1-8B"
 # litgpt/lab full fine-tunes: bf16-true weights, torch AdamW with the lab's betas.
 LIT_FULL = {"precision": "bf16-true", "optim.name": "adamw", "optim.betas": [0.9, 0.95]}
 # PyTorch Lightning's Trainer (the lab's scripts) frees the gradients after the next training_step, just
 # before its backward: the recipe key that runs (and plans) the same order.
 PL_ORDER = {"optim.zero_grad": "before_backward"}
+
+
 # litgpt LoRA: r, alpha, targets per row; dropout 0.05 (litgpt's default in every config cited).
 def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", double_quant: bool = False) -> dict:
     # litgpt creates its LoRA weights in the model's dtype (bf16 under bf16-true), as peft.adapter_dtype=bfloat16
-    over = {**LIT_FULL, "peft.method": "lora", "peft.r": r, "peft.alpha": alpha, "peft.dropout": 0.05,
-            "peft.target_modules": targets, "peft.adapter_dtype": "bfloat16"}
+    over = {
+        **LIT_FULL,
+        "peft.method": "lora",
+        "peft.r": r,
+        "peft.alpha": alpha,
+        "peft.dropout": 0.05,
+        "peft.target_modules": targets,
+        "peft.adapter_dtype": "bfloat16",
+    }
     if quantize != "none":  # litgpt bnb.nf4 / bnb.nf4-dq: 4-bit base, bf16 compute (bf16-true)
         # Fabric's BitsandbytesPrecision swaps the Linear classes and builds everything else in bf16 (its
         # tensor_init_context): no fp32 cast of norms/embeddings as peft's k-bit preparation does.
-        over.update({"model.quantize": quantize, "model.double_quant": double_quant,
-                     "model.upcast_unquantized": False})
+        over.update({"model.quantize": quantize, "model.double_quant": double_quant, "model.upcast_unquantized": False})
     return over
 
 
 # lit-gpt's 2023 multi-GPU lora.py: FSDP1 (per Block, use_orig_params) over a batch of 128 in micro-batches,
 # accumulated under Fabric's no_backward_sync (FSDP1's no_sync: every rank keeps the unsharded gradients
 # through the window; any window longer than one needs the same memory).
-LIT_FSDP1 = ("FSDP1 per Block (lit-gpt 2023), not FSDP2: each Block is one flat unit holding the frozen weights "
-             "and the LoRA ones, so it keeps a gradient for all of them (planned so: fsdp1_units)")
+LIT_FSDP1 = (
+    "FSDP1 per Block (lit-gpt 2023), not FSDP2: each Block is one flat unit holding the frozen weights "
+    "and the LoRA ones, so it keeps a gradient for all of them (planned so: fsdp1_units)"
+)
 
 
 def LIT_FSDP_ACCUMULATION(devices: int, micro_batch: int) -> dict:  # noqa: N802 (a table constant)
@@ -120,31 +146,39 @@ LLAMA_ALL_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 # The longest Alpaca sample decides litgpt's resource-table peak (batches padded to the longest):
 ALPACA_LONGEST_LLAMA2, ALPACA_LONGEST_PHI15 = 1304, 1044
 
-BLIP_OPT27, BLIP_OPT67, BLIP_XXL = ("recipes/blip2-opt-2.7b.yaml", "recipes/blip2-opt-6.7b.yaml",
-                                    "recipes/blip2-flan-t5-xxl.yaml")
-BERT_BASE = "recipes/distilbert-sst2.yaml"   # a sequence-classification recipe; the model is overridden
-BERT = {"model.name": "bert-large-uncased", "data.max_seq_length": 512, "model.attn_implementation": "eager",
-        "optim.implementation": "for-loop"}  # transformers' adamw_hf steps parameter by parameter
+BLIP_OPT27, BLIP_OPT67, BLIP_XXL = (
+    "recipes/blip2-opt-2.7b.yaml",
+    "recipes/blip2-opt-6.7b.yaml",
+    "recipes/blip2-flan-t5-xxl.yaml",
+)
+BERT_BASE = "recipes/distilbert-sst2.yaml"  # a sequence-classification recipe; the model is overridden
+BERT = {
+    "model.name": "bert-large-uncased",
+    "data.max_seq_length": 512,
+    "model.attn_implementation": "eager",
+    "optim.implementation": "for-loop",
+}  # transformers' adamw_hf steps parameter by parameter
 TT_LORA = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # q,v,output_proj + MLP
 
 
 @dataclass(frozen=True)
 class Row:
     """One published data point and how to state it as a bigtune recipe."""
+
     id: str
     source: str
-    setup: str                      # one line: model, method, batch × tokens, GPU(s)
-    metric: str                     # peak_allocated | after_forward_allocated | reserved | device_used | fit
-    value: Optional[float]          # the published number in `unit` (None for fit rows)
-    unit: str                       # GB (1e9 bytes) | GiB | MiB | - (fit rows)
-    gpu: str                        # catalog name (bigtune.gpus.find_gpu)
-    over: dict = field(default_factory=dict)   # recipe overrides (dotted keys)
-    recipe: Optional[str] = None    # base recipe under recipes/ (None: bigtune's built-in defaults)
+    setup: str  # one line: model, method, batch × tokens, GPU(s)
+    metric: str  # peak_allocated | after_forward_allocated | reserved | device_used | fit
+    value: Optional[float]  # the published number in `unit` (None for fit rows)
+    unit: str  # GB (1e9 bytes) | GiB | MiB | - (fit rows)
+    gpu: str  # catalog name (bigtune.gpus.find_gpu)
+    over: dict = field(default_factory=dict)  # recipe overrides (dotted keys)
+    recipe: Optional[str] = None  # base recipe under recipes/ (None: bigtune's built-in defaults)
     gpus: int = 1
-    strategy: str = "single"        # single | ddp | fsdp | deepspeed_* (the planner's Target strategy)
-    expect: Optional[str] = None    # fit rows: "fit" | "oom"
-    impl: str = ""                  # material implementation difference from bigtune's engine ("" = none)
-    note: str = ""                  # what else a reader must know (ranks shown, assumptions)
+    strategy: str = "single"  # single | ddp | fsdp | deepspeed_* (the planner's Target strategy)
+    expect: Optional[str] = None  # fit rows: "fit" | "oom"
+    impl: str = ""  # material implementation difference from bigtune's engine ("" = none)
+    note: str = ""  # what else a reader must know (ranks shown, assumptions)
     # Published speed where the rows have FIXED lengths (packed or synthetic data), so the planned step time
     # answers the same batch: (value, "tokens/s" | "samples/s"). Sources whose batches are padded to a
     # varying longest sample (LitGPT's Alpaca, the lab) are left out: their mean length is not published.
@@ -168,274 +202,1074 @@ class Row:
 
 
 def _lab7b(**over) -> dict:
-    return {"model.name": OPENLLAMA7B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
-            "train.micro_batch_size": 4, **over}
+    return {
+        "model.name": OPENLLAMA7B,
+        **LIT_FULL,
+        **PL_ORDER,
+        "data.max_seq_length": 512,
+        "train.micro_batch_size": 4,
+        **over,
+    }
 
 
 def _tiny_lab(**over) -> dict:
-    return {"model.name": TINYLLAMA, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
-            "train.micro_batch_size": 8, "train.accumulate_grad_batches": 4, **over}
+    return {
+        "model.name": TINYLLAMA,
+        **LIT_FULL,
+        **PL_ORDER,
+        "data.max_seq_length": 512,
+        "train.micro_batch_size": 8,
+        "train.accumulate_grad_batches": 4,
+        **over,
+    }
 
 
 # The lab's FSDPStrategy(sharding_strategy="FULL_SHARD") names no auto_wrap_policy: one flat unit.
 LAB_FSDP_KEYS = {"devices": 4, "strategy": "fsdp", "fsdp_wrap": "none"}
-LAB_FSDP_IMPL = ("; Lightning FSDPStrategy (FSDP1, one flat parameter, gradients reduced every micro-batch), "
-                 "planned as bigtune's FSDP2 with the root as its only unit")
-LAB_NOTE = ("Alpaca2k truncated at 512 and padded to the batch's longest; planned at full 512-token rows "
-            "(the printed step's batch may be shorter)")
+LAB_FSDP_IMPL = (
+    "; Lightning FSDPStrategy (FSDP1, one flat parameter, gradients reduced every micro-batch), "
+    "planned as bigtune's FSDP2 with the root as its only unit"
+)
+LAB_NOTE = (
+    "Alpaca2k truncated at 512 and padded to the batch's longest; planned at full 512-token rows "
+    "(the printed step's batch may be shorter)"
+)
 RANKS = "max of the ranks shown"
 
 ROWS: list[Row] = [
     # ---- the course lab, LitGPT Python API under Lightning (mid-step prints, GiB) ----
-    Row("L1", LAB_A100, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, acc 4, 1×A100-80", "after_forward_allocated",
-        61.99, "GiB", "a100-80gb", _lab7b(**{"train.accumulate_grad_batches": 4}), impl=LITGPT, note=LAB_NOTE),
-    Row("L1.res", LAB_A100, "as L1: reserved", "reserved", 73.30, "GiB", "a100-80gb",
-        _lab7b(**{"train.accumulate_grad_batches": 4}), impl=LITGPT, note=LAB_NOTE),
-    Row("L2", LAB_A100, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80", "after_forward_allocated",
-        61.97, "GiB", "a100-80gb", _lab7b(), impl=LITGPT, note=LAB_NOTE),
-    Row("L2.res", LAB_A100, "as L2: reserved", "reserved", 71.35, "GiB", "a100-80gb", _lab7b(), impl=LITGPT,
-        note=LAB_NOTE),
-    Row("L3", LAB_A100, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 4×A100-80 DDP", "after_forward_allocated",
-        73.98, "GiB", "a100-80gb", _lab7b(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp",
-        impl=LITGPT, note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE),
-    Row("L3.res", LAB_A100, "as L3: reserved", "reserved", 78.30, "GiB", "a100-80gb",
-        _lab7b(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp", impl=LITGPT,
-        note=f"{RANKS} (78.06 / 78.12 / 78.30)"),
-    Row("L6", LAB_V100, "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 1×V100-32", "after_forward_allocated",
-        23.92, "GiB", "v100-32gb", _tiny_lab(), impl=LITGPT, note=LAB_NOTE),
-    Row("L6.res", LAB_V100, "as L6: reserved", "reserved", 25.16, "GiB", "v100-32gb", _tiny_lab(), impl=LITGPT,
-        note=LAB_NOTE),
-    Row("L7", LAB_V100, "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 DDP",
-        "after_forward_allocated", 25.27, "GiB", "v100-32gb", _tiny_lab(**LIGHTNING_DDP_KEYS),
-        gpus=4, strategy="ddp", impl=LITGPT, note=f"{RANKS} (23.75 / 23.10 / 25.27); " + LAB_NOTE),
-    Row("L7.res", LAB_V100, "as L7: reserved", "reserved", 31.22, "GiB", "v100-32gb",
-        _tiny_lab(**LIGHTNING_DDP_KEYS), gpus=4, strategy="ddp", impl=LITGPT,
-        note=f"{RANKS} (31.22 / 27.19 / 28.74)"),
-    *[Row(i, LAB_A100, f"OpenLLaMA-7B full, bf16-true, AdamW, {b}×≤512, 4×A100-80 FSDP, no wrap policy", m, v,
-          "GiB", "a100-80gb", _lab7b(**LAB_FSDP_KEYS, **{"train.micro_batch_size": b}), gpus=4, strategy="fsdp",
-          impl=LITGPT + LAB_FSDP_IMPL, note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""))
-      for i, b, m, v, ranks in (("L4", 4, "after_forward_allocated", 36.33, "31.96 / 32.79 / 36.33"),
-                                ("L4.res", 4, "reserved", 56.00, "56.00 / 55.98 / 55.76"),
-                                ("L5", 8, "after_forward_allocated", 62.95, "62.95 / 59.51 / 62.95"),
-                                ("L5.res", 8, "reserved", 67.67, "67.67 / 62.71 / 64.74"))],
-    *[Row(i, LAB_V100, "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 FSDP, no wrap policy", m,
-          v, "GiB", "v100-32gb", _tiny_lab(**LAB_FSDP_KEYS), gpus=4, strategy="fsdp", impl=LITGPT + LAB_FSDP_IMPL,
-          note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""))
-      for i, m, v, ranks in (("L8", "after_forward_allocated", 21.35, "19.13 / 20.65 / 21.35"),
-                             ("L8.res", "reserved", 26.12, "26.12 / 25.27 / 24.99"))],
-    *[Row(i, LAB_V100, "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 4×V100-32 FSDP, no wrap policy", m, v, "GiB",
-          "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
-                        "train.micro_batch_size": 1, **LAB_FSDP_KEYS}, gpus=4, strategy="fsdp",
-          impl=LITGPT + LAB_FSDP_IMPL, note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""))
-      for i, m, v, ranks in (("L9", "after_forward_allocated", 13.27, "13.12 / 13.26 / 13.27"),
-                             ("L9.res", "reserved", 28.35, "28.35 / 27.56 / 27.54"))],
-    Row("L9.1dev", LAB_V100, "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 1×V100-32", "fit", None, "-",
-        "v100-32gb", {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512,
-                      "train.micro_batch_size": 1}, expect="oom", impl=LITGPT,
-        note="v100_llama3b_1device.py is stated to run out of memory"),
+    Row(
+        "L1",
+        LAB_A100,
+        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, acc 4, 1×A100-80",
+        "after_forward_allocated",
+        61.99,
+        "GiB",
+        "a100-80gb",
+        _lab7b(**{"train.accumulate_grad_batches": 4}),
+        impl=LITGPT,
+        note=LAB_NOTE,
+    ),
+    Row(
+        "L1.res",
+        LAB_A100,
+        "as L1: reserved",
+        "reserved",
+        73.30,
+        "GiB",
+        "a100-80gb",
+        _lab7b(**{"train.accumulate_grad_batches": 4}),
+        impl=LITGPT,
+        note=LAB_NOTE,
+    ),
+    Row(
+        "L2",
+        LAB_A100,
+        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80",
+        "after_forward_allocated",
+        61.97,
+        "GiB",
+        "a100-80gb",
+        _lab7b(),
+        impl=LITGPT,
+        note=LAB_NOTE,
+    ),
+    Row(
+        "L2.res",
+        LAB_A100,
+        "as L2: reserved",
+        "reserved",
+        71.35,
+        "GiB",
+        "a100-80gb",
+        _lab7b(),
+        impl=LITGPT,
+        note=LAB_NOTE,
+    ),
+    Row(
+        "L3",
+        LAB_A100,
+        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 4×A100-80 DDP",
+        "after_forward_allocated",
+        73.98,
+        "GiB",
+        "a100-80gb",
+        _lab7b(**LIGHTNING_DDP_KEYS),
+        gpus=4,
+        strategy="ddp",
+        impl=LITGPT,
+        note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE,
+    ),
+    Row(
+        "L3.res",
+        LAB_A100,
+        "as L3: reserved",
+        "reserved",
+        78.30,
+        "GiB",
+        "a100-80gb",
+        _lab7b(**LIGHTNING_DDP_KEYS),
+        gpus=4,
+        strategy="ddp",
+        impl=LITGPT,
+        note=f"{RANKS} (78.06 / 78.12 / 78.30)",
+    ),
+    Row(
+        "L6",
+        LAB_V100,
+        "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 1×V100-32",
+        "after_forward_allocated",
+        23.92,
+        "GiB",
+        "v100-32gb",
+        _tiny_lab(),
+        impl=LITGPT,
+        note=LAB_NOTE,
+    ),
+    Row(
+        "L6.res",
+        LAB_V100,
+        "as L6: reserved",
+        "reserved",
+        25.16,
+        "GiB",
+        "v100-32gb",
+        _tiny_lab(),
+        impl=LITGPT,
+        note=LAB_NOTE,
+    ),
+    Row(
+        "L7",
+        LAB_V100,
+        "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 DDP",
+        "after_forward_allocated",
+        25.27,
+        "GiB",
+        "v100-32gb",
+        _tiny_lab(**LIGHTNING_DDP_KEYS),
+        gpus=4,
+        strategy="ddp",
+        impl=LITGPT,
+        note=f"{RANKS} (23.75 / 23.10 / 25.27); " + LAB_NOTE,
+    ),
+    Row(
+        "L7.res",
+        LAB_V100,
+        "as L7: reserved",
+        "reserved",
+        31.22,
+        "GiB",
+        "v100-32gb",
+        _tiny_lab(**LIGHTNING_DDP_KEYS),
+        gpus=4,
+        strategy="ddp",
+        impl=LITGPT,
+        note=f"{RANKS} (31.22 / 27.19 / 28.74)",
+    ),
+    *[
+        Row(
+            i,
+            LAB_A100,
+            f"OpenLLaMA-7B full, bf16-true, AdamW, {b}×≤512, 4×A100-80 FSDP, no wrap policy",
+            m,
+            v,
+            "GiB",
+            "a100-80gb",
+            _lab7b(**LAB_FSDP_KEYS, **{"train.micro_batch_size": b}),
+            gpus=4,
+            strategy="fsdp",
+            impl=LITGPT + LAB_FSDP_IMPL,
+            note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""),
+        )
+        for i, b, m, v, ranks in (
+            ("L4", 4, "after_forward_allocated", 36.33, "31.96 / 32.79 / 36.33"),
+            ("L4.res", 4, "reserved", 56.00, "56.00 / 55.98 / 55.76"),
+            ("L5", 8, "after_forward_allocated", 62.95, "62.95 / 59.51 / 62.95"),
+            ("L5.res", 8, "reserved", 67.67, "67.67 / 62.71 / 64.74"),
+        )
+    ],
+    *[
+        Row(
+            i,
+            LAB_V100,
+            "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 FSDP, no wrap policy",
+            m,
+            v,
+            "GiB",
+            "v100-32gb",
+            _tiny_lab(**LAB_FSDP_KEYS),
+            gpus=4,
+            strategy="fsdp",
+            impl=LITGPT + LAB_FSDP_IMPL,
+            note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""),
+        )
+        for i, m, v, ranks in (
+            ("L8", "after_forward_allocated", 21.35, "19.13 / 20.65 / 21.35"),
+            ("L8.res", "reserved", 26.12, "26.12 / 25.27 / 24.99"),
+        )
+    ],
+    *[
+        Row(
+            i,
+            LAB_V100,
+            "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 4×V100-32 FSDP, no wrap policy",
+            m,
+            v,
+            "GiB",
+            "v100-32gb",
+            {
+                "model.name": OPENLLAMA3B,
+                **LIT_FULL,
+                **PL_ORDER,
+                "data.max_seq_length": 512,
+                "train.micro_batch_size": 1,
+                **LAB_FSDP_KEYS,
+            },
+            gpus=4,
+            strategy="fsdp",
+            impl=LITGPT + LAB_FSDP_IMPL,
+            note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""),
+        )
+        for i, m, v, ranks in (
+            ("L9", "after_forward_allocated", 13.27, "13.12 / 13.26 / 13.27"),
+            ("L9.res", "reserved", 28.35, "28.35 / 27.56 / 27.54"),
+        )
+    ],
+    Row(
+        "L9.1dev",
+        LAB_V100,
+        "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 1×V100-32",
+        "fit",
+        None,
+        "-",
+        "v100-32gb",
+        {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512, "train.micro_batch_size": 1},
+        expect="oom",
+        impl=LITGPT,
+        note="v100_llama3b_1device.py is stated to run out of memory",
+    ),
     # older LitGPT-CLI lab (litgpt finetune_full, 1×A100 80GB, Alpaca2k max_seq_length 512)
-    Row("LF1", LAB_SINGLE, "TinyLlama-1.1B full, 32-true, AdamW, 32×≤512, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {"model.name": TINYLLAMA, **LIT_FULL, "precision": "32-true", "data.max_seq_length": 512,
-         "train.micro_batch_size": 32}, expect="oom", impl=LITGPT),
-    Row("LF2", LAB_SINGLE, "TinyLlama-1.1B full, 32-true, AdamW, 8×≤512, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {"model.name": TINYLLAMA, **LIT_FULL, "precision": "32-true", "data.max_seq_length": 512,
-         "train.micro_batch_size": 8}, expect="fit", impl=LITGPT, note="stated to fit easily"),
-    Row("LF3", LAB_SINGLE, "OpenLLaMA-13B full, bf16-true, AdamW, 1×≤512, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {"model.name": OPENLLAMA13B, **LIT_FULL, "data.max_seq_length": 512,
-                      "train.micro_batch_size": 1}, expect="oom", impl=LITGPT),
-    Row("LF4", LAB_SINGLE, "OpenLLaMA-13B full, bf16-true, SGD, 1×≤512, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {"model.name": OPENLLAMA13B, **LIT_FULL, "optim.name": "sgd", "data.max_seq_length": 512,
-         "train.micro_batch_size": 1}, expect="fit", impl=LITGPT),
-    Row("LF5", LAB_SINGLE, "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80", "fit", None, "-", "a100-80gb",
-        _lab7b(**{"optim.zero_grad": "after_step"}), expect="fit", impl=LITGPT),  # LitGPT's CLI: Fabric's order
+    Row(
+        "LF1",
+        LAB_SINGLE,
+        "TinyLlama-1.1B full, 32-true, AdamW, 32×≤512, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {
+            "model.name": TINYLLAMA,
+            **LIT_FULL,
+            "precision": "32-true",
+            "data.max_seq_length": 512,
+            "train.micro_batch_size": 32,
+        },
+        expect="oom",
+        impl=LITGPT,
+    ),
+    Row(
+        "LF2",
+        LAB_SINGLE,
+        "TinyLlama-1.1B full, 32-true, AdamW, 8×≤512, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {
+            "model.name": TINYLLAMA,
+            **LIT_FULL,
+            "precision": "32-true",
+            "data.max_seq_length": 512,
+            "train.micro_batch_size": 8,
+        },
+        expect="fit",
+        impl=LITGPT,
+        note="stated to fit easily",
+    ),
+    Row(
+        "LF3",
+        LAB_SINGLE,
+        "OpenLLaMA-13B full, bf16-true, AdamW, 1×≤512, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {"model.name": OPENLLAMA13B, **LIT_FULL, "data.max_seq_length": 512, "train.micro_batch_size": 1},
+        expect="oom",
+        impl=LITGPT,
+    ),
+    Row(
+        "LF4",
+        LAB_SINGLE,
+        "OpenLLaMA-13B full, bf16-true, SGD, 1×≤512, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {
+            "model.name": OPENLLAMA13B,
+            **LIT_FULL,
+            "optim.name": "sgd",
+            "data.max_seq_length": 512,
+            "train.micro_batch_size": 1,
+        },
+        expect="fit",
+        impl=LITGPT,
+    ),
+    Row(
+        "LF5",
+        LAB_SINGLE,
+        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        _lab7b(**{"optim.zero_grad": "after_step"}),
+        expect="fit",
+        impl=LITGPT,
+    ),  # LitGPT's CLI: Fabric's order
     # ---- the lab's BLIP-2 fine-tune (HF Blip2ForConditionalGeneration under Lightning, as bigtune; captions
     # ≤ 50 tokens, planned at 50; every part trained, as the recipes) ----
-    Row("B1a", LAB_BLIP, "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 32, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {**PL_ORDER, "train.micro_batch_size": 32}, BLIP_OPT27, expect="oom"),
-    Row("B1b", LAB_BLIP, "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 64, 1×H100 94GB", "fit", None, "-",
-        "h100-nvl-94gb", {**PL_ORDER, "train.micro_batch_size": 64}, BLIP_OPT27, expect="oom",
-        note="the lab's H100 is described as 94 GB VRAM (g1.h100.pci.1); planned on the catalog's H100 NVL 94GB"),
-    Row("B2", LAB_BLIP, "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 16, 1×A100-80", "fit", None, "-", "a100-80gb",
-        {**PL_ORDER, "train.micro_batch_size": 16}, BLIP_OPT27, expect="fit"),
-    Row("B3", LAB_BLIP, "BLIP-2 OPT-6.7b all parts, bf16-true, AdamW, 16/4, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {**PL_ORDER, "precision": "bf16-true", "train.micro_batch_size": 16,
-                      "train.accumulate_grad_batches": 4},
-        BLIP_OPT67, expect="fit"),
-    Row("B4a", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1}, BLIP_XXL,
-        expect="oom"),
-    Row("B4b", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×H100 94GB", "fit", None, "-",
-        "h100-nvl-94gb", {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1}, BLIP_XXL,
-        expect="oom"),
-    Row("B5", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, SGD, 16/4, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {**PL_ORDER, "optim.name": "sgd", "train.micro_batch_size": 16,
-                      "train.accumulate_grad_batches": 4},
-        BLIP_XXL, expect="fit"),
-    Row("B6a", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, Adam8bit, 2/2, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {**PL_ORDER, "optim.name": "adam8bit", "train.micro_batch_size": 2,
-                      "train.accumulate_grad_batches": 2},
-        BLIP_XXL, expect="fit"),
-    Row("B6b", LAB_BLIP, "as B6a + activation checkpointing", "fit", None, "-", "a100-80gb",
-        {**PL_ORDER, "optim.name": "adam8bit", "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2,
-         "train.activation_checkpointing": True}, BLIP_XXL, expect="fit"),
-    Row("B7", LAB_BLIP, "BLIP-2 Flan-T5-XXL all parts, bf16-true, ZeRO-2 offload (CPU Adam), 16/4, 1×A100-80",
-        "fit", None, "-", "a100-80gb",
+    Row(
+        "B1a",
+        LAB_BLIP,
+        "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 32, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {**PL_ORDER, "train.micro_batch_size": 32},
+        BLIP_OPT27,
+        expect="oom",
+    ),
+    Row(
+        "B1b",
+        LAB_BLIP,
+        "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 64, 1×H100 94GB",
+        "fit",
+        None,
+        "-",
+        "h100-nvl-94gb",
+        {**PL_ORDER, "train.micro_batch_size": 64},
+        BLIP_OPT27,
+        expect="oom",
+        note="the lab's H100 is described as 94 GB VRAM (g1.h100.pci.1); planned on the catalog's H100 NVL 94GB",
+    ),
+    Row(
+        "B2",
+        LAB_BLIP,
+        "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 16, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {**PL_ORDER, "train.micro_batch_size": 16},
+        BLIP_OPT27,
+        expect="fit",
+    ),
+    Row(
+        "B3",
+        LAB_BLIP,
+        "BLIP-2 OPT-6.7b all parts, bf16-true, AdamW, 16/4, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {**PL_ORDER, "precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        BLIP_OPT67,
+        expect="fit",
+    ),
+    Row(
+        "B4a",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1},
+        BLIP_XXL,
+        expect="oom",
+    ),
+    Row(
+        "B4b",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×H100 94GB",
+        "fit",
+        None,
+        "-",
+        "h100-nvl-94gb",
+        {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1},
+        BLIP_XXL,
+        expect="oom",
+    ),
+    Row(
+        "B5",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL all parts, bf16-true, SGD, 16/4, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {**PL_ORDER, "optim.name": "sgd", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
+        BLIP_XXL,
+        expect="fit",
+    ),
+    Row(
+        "B6a",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL all parts, bf16-true, Adam8bit, 2/2, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {**PL_ORDER, "optim.name": "adam8bit", "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2},
+        BLIP_XXL,
+        expect="fit",
+    ),
+    Row(
+        "B6b",
+        LAB_BLIP,
+        "as B6a + activation checkpointing",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {
+            **PL_ORDER,
+            "optim.name": "adam8bit",
+            "train.micro_batch_size": 2,
+            "train.accumulate_grad_batches": 2,
+            "train.activation_checkpointing": True,
+        },
+        BLIP_XXL,
+        expect="fit",
+    ),
+    Row(
+        "B7",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL all parts, bf16-true, ZeRO-2 offload (CPU Adam), 16/4, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
         {"strategy": "deepspeed_stage_2_offload", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
-        BLIP_XXL, strategy="deepspeed_stage_2_offload", expect="fit"),
-    Row("B8", LAB_BLIP, "BLIP-2 Flan-T5-XXL LoRA r16/α32, 32-true, AdamW, 32/2, 1×A100-80", "fit", None, "-",
-        "a100-80gb", {**PL_ORDER, "precision": "32-true", "peft.method": "lora", "peft.r": 16, "peft.alpha": 32,
-                      "peft.dropout": 0.05, "train.micro_batch_size": 32, "train.accumulate_grad_batches": 2},
-        BLIP_XXL, expect="fit", note="stated to fit easily; the lab's captions are shorter than 50 tokens"),
-    Row("B9", LAB_BLIP, "BLIP-2 Flan-T5-XXL QLoRA (nf4) r16/α32, 32-true, AdamW, bs 64, 1×A100-80", "fit", None,
-        "-", "a100-80gb", {**PL_ORDER, "precision": "32-true", "model.quantize": "nf4", "peft.method": "lora", "peft.r": 16,
-                           "peft.alpha": 32, "peft.dropout": 0.05, "train.micro_batch_size": 64,
-                           "train.accumulate_grad_batches": 1},
-        BLIP_XXL, expect="fit", note="the lab's captions are shorter than 50 tokens"),
+        BLIP_XXL,
+        strategy="deepspeed_stage_2_offload",
+        expect="fit",
+    ),
+    Row(
+        "B8",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL LoRA r16/α32, 32-true, AdamW, 32/2, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {
+            **PL_ORDER,
+            "precision": "32-true",
+            "peft.method": "lora",
+            "peft.r": 16,
+            "peft.alpha": 32,
+            "peft.dropout": 0.05,
+            "train.micro_batch_size": 32,
+            "train.accumulate_grad_batches": 2,
+        },
+        BLIP_XXL,
+        expect="fit",
+        note="stated to fit easily; the lab's captions are shorter than 50 tokens",
+    ),
+    Row(
+        "B9",
+        LAB_BLIP,
+        "BLIP-2 Flan-T5-XXL QLoRA (nf4) r16/α32, 32-true, AdamW, bs 64, 1×A100-80",
+        "fit",
+        None,
+        "-",
+        "a100-80gb",
+        {
+            **PL_ORDER,
+            "precision": "32-true",
+            "model.quantize": "nf4",
+            "peft.method": "lora",
+            "peft.r": 16,
+            "peft.alpha": 32,
+            "peft.dropout": 0.05,
+            "train.micro_batch_size": 64,
+            "train.accumulate_grad_batches": 1,
+        },
+        BLIP_XXL,
+        expect="fit",
+        note="the lab's captions are shorter than 50 tokens",
+    ),
     # ---- litgpt tutorials/resource-tables.md (A100-SXM4-40GB, Alpaca padded to the longest sample) ----
-    Row("R1", RESOURCE, "phi-1.5 LoRA r8 q,v, bf16-true, 1×1044, 1×A100-40", "peak_allocated", 4.82, "GB",
-        "a100-sxm-40gb", {"model.name": "microsoft/phi-1_5", **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_PHI15}, impl=LITGPT_LORA),
-    Row("R2", RESOURCE, "phi-1.5 LoRA r8 q,v, bf16-true, 4×1044, 1×A100-40", "peak_allocated", 10.68, "GB",
-        "a100-sxm-40gb", {"model.name": "microsoft/phi-1_5", **lit_lora(8, 16, QV), "train.micro_batch_size": 4,
-                          "data.max_seq_length": ALPACA_LONGEST_PHI15}, impl=LITGPT_LORA),
-    Row("R3", RESOURCE, "phi-1.5 QLoRA nf4 r8 q,v, bf16-true, 1×1044, 1×A100-40", "peak_allocated", 3.78, "GB",
-        "a100-sxm-40gb", {"model.name": "microsoft/phi-1_5", **lit_lora(8, 16, QV, "nf4"),
-                          "train.micro_batch_size": 1, "data.max_seq_length": ALPACA_LONGEST_PHI15},
-        impl=LITGPT_QLORA, legacy_bnb=True),
-    Row("R6", RESOURCE, "Llama-2-7B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 21.30, "GB",
-        "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
-    Row("R7", RESOURCE, "Llama-2-7B LoRA r8 q,v, bf16-true, 2×1304, 1×A100-40", "peak_allocated", 29.07, "GB",
-        "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": 2,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
-    Row("R8", RESOURCE, "Llama-2-7B LoRA r8 q,v, bf16-true, 4×1304, 1×A100-40", "fit", None, "-", "a100-sxm-40gb",
-        {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": 4,
-         "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, expect="oom", impl=LITGPT_LORA),
-    Row("R9a", RESOURCE, "Llama-2-7B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 14.14, "GB",
-        "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV, "nf4"), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA, legacy_bnb=True),
-    Row("R9b", RESOURCE, "Llama-2-7B QLoRA nf4-dq r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 13.84,
-        "GB", "a100-sxm-40gb", {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV, "nf4", double_quant=True),
-                                "train.micro_batch_size": 1, "data.max_seq_length": ALPACA_LONGEST_LLAMA2},
-        impl=LITGPT_QLORA, legacy_bnb=True),
-    Row("R10", RESOURCE, "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 38.12, "GB",
-        "a100-sxm-40gb", {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_LORA),
-    Row("R11", RESOURCE, "Llama-2-13B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40", "peak_allocated", 23.14, "GB",
-        "a100-sxm-40gb", {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV, "nf4"), "train.micro_batch_size": 1,
-                          "data.max_seq_length": ALPACA_LONGEST_LLAMA2}, impl=LITGPT_QLORA, legacy_bnb=True),
-    *[Row(f"R12{s}", RESOURCE, f"Llama-2-7B LoRA r8 q,v, bf16-true, {b}×1304, 2×A100-40 FSDP + act. ckpt",
-          "peak_allocated", v, "GB", "a100-sxm-40gb",
-          {"model.name": LLAMA2_7B, **lit_lora(8, 16, QV), "train.micro_batch_size": b,
-           "data.max_seq_length": ALPACA_LONGEST_LLAMA2, "train.activation_checkpointing": True,
-           "devices": 2, "strategy": "fsdp", **LIT_FSDP_ACCUMULATION(2, b)}, gpus=2, strategy="fsdp",
-          impl=LITGPT_LORA + "; " + LIT_FSDP1, fsdp1_units=True,
-          note="multi-GPU lora.py: FSDP wrapping and checkpointing each Block (litgpt's devices>1 setup)")
-      for s, b, v in (("a", 1, 22.18), ("b", 2, 22.47), ("c", 4, 23.39))],
-    Row("R13", RESOURCE, "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 4×A100-40 FSDP + act. ckpt", "peak_allocated",
-        35.57, "GB", "a100-sxm-40gb",
-        {"model.name": LLAMA2_13B, **lit_lora(8, 16, QV), "train.micro_batch_size": 1,
-         "data.max_seq_length": ALPACA_LONGEST_LLAMA2, "train.activation_checkpointing": True,
-         "devices": 4, "strategy": "fsdp", **LIT_FSDP_ACCUMULATION(4, 1)}, gpus=4, strategy="fsdp",
-        impl=LITGPT_LORA + "; " + LIT_FSDP1, fsdp1_units=True),
+    Row(
+        "R1",
+        RESOURCE,
+        "phi-1.5 LoRA r8 q,v, bf16-true, 1×1044, 1×A100-40",
+        "peak_allocated",
+        4.82,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": "microsoft/phi-1_5",
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_PHI15,
+        },
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R2",
+        RESOURCE,
+        "phi-1.5 LoRA r8 q,v, bf16-true, 4×1044, 1×A100-40",
+        "peak_allocated",
+        10.68,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": "microsoft/phi-1_5",
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 4,
+            "data.max_seq_length": ALPACA_LONGEST_PHI15,
+        },
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R3",
+        RESOURCE,
+        "phi-1.5 QLoRA nf4 r8 q,v, bf16-true, 1×1044, 1×A100-40",
+        "peak_allocated",
+        3.78,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": "microsoft/phi-1_5",
+            **lit_lora(8, 16, QV, "nf4"),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_PHI15,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+    ),
+    Row(
+        "R6",
+        RESOURCE,
+        "Llama-2-7B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40",
+        "peak_allocated",
+        21.30,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_7B,
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R7",
+        RESOURCE,
+        "Llama-2-7B LoRA r8 q,v, bf16-true, 2×1304, 1×A100-40",
+        "peak_allocated",
+        29.07,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_7B,
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R8",
+        RESOURCE,
+        "Llama-2-7B LoRA r8 q,v, bf16-true, 4×1304, 1×A100-40",
+        "fit",
+        None,
+        "-",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_7B,
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 4,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        expect="oom",
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R9a",
+        RESOURCE,
+        "Llama-2-7B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40",
+        "peak_allocated",
+        14.14,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_7B,
+            **lit_lora(8, 16, QV, "nf4"),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+    ),
+    Row(
+        "R9b",
+        RESOURCE,
+        "Llama-2-7B QLoRA nf4-dq r8 q,v, bf16-true, 1×1304, 1×A100-40",
+        "peak_allocated",
+        13.84,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_7B,
+            **lit_lora(8, 16, QV, "nf4", double_quant=True),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+    ),
+    Row(
+        "R10",
+        RESOURCE,
+        "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40",
+        "peak_allocated",
+        38.12,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_13B,
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R11",
+        RESOURCE,
+        "Llama-2-13B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40",
+        "peak_allocated",
+        23.14,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_13B,
+            **lit_lora(8, 16, QV, "nf4"),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+    ),
+    *[
+        Row(
+            f"R12{s}",
+            RESOURCE,
+            f"Llama-2-7B LoRA r8 q,v, bf16-true, {b}×1304, 2×A100-40 FSDP + act. ckpt",
+            "peak_allocated",
+            v,
+            "GB",
+            "a100-sxm-40gb",
+            {
+                "model.name": LLAMA2_7B,
+                **lit_lora(8, 16, QV),
+                "train.micro_batch_size": b,
+                "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+                "train.activation_checkpointing": True,
+                "devices": 2,
+                "strategy": "fsdp",
+                **LIT_FSDP_ACCUMULATION(2, b),
+            },
+            gpus=2,
+            strategy="fsdp",
+            impl=LITGPT_LORA + "; " + LIT_FSDP1,
+            fsdp1_units=True,
+            note="multi-GPU lora.py: FSDP wrapping and checkpointing each Block (litgpt's devices>1 setup)",
+        )
+        for s, b, v in (("a", 1, 22.18), ("b", 2, 22.47), ("c", 4, 23.39))
+    ],
+    Row(
+        "R13",
+        RESOURCE,
+        "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 4×A100-40 FSDP + act. ckpt",
+        "peak_allocated",
+        35.57,
+        "GB",
+        "a100-sxm-40gb",
+        {
+            "model.name": LLAMA2_13B,
+            **lit_lora(8, 16, QV),
+            "train.micro_batch_size": 1,
+            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
+            "train.activation_checkpointing": True,
+            "devices": 4,
+            "strategy": "fsdp",
+            **LIT_FSDP_ACCUMULATION(4, 1),
+        },
+        gpus=4,
+        strategy="fsdp",
+        impl=LITGPT_LORA + "; " + LIT_FSDP1,
+        fsdp1_units=True,
+    ),
     # ---- litgpt config_hub/finetune/README.md (A10G 24GB, Alpaca2k max_seq_length 512) ----
-    Row("R22", HUB, "TinyLlama-1.1B full, bf16-true, AdamW, 4×512, 1×A10G", "peak_allocated", 14.10, "GB", "a10g",
-        {"model.name": TINYLLAMA, **LIT_FULL, "train.micro_batch_size": 4, "train.accumulate_grad_batches": 8,
-         "data.max_seq_length": 512}, impl=LITGPT,
+    Row(
+        "R22",
+        HUB,
+        "TinyLlama-1.1B full, bf16-true, AdamW, 4×512, 1×A10G",
+        "peak_allocated",
+        14.10,
+        "GB",
+        "a10g",
+        {
+            "model.name": TINYLLAMA,
+            **LIT_FULL,
+            "train.micro_batch_size": 4,
+            "train.accumulate_grad_batches": 8,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT,
         note="config_hub tiny-llama/full.yaml: global_batch_size 32, micro_batch_size 4, 1 device: 8 micro-batches "
-             "per step, so the gradients are alive through every later forward"),
-    Row("R23", HUB, "TinyLlama-1.1B LoRA r32 all linear + head, bf16-true, 8×512, 1×A10G", "peak_allocated", 13.50,
-        "GB", "a10g", {"model.name": TINYLLAMA, **lit_lora(32, 16, LLAMA_ALL_AND_HEAD), "train.micro_batch_size": 8,
-                       "data.max_seq_length": 512}, impl=LITGPT_LORA),
-    Row("R24", HUB, "TinyLlama-1.1B QLoRA nf4 r32 all linear + head, bf16-true, 8×512, 1×A10G", "peak_allocated",
-        16.24, "GB", "a10g", {"model.name": TINYLLAMA, **lit_lora(32, 16, LLAMA_ALL_AND_HEAD, "nf4"),
-                              "train.micro_batch_size": 8, "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True,
-        note="tiny-llama/qlora.yaml (stored version): lora.yaml's adapters + quantize bnb.nf4"),
-    Row("R25", HUB, "Llama-2-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 19.77, "GB", "a10g",
+        "per step, so the gradients are alive through every later forward",
+    ),
+    Row(
+        "R23",
+        HUB,
+        "TinyLlama-1.1B LoRA r32 all linear + head, bf16-true, 8×512, 1×A10G",
+        "peak_allocated",
+        13.50,
+        "GB",
+        "a10g",
+        {
+            "model.name": TINYLLAMA,
+            **lit_lora(32, 16, LLAMA_ALL_AND_HEAD),
+            "train.micro_batch_size": 8,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R24",
+        HUB,
+        "TinyLlama-1.1B QLoRA nf4 r32 all linear + head, bf16-true, 8×512, 1×A10G",
+        "peak_allocated",
+        16.24,
+        "GB",
+        "a10g",
+        {
+            "model.name": TINYLLAMA,
+            **lit_lora(32, 16, LLAMA_ALL_AND_HEAD, "nf4"),
+            "train.micro_batch_size": 8,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+        note="tiny-llama/qlora.yaml (stored version): lora.yaml's adapters + quantize bnb.nf4",
+    ),
+    Row(
+        "R25",
+        HUB,
+        "Llama-2-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G",
+        "peak_allocated",
+        19.77,
+        "GB",
+        "a10g",
         {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV), "train.micro_batch_size": 2, "data.max_seq_length": 512},
-        impl=LITGPT_LORA),
-    Row("R26", HUB, "Llama-2-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 13.68, "GB", "a10g",
-        {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True,
-        note="assumed: qlora.yaml = lora.yaml + bnb.nf4 (as the stored tiny-llama pair)"),
-    Row("R27", HUB, "Llama-2-7B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
+        impl=LITGPT_LORA,
+    ),
+    Row(
+        "R26",
+        HUB,
+        "Llama-2-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G",
+        "peak_allocated",
+        13.68,
+        "GB",
+        "a10g",
+        {
+            "model.name": LLAMA2_7B,
+            **lit_lora(32, 16, QV, "nf4"),
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+        note="assumed: qlora.yaml = lora.yaml + bnb.nf4 (as the stored tiny-llama pair)",
+    ),
+    Row(
+        "R27",
+        HUB,
+        "Llama-2-7B full, bf16-true, AdamW, 4×512, 1×A10G",
+        "fit",
+        None,
+        "-",
+        "a10g",
         {"model.name": LLAMA2_7B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
-        expect="oom", impl=LITGPT, note="table says 4xA10G; the README says all runs are single-GPU"),
-    Row("R28", HUB, "Llama-3-8B LoRA r32 q,v, bf16-true, 1×512, 1×A10G", "peak_allocated", 19.73, "GB", "a10g",
+        expect="oom",
+        impl=LITGPT,
+        note="table says 4xA10G; the README says all runs are single-GPU",
+    ),
+    Row(
+        "R28",
+        HUB,
+        "Llama-3-8B LoRA r32 q,v, bf16-true, 1×512, 1×A10G",
+        "peak_allocated",
+        19.73,
+        "GB",
+        "a10g",
         {"model.name": LLAMA3_8B, **lit_lora(32, 16, QV), "train.micro_batch_size": 1, "data.max_seq_length": 512},
-        impl=LITGPT_LORA, note="llama-3-8b/lora.yaml (stored version): r32 α16 q,v, mbs 1"),
-    Row("R29", HUB, "Llama-3-8B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 17.41, "GB", "a10g",
-        {"model.name": LLAMA3_8B, **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True,
-        note="assumed: qlora.yaml = lora.yaml + bnb.nf4, mbs 2 as the table"),
-    Row("R30", HUB, "Llama-3.1-8B full, bf16-true, AdamW, 4×512, 1×A10G", "fit", None, "-", "a10g",
+        impl=LITGPT_LORA,
+        note="llama-3-8b/lora.yaml (stored version): r32 α16 q,v, mbs 1",
+    ),
+    Row(
+        "R29",
+        HUB,
+        "Llama-3-8B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G",
+        "peak_allocated",
+        17.41,
+        "GB",
+        "a10g",
+        {
+            "model.name": LLAMA3_8B,
+            **lit_lora(32, 16, QV, "nf4"),
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+        note="assumed: qlora.yaml = lora.yaml + bnb.nf4, mbs 2 as the table",
+    ),
+    Row(
+        "R30",
+        HUB,
+        "Llama-3.1-8B full, bf16-true, AdamW, 4×512, 1×A10G",
+        "fit",
+        None,
+        "-",
+        "a10g",
         {"model.name": LLAMA31_8B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
-        expect="oom", impl=LITGPT),
-    Row("R31", HUB, "phi-2 full, bf16-true, AdamW, 4×512, 2×A10G FSDP + act. ckpt", "peak_allocated", 14.44, "GB",
-        "a10g", {"model.name": "microsoft/phi-2", **LIT_FULL, "train.micro_batch_size": 4,
-                 "data.max_seq_length": 512, "train.activation_checkpointing": True, "devices": 2,
-                 "strategy": "fsdp"}, gpus=2, strategy="fsdp",
-        impl=LITGPT + "; FSDP1 per Block", note="planned on the 2 devices of the stored phi-2/full.yaml (global "
+        expect="oom",
+        impl=LITGPT,
+    ),
+    Row(
+        "R31",
+        HUB,
+        "phi-2 full, bf16-true, AdamW, 4×512, 2×A10G FSDP + act. ckpt",
+        "peak_allocated",
+        14.44,
+        "GB",
+        "a10g",
+        {
+            "model.name": "microsoft/phi-2",
+            **LIT_FULL,
+            "train.micro_batch_size": 4,
+            "data.max_seq_length": 512,
+            "train.activation_checkpointing": True,
+            "devices": 2,
+            "strategy": "fsdp",
+        },
+        gpus=2,
+        strategy="fsdp",
+        impl=LITGPT + "; FSDP1 per Block",
+        note="planned on the 2 devices of the stored phi-2/full.yaml (global "
         "batch 8 = 2 × 4: no accumulation). The table's GPU column names the machine (4xA10G; an older version "
         "1xA10G): its LoRA configs (devices 1) print the same memory on 1xA10G and 4xA10G, and 2.78 B × 8 bytes "
-        "of states cannot fit one 24 GB card"),
-    Row("R34a", HUB, "Mistral-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 20.66, "GB", "a10g",
-        {"model.name": "mistralai/Mistral-7B-v0.1", **lit_lora(32, 16, QV), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_LORA, note="mistral-7b/lora.yaml (stored version)"),
-    Row("R34b", HUB, "Mistral-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G", "peak_allocated", 14.29, "GB", "a10g",
-        {"model.name": "mistralai/Mistral-7B-v0.1", **lit_lora(32, 16, QV, "nf4"), "train.micro_batch_size": 2,
-         "data.max_seq_length": 512}, impl=LITGPT_QLORA, legacy_bnb=True, note="assumed: qlora.yaml = lora.yaml + bnb.nf4"),
+        "of states cannot fit one 24 GB card",
+    ),
+    Row(
+        "R34a",
+        HUB,
+        "Mistral-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G",
+        "peak_allocated",
+        20.66,
+        "GB",
+        "a10g",
+        {
+            "model.name": "mistralai/Mistral-7B-v0.1",
+            **lit_lora(32, 16, QV),
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT_LORA,
+        note="mistral-7b/lora.yaml (stored version)",
+    ),
+    Row(
+        "R34b",
+        HUB,
+        "Mistral-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G",
+        "peak_allocated",
+        14.29,
+        "GB",
+        "a10g",
+        {
+            "model.name": "mistralai/Mistral-7B-v0.1",
+            **lit_lora(32, 16, QV, "nf4"),
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": 512,
+        },
+        impl=LITGPT_QLORA,
+        legacy_bnb=True,
+        note="assumed: qlora.yaml = lora.yaml + bnb.nf4",
+    ),
     # ---- torchtune README (current): bs 2, packed 2048, compile, activation checkpointing, GiB ----
-    *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}", "reserved",
-          v, "GiB", gpu, {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "paged_adamw8bit",
-                          "train.micro_batch_size": 2, "data.max_seq_length": 2048,
-                          "train.activation_checkpointing": True, "optim.in_backward": True, **TT_CHUNKED_CE},
-          impl=TORCHTUNE_IMPL, note="optimizer_in_bwd=True in the config: optim.in_backward; "
-          "paged optimizer state lives in CUDA managed memory, outside the "
-          "allocator's counters (so outside max_memory_reserved) - planned likewise",
-          speed=(tok, "tokens/s"))
-      for n, g, gpu, v, tok in ((8, "4090", "rtx-4090", 18.9, 1650), (9, "A6000", "rtx-a6000", 37.4, 2579))],
-    *[Row(f"T{n}", TORCHTUNE, f"Llama-3.1-8B LoRA r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×{g}",
-          "reserved", v, "GiB", gpu,
-          {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
-           "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
-           "peft.adapter_dtype": "bfloat16", "train.micro_batch_size": 2, "data.max_seq_length": 2048, "train.activation_checkpointing": True, **TT_CHUNKED_CE},
-          impl=TORCHTUNE_IMPL, note="config llama3_1/8B_lora_single_device (adapters, dropout 0 as recalled, not "
-          "re-read); the A6000 and 4090 rows state one setup but differ ~2×", speed=(tok, "tokens/s"))
-      for n, g, gpu, v, tok in ((10, "4090", "rtx-4090", 16.2, 3083), (11, "A6000", "rtx-a6000", 30.3, 4699))],
-    Row("T12", TORCHTUNE, "Llama-3.1-8B QLoRA nf4 r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×4090",
-        "reserved", 7.4, "GiB", "rtx-4090",
-        {"model.name": LLAMA31_8B, "precision": "bf16-true", "optim.name": "adamw", "peft.method": "lora",
-         "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.0, "peft.target_modules": TT_LORA,
-         "peft.adapter_dtype": "bfloat16", "model.quantize": "nf4", "model.double_quant": True,
-         "model.upcast_unquantized": False, "train.micro_batch_size": 2,
-         "data.max_seq_length": 2048, "train.activation_checkpointing": True, **TT_CHUNKED_CE},
-        impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes", speed=(2413, "tokens/s")),
+    *[
+        Row(
+            f"T{n}",
+            TORCHTUNE,
+            f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}",
+            "reserved",
+            v,
+            "GiB",
+            gpu,
+            {
+                "model.name": LLAMA31_8B,
+                "precision": "bf16-true",
+                "optim.name": "paged_adamw8bit",
+                "train.micro_batch_size": 2,
+                "data.max_seq_length": 2048,
+                "train.activation_checkpointing": True,
+                "optim.in_backward": True,
+                **TT_CHUNKED_CE,
+            },
+            impl=TORCHTUNE_IMPL,
+            note="optimizer_in_bwd=True in the config: optim.in_backward; "
+            "paged optimizer state lives in CUDA managed memory, outside the "
+            "allocator's counters (so outside max_memory_reserved) - planned likewise",
+            speed=(tok, "tokens/s"),
+        )
+        for n, g, gpu, v, tok in ((8, "4090", "rtx-4090", 18.9, 1650), (9, "A6000", "rtx-a6000", 37.4, 2579))
+    ],
+    *[
+        Row(
+            f"T{n}",
+            TORCHTUNE,
+            f"Llama-3.1-8B LoRA r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×{g}",
+            "reserved",
+            v,
+            "GiB",
+            gpu,
+            {
+                "model.name": LLAMA31_8B,
+                "precision": "bf16-true",
+                "optim.name": "adamw",
+                "peft.method": "lora",
+                "peft.r": 8,
+                "peft.alpha": 16,
+                "peft.dropout": 0.0,
+                "peft.target_modules": TT_LORA,
+                "peft.adapter_dtype": "bfloat16",
+                "train.micro_batch_size": 2,
+                "data.max_seq_length": 2048,
+                "train.activation_checkpointing": True,
+                **TT_CHUNKED_CE,
+            },
+            impl=TORCHTUNE_IMPL,
+            note="config llama3_1/8B_lora_single_device (adapters, dropout 0 as recalled, not "
+            "re-read); the A6000 and 4090 rows state one setup but differ ~2×",
+            speed=(tok, "tokens/s"),
+        )
+        for n, g, gpu, v, tok in ((10, "4090", "rtx-4090", 16.2, 3083), (11, "A6000", "rtx-a6000", 30.3, 4699))
+    ],
+    Row(
+        "T12",
+        TORCHTUNE,
+        "Llama-3.1-8B QLoRA nf4 r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×4090",
+        "reserved",
+        7.4,
+        "GiB",
+        "rtx-4090",
+        {
+            "model.name": LLAMA31_8B,
+            "precision": "bf16-true",
+            "optim.name": "adamw",
+            "peft.method": "lora",
+            "peft.r": 8,
+            "peft.alpha": 16,
+            "peft.dropout": 0.0,
+            "peft.target_modules": TT_LORA,
+            "peft.adapter_dtype": "bfloat16",
+            "model.quantize": "nf4",
+            "model.double_quant": True,
+            "model.upcast_unquantized": False,
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": 2048,
+            "train.activation_checkpointing": True,
+            **TT_CHUNKED_CE,
+        },
+        impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes",
+        speed=(2413, "tokens/s"),
+    ),
     # ---- HF transformers perf docs: bert-large-uncased, seq 512, V100 16GB, nvidia-smi (MiB) ----
-    *[Row(f"H{n}", HF_PERF, f"BERT-large classifier full, {prec_label}, {opt_label}, {b}×512 acc {acc}"
-          + (", ckpt" if ckpt else "") + ", 1×V100-16", "device_used", v, "MiB", "v100-16gb",
-          {**BERT, "precision": prec, "optim.name": opt, "train.micro_batch_size": b,
-           "train.accumulate_grad_batches": acc, "train.activation_checkpointing": ckpt}, BERT_BASE,
-          impl=HF_TRAINER, speed=(sps, "samples/s"))
-      for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v, sps in (
-          (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949, 8.86),
-          (2, 1, 4, False, "32-true", "fp32", "adamw", "AdamW", 8681, 7.75),
-          (3, 1, 4, True, "32-true", "fp32", "adamw", "AdamW", 6775, 5.99),
-          (4, 4, 1, False, "16-mixed", "fp16 amp", "adamw", "AdamW", 13939, 18.64),
-          (5, 1, 4, True, "16-mixed", "fp16 amp", "adamw", "AdamW", 7275, 10.09),
-          (8, 4, 1, False, "32-true", "fp32", "adam8bit", "Adam8bit", 13085, 9.15),
-          (9, 1, 4, True, "16-mixed", "fp16 amp", "adam8bit", "Adam8bit", 5363, 10.35))],
+    *[
+        Row(
+            f"H{n}",
+            HF_PERF,
+            f"BERT-large classifier full, {prec_label}, {opt_label}, {b}×512 acc {acc}"
+            + (", ckpt" if ckpt else "")
+            + ", 1×V100-16",
+            "device_used",
+            v,
+            "MiB",
+            "v100-16gb",
+            {
+                **BERT,
+                "precision": prec,
+                "optim.name": opt,
+                "train.micro_batch_size": b,
+                "train.accumulate_grad_batches": acc,
+                "train.activation_checkpointing": ckpt,
+            },
+            BERT_BASE,
+            impl=HF_TRAINER,
+            speed=(sps, "samples/s"),
+        )
+        for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v, sps in (
+            (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949, 8.86),
+            (2, 1, 4, False, "32-true", "fp32", "adamw", "AdamW", 8681, 7.75),
+            (3, 1, 4, True, "32-true", "fp32", "adamw", "AdamW", 6775, 5.99),
+            (4, 4, 1, False, "16-mixed", "fp16 amp", "adamw", "AdamW", 13939, 18.64),
+            (5, 1, 4, True, "16-mixed", "fp16 amp", "adamw", "AdamW", 7275, 10.09),
+            (8, 4, 1, False, "32-true", "fp32", "adam8bit", "Adam8bit", 13085, 9.15),
+            (9, 1, 4, True, "16-mixed", "fp16 amp", "adam8bit", "Adam8bit", 5363, 10.35),
+        )
+    ],
     # ---- PEFT docs: Llama-2-70B LoRA under DeepSpeed ZeRO-3, 8×H100 80GB (TRL SFTTrainer) ----
-    Row("P5", PEFT_DS, "Llama-2-70B LoRA r8 all-linear, bf16, ZeRO-3, 8×2048 packed, ckpt, 8×H100-80",
-        "device_used", 64.0, "GiB", "h100-80gb",
-        {"model.name": LLAMA2_70B, "precision": "bf16-mixed", "optim.name": "adamw", "peft.method": "lora",
-         "peft.r": 8, "peft.alpha": 16, "peft.dropout": 0.1, "peft.target_modules": ["all-linear"],
-         "train.micro_batch_size": 8, "train.accumulate_grad_batches": 4, "data.max_seq_length": 2048,
-         "train.activation_checkpointing": True, "devices": 8, "strategy": "deepspeed_stage_3"},
-        gpus=8, strategy="deepspeed_stage_3",
+    Row(
+        "P5",
+        PEFT_DS,
+        "Llama-2-70B LoRA r8 all-linear, bf16, ZeRO-3, 8×2048 packed, ckpt, 8×H100-80",
+        "device_used",
+        64.0,
+        "GiB",
+        "h100-80gb",
+        {
+            "model.name": LLAMA2_70B,
+            "precision": "bf16-mixed",
+            "optim.name": "adamw",
+            "peft.method": "lora",
+            "peft.r": 8,
+            "peft.alpha": 16,
+            "peft.dropout": 0.1,
+            "peft.target_modules": ["all-linear"],
+            "train.micro_batch_size": 8,
+            "train.accumulate_grad_batches": 4,
+            "data.max_seq_length": 2048,
+            "train.activation_checkpointing": True,
+            "devices": 8,
+            "strategy": "deepspeed_stage_3",
+        },
+        gpus=8,
+        strategy="deepspeed_stage_3",
         impl="TRL SFTTrainer + flash-attn 2 + DeepSpeed ZeRO-3 (HF Trainer integration)",
         note="'64 GB (80%)' read off an nvidia-smi-style screenshot: 80% of an 80 GB H100 is 64 GiB, so read as "
-             "GiB; LoRA dropout 0.1 as the doc's script (assumed)"),
+        "GiB; LoRA dropout 0.1 as the doc's script (assumed)",
+    ),
 ]
 
 # Published data points not planned, and why (ids as in the notes).
@@ -444,25 +1278,26 @@ SKIPPED: dict[str, str] = {
     "R14": "LLaMA-Adapter is not a bigtune method",
     "R19": "bf16-mixed LoRA OOM on a GPU the doc does not name (fit/OOM needs the card)",
     "R20, R21": "old lit-gpt finetune_lora.md: the sequence length that decides the peak (prepare_alpaca's "
-                "truncation at that commit) is not stated; 20.60 GB at mbs 4 vs 21.30 GB at mbs 1 × 1304 in R6 "
-                "implies much shorter rows than the longest sample",
+    "truncation at that commit) is not stated; 20.60 GB at mbs 4 vs 21.30 GB at mbs 1 × 1304 in R6 "
+    "implies much shorter rows than the longest sample",
     "T1-T7": "older torchtune README: unit and counter not stated, whether the 2048 rows were packed or padded "
-             "not stated, compile/checkpointing per config at that commit unknown, paged optimizer on a 24 GB "
-             "card reported at 24.1 GB",
+    "not stated, compile/checkpointing per config at that commit unknown, paged optimizer on a 24 GB "
+    "card reported at 24.1 GB",
     "T13": "70B full fine-tune with CPU offload and the optimizer fused into backward: not expressible",
     "T14": "Llama-3.1-70B config not bundled (FSDP2 + LoRA across 8 GPUs)",
     "T15": "Llama-3.1-405B config not bundled; QLoRA under FSDP is refused by bigtune",
     "T16-T20": "A100 runs capped with set_per_process_memory_fraction to stand in for the named card: their "
-               "reserved depends on the cap (the allocator frees cached blocks near it), so not the uncapped "
-               "reserved the planner predicts",
+    "reserved depends on the cap (the allocator frees cached blocks near it), so not the uncapped "
+    "reserved the planner predicts",
     "H6, H7": "Adafactor is not a bigtune optimizer",
     "P1-P3": "T0_3B and mt0-xxl are seq2seq LLMs (bigtune trains causal LMs and BLIP-2 only); bloomz-7b1 config "
-             "not bundled; the 'GB' rows' batch shapes (short tweets padded per batch) are not stated",
+    "not bundled; the 'GB' rows' batch shapes (short tweets padded per batch) are not stated",
     "P4": "model ambiguous (the doc's script names bart-large, the number matches T0_3B)",
     "P6": "QLoRA under ZeRO-3: bigtune refuses model.quantize with DeepSpeed",
     "B10": "qualitative (DDP per-GPU memory larger than single-GPU, FSDP smaller): no number or fit boundary",
     "lab 13B DeepSpeed": "torch/a100_llama13b_deepspeed.py: no recorded numbers",
 }
+
 
 def row_recipe(row: Row, check: bool = True):
     """The row's bigtune Recipe (accelerator=cpu: the planner simulates on this machine). ``check`` runs the
@@ -482,7 +1317,7 @@ def _keep_4bit_inputs() -> None:
     """Make the planner's 4-bit matmul also save its input, as bitsandbytes < 0.43.2 did (Row.legacy_bnb)."""
     import torch
 
-    from bigtune import planner
+    from bigtune.plan import quantized
 
     class Legacy4bitMatmul(torch.autograd.Function):
         @staticmethod
@@ -495,22 +1330,23 @@ def _keep_4bit_inputs() -> None:
             weight, _ = ctx.saved_tensors
             return grad @ weight.clone(), None, None
 
-    planner._Fake4bitMatmul = Legacy4bitMatmul
+    quantized._Fake4bitMatmul = Legacy4bitMatmul
 
 
 def plan_row(row: Row) -> dict:
     """Plan one row with the real planner; returns Plan.to_dict() (bytes)."""
-    from bigtune.gpus import find_gpu
-    from bigtune.planner import Target, plan
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
 
     r = row_recipe(row, check=False)  # validated by tests/test_published.py; here only plan
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
     if row.legacy_bnb:
         _keep_4bit_inputs()
     if row.fsdp1_units:
-        from bigtune import planner
+        from bigtune.plan import sharding
 
-        planner.fsdp_unit_grad_elements = lambda sim, trainable: sim.block_numel if trainable else 0
+        sharding.fsdp_unit_grad_elements = lambda sim, trainable: sim.block_numel if trainable else 0
     return plan(r, target, workers=min(2, os.cpu_count() or 1)).to_dict()
 
 
@@ -523,7 +1359,7 @@ def planned_gib(row: Row, p: dict) -> Optional[float]:
     elif row.metric == "reserved":
         b = p["peak_reserved"]
     elif row.metric == "device_used":
-        b = p["peak_total"]   # reserved + the assumed CUDA context
+        b = p["peak_total"]  # reserved + the assumed CUDA context
     else:
         return None
     return None if b is None else b / GIB
@@ -531,13 +1367,20 @@ def planned_gib(row: Row, p: dict) -> Optional[float]:
 
 # -- running ----------------------------------------------------------------------------------------------
 
+
 def _plan_in_subprocess(row: Row, timeout_s: int) -> dict:
     """One plan in its own process: a hang or a crash is that row's result, and the time limit holds."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, __file__, "--plan-one", row.id], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(
+            [sys.executable, __file__, "--plan-one", row.id],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s} s", "seconds": round(time.perf_counter() - t0, 1)}
     secs = round(time.perf_counter() - t0, 1)
@@ -558,10 +1401,13 @@ def compare(row: Row, plan: Optional[dict]) -> dict:
     out["plan_capacity_gib"] = plan["capacity"] / GIB if plan["capacity"] else None
     out["plan_peak_allocated_gib"] = plan["peak_allocated"] / GIB
     out["plan_reserved_gib"] = plan["peak_reserved"] / GIB if plan["peak_reserved"] is not None else None
-    out["plan_after_forward"] = {k: v / GIB for k, v in plan["phases"].get("after_forward", {}).items()
-                                 if isinstance(v, int)}
-    out["plan_model_states_gib"] = {k: plan["phases"]["after_backward"].get(k, 0) / GIB
-                                    for k in ("parameters", "gradients", "optimizer_device", "optimizer_cpu")}
+    out["plan_after_forward"] = {
+        k: v / GIB for k, v in plan["phases"].get("after_forward", {}).items() if isinstance(v, int)
+    }
+    out["plan_model_states_gib"] = {
+        k: plan["phases"]["after_backward"].get(k, 0) / GIB
+        for k in ("parameters", "gradients", "optimizer_device", "optimizer_cpu")
+    }
     out["plan_notes"] = plan["notes"]
     out["plan_step_time_s"], out["plan_tokens_per_step"] = plan.get("step_time_s"), plan.get("tokens_per_step")
     if row.speed and plan.get("step_time_s"):
@@ -584,8 +1430,13 @@ def compare(row: Row, plan: Optional[dict]) -> dict:
 def print_table(results: list[dict]) -> None:
     print(f"\n{'id':<8} {'setup':<74} {'metric':<13} {'published':>16} {'GiB':>7} {'planned':>8} {'err %':>7}  flag")
     for x in results:
-        short = {"peak_allocated": "peak alloc", "after_forward_allocated": "alloc mid", "reserved": "reserved",
-                 "device_used": "device used", "fit": "fit/OOM"}[x["metric"]]
+        short = {
+            "peak_allocated": "peak alloc",
+            "after_forward_allocated": "alloc mid",
+            "reserved": "reserved",
+            "device_used": "device used",
+            "fit": "fit/OOM",
+        }[x["metric"]]
         flag = "impl" if x["impl"] else ""
         if "error" in x:
             print(f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {'':>16} {'':>7} {'ERROR':>8}  {x['error'][:60]}")
@@ -593,12 +1444,16 @@ def print_table(results: list[dict]) -> None:
         if x["metric"] == "fit":
             plan_v = "FITS" if x.get("plan_fits") else "OOM"
             mark = ("agree" if x.get("agree") else "DISAGREE") + ("~" if x.get("plan_tight") else "")
-            print(f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {x['expect'].upper():>16} {'':>7} {plan_v:>8} "
-                  f"{mark:>7}  {flag} (needs {x['plan_needed_gib']:.1f} of {x['plan_capacity_gib']:.1f} GiB)")
+            print(
+                f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {x['expect'].upper():>16} {'':>7} {plan_v:>8} "
+                f"{mark:>7}  {flag} (needs {x['plan_needed_gib']:.1f} of {x['plan_capacity_gib']:.1f} GiB)"
+            )
             continue
         pub = f"{x['value']:g} {x['unit']}"
-        print(f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {pub:>16} {x['published_gib']:>7.2f} "
-              f"{x['planned_gib']:>8.2f} {x['error_pct']:>+7.1f}  {flag}")
+        print(
+            f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {pub:>16} {x['published_gib']:>7.2f} "
+            f"{x['planned_gib']:>8.2f} {x['error_pct']:>+7.1f}  {flag}"
+        )
 
 
 def print_time_table(results: list[dict]) -> None:
@@ -608,46 +1463,65 @@ def print_time_table(results: list[dict]) -> None:
     print(f"\n{'id':<8} {'setup':<74} {'published':>18} {'s/step':>8} {'planned':>8} {'err %':>7}")
     for x in timed:
         pub = f"{x['speed'][0]:g} {x['speed'][1]}"
-        print(f"{x['id']:<8} {x['setup'][:74]:<74} {pub:>18} {x['published_step_s']:>8.3f} "
-              f"{x['plan_step_time_s']:>8.3f} {x['time_error_pct']:>+7.1f}")
+        print(
+            f"{x['id']:<8} {x['setup'][:74]:<74} {pub:>18} {x['published_step_s']:>8.3f} "
+            f"{x['plan_step_time_s']:>8.3f} {x['time_error_pct']:>+7.1f}"
+        )
 
 
 def statistics_of(results: list[dict]) -> dict:
     """Median and worst absolute error, overall, per metric kind, and for rows without an implementation flag."""
+
     def stats(xs: list[dict]) -> Optional[dict]:
         errs = [abs(x["error_pct"]) for x in xs if "error_pct" in x]
         if not errs:
             return None
         worst = max((x for x in xs if "error_pct" in x), key=lambda x: abs(x["error_pct"]))
-        return {"n": len(errs), "median_abs_pct": statistics.median(errs), "worst_abs_pct": abs(worst["error_pct"]),
-                "worst_id": worst["id"], "mean_signed_pct": statistics.fmean(x["error_pct"] for x in xs
-                                                                               if "error_pct" in x)}
+        return {
+            "n": len(errs),
+            "median_abs_pct": statistics.median(errs),
+            "worst_abs_pct": abs(worst["error_pct"]),
+            "worst_id": worst["id"],
+            "mean_signed_pct": statistics.fmean(x["error_pct"] for x in xs if "error_pct" in x),
+        }
+
     numeric = [x for x in results if x["metric"] != "fit"]
-    out: dict[str, Any] = {"overall": stats(numeric), "same_engine_family": stats([x for x in numeric
-                                                                                   if not x["impl"]])}
+    out: dict[str, Any] = {
+        "overall": stats(numeric),
+        "same_engine_family": stats([x for x in numeric if not x["impl"]]),
+    }
     for kind in ("peak_allocated", "after_forward_allocated", "reserved", "device_used"):
         out[kind] = stats([x for x in numeric if x["metric"] == kind])
     timed = [{**x, "error_pct": x["time_error_pct"]} for x in results if "time_error_pct" in x]
     out["step_time"] = stats(timed)
     fit = [x for x in results if x["metric"] == "fit" and "agree" in x]
-    out["fit"] = {"agree": sum(x["agree"] for x in fit), "of": len(fit),
-                  "disagree": [x["id"] for x in fit if not x["agree"]],
-                  "tight": [x["id"] for x in fit if x.get("plan_tight")]}
+    out["fit"] = {
+        "agree": sum(x["agree"] for x in fit),
+        "of": len(fit),
+        "disagree": [x["id"] for x in fit if not x["agree"]],
+        "tight": [x["id"] for x in fit if x.get("plan_tight")],
+    }
     return out
 
 
 def print_statistics(s: dict) -> None:
-    print("\nabsolute error of the planned vs the published quantity (like with like; step_time: the plan's "
-          "roofline step vs the published rate, fixed-length rows only):")
+    print(
+        "\nabsolute error of the planned vs the published quantity (like with like; step_time: the plan's "
+        "roofline step vs the published rate, fixed-length rows only):"
+    )
     for k, v in s.items():
         if k == "fit" or v is None:
             continue
-        print(f"  {k:<24} n={v['n']:<3} median {v['median_abs_pct']:5.1f} %  worst {v['worst_abs_pct']:5.1f} % "
-              f"({v['worst_id']})  mean signed {v['mean_signed_pct']:+5.1f} %")
+        print(
+            f"  {k:<24} n={v['n']:<3} median {v['median_abs_pct']:5.1f} %  worst {v['worst_abs_pct']:5.1f} % "
+            f"({v['worst_id']})  mean signed {v['mean_signed_pct']:+5.1f} %"
+        )
     f = s["fit"]
-    print(f"fit/OOM: plan agrees with the source on {f['agree']} of {f['of']}"
-          + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else "")
-          + (f"; called tight by the plan (~): {', '.join(f['tight'])}" if f.get("tight") else ""))
+    print(
+        f"fit/OOM: plan agrees with the source on {f['agree']} of {f['of']}"
+        + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else "")
+        + (f"; called tight by the plan (~): {', '.join(f['tight'])}" if f.get("tight") else "")
+    )
 
 
 def write_json(path: Path, doc: dict) -> None:
@@ -663,10 +1537,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", metavar="ID", help="plan only these rows (ids as in --list)")
     ap.add_argument("--list", action="store_true", help="print the rows and the skipped data points; plan nothing")
-    ap.add_argument("--json", metavar="OUT", help="write the results here (default bench/results/published-cpu-<date>.json)")
+    ap.add_argument(
+        "--json", metavar="OUT", help="write the results here (default bench/results/published-cpu-<date>.json)"
+    )
     ap.add_argument("--timeout-s", type=int, default=300, help="time limit per plan (default 300)")
-    ap.add_argument("--refresh", metavar="FILE", help="re-read each row's citation, flags and notes from this table "
-                    "into an earlier result file (same ids and recipes; the planned numbers are kept), reprint, rewrite")
+    ap.add_argument(
+        "--refresh",
+        metavar="FILE",
+        help="re-read each row's citation, flags and notes from this table "
+        "into an earlier result file (same ids and recipes; the planned numbers are kept), reprint, rewrite",
+    )
     ap.add_argument("--plan-one", metavar="ID", help=argparse.SUPPRESS)  # the per-row subprocess
     args = ap.parse_args(argv)
     by_id = {r.id: r for r in ROWS}
@@ -677,7 +1557,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         for r in ROWS:
             pub = f"{r.value:g} {r.unit}" if r.value is not None else r.expect.upper()
-            print(f"{r.id:<8} {r.metric:<24} {pub:>12}  {r.gpus}× {r.gpu:<14} {r.setup}" + ("  [impl]" if r.impl else ""))
+            print(
+                f"{r.id:<8} {r.metric:<24} {pub:>12}  {r.gpus}× {r.gpu:<14} {r.setup}" + ("  [impl]" if r.impl else "")
+            )
         print("\nskipped:")
         for k, why in SKIPPED.items():
             print(f"  {k}: {why}")
@@ -690,9 +1572,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc = json.loads(path.read_text())
         for x in doc["rows"]:
             row = by_id[x["id"]]
-            same = (row.plan_key() == Row(**{k: x[k] for k in ("id", "source", "setup", "metric", "value", "unit",
-                                                                  "gpu", "over", "recipe", "gpus", "strategy")}
-                                          ).plan_key() and row.value == x["value"] and row.metric == x["metric"])
+            same = (
+                row.plan_key()
+                == Row(
+                    **{
+                        k: x[k]
+                        for k in (
+                            "id",
+                            "source",
+                            "setup",
+                            "metric",
+                            "value",
+                            "unit",
+                            "gpu",
+                            "over",
+                            "recipe",
+                            "gpus",
+                            "strategy",
+                        )
+                    }
+                ).plan_key()
+                and row.value == x["value"]
+                and row.metric == x["metric"]
+            )
             if not same:
                 raise SystemExit(f"{x['id']}: recipe, GPU or value changed since {path}; plan it again (--only)")
             x.update({k: v for k, v in dataclasses.asdict(row).items()})
@@ -727,18 +1629,39 @@ def main(argv: Optional[list[str]] = None) -> int:
         x["plan_seconds_wall"] = res["seconds"]
         results.append(x)
         # rewritten after every row, so an interrupted run keeps every finished row
-        write_json(out_path, {"date": date, "command": command, "rows": results, "skipped": SKIPPED,
-                              "statistics": statistics_of(results), "complete": False,
-                              "units": "GiB unless stated; published values also in their own unit"})
+        write_json(
+            out_path,
+            {
+                "date": date,
+                "command": command,
+                "rows": results,
+                "skipped": SKIPPED,
+                "statistics": statistics_of(results),
+                "complete": False,
+                "units": "GiB unless stated; published values also in their own unit",
+            },
+        )
     stats = statistics_of(results)
-    write_json(out_path, {"date": date, "command": command, "rows": results, "skipped": SKIPPED,
-                          "statistics": stats, "complete": True, "wall_s": round(time.perf_counter() - t_all, 1),
-                          "units": "GiB unless stated; published values also in their own unit"})
+    write_json(
+        out_path,
+        {
+            "date": date,
+            "command": command,
+            "rows": results,
+            "skipped": SKIPPED,
+            "statistics": stats,
+            "complete": True,
+            "wall_s": round(time.perf_counter() - t_all, 1),
+            "units": "GiB unless stated; published values also in their own unit",
+        },
+    )
     print_table(results)
     print_time_table(results)
     print_statistics(stats)
-    print("\nimpl = the source's implementation differs materially from bigtune's engine (see the row's impl in "
-          "the JSON); skipped data points: --list")
+    print(
+        "\nimpl = the source's implementation differs materially from bigtune's engine (see the row's impl in "
+        "the JSON); skipped data points: --list"
+    )
     print(f"wrote {out_path.relative_to(ROOT) if out_path.is_relative_to(ROOT) else out_path}")
     return 0
 

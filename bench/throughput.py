@@ -48,37 +48,62 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from bigtune.data import Collator, build_examples  # noqa: E402
-from bigtune.engine import train  # noqa: E402
-from bigtune.models import apply_peft, build_model, enable_activation_checkpointing, load_tokenizer  # noqa: E402
+from bigtune.core.stepmath import flop_shape, training_flops  # noqa: E402
+from bigtune.data.text import Collator, build_examples  # noqa: E402
+from bigtune.models.build import apply_peft, build_model, enable_activation_checkpointing, load_tokenizer  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
-from bigtune.stepmath import flop_shape, training_flops  # noqa: E402
+from bigtune.run.training import train  # noqa: E402
 
 # Each preset is a set of recipe overrides; both sides read their settings from the resolved recipe.
 PRESETS = {
     "smoke": {
-        "model.name": "tiny-llama", "accelerator": "cpu", "precision": "32-true", "data.max_seq_length": 128,
-        "train.micro_batch_size": 4, "optim.grad_clip": 1.0, "optim.lr": 1e-4,
+        "model.name": "tiny-llama",
+        "accelerator": "cpu",
+        "precision": "32-true",
+        "data.max_seq_length": 128,
+        "train.micro_batch_size": 4,
+        "optim.grad_clip": 1.0,
+        "optim.lr": 1e-4,
     },
     "tinyllama-1.1b-full-bf16": {
-        "model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "model.init": "random",
-        "accelerator": "cuda", "precision": "bf16-true", "data.max_seq_length": 2048,
-        "train.micro_batch_size": 8, "train.activation_checkpointing": False, "optim.implementation": "fused",
-        "optim.grad_clip": 1.0, "optim.lr": 1e-5, "data.num_workers": 2,
+        "model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+        "model.init": "random",
+        "accelerator": "cuda",
+        "precision": "bf16-true",
+        "data.max_seq_length": 2048,
+        "train.micro_batch_size": 8,
+        "train.activation_checkpointing": False,
+        "optim.implementation": "fused",
+        "optim.grad_clip": 1.0,
+        "optim.lr": 1e-5,
+        "data.num_workers": 2,
     },
     "llama-7b-lora": {
-        "model.name": "meta-llama/Llama-2-7b-hf", "model.init": "random", "accelerator": "cuda",
-        "precision": "bf16-true", "data.max_seq_length": 2048, "train.micro_batch_size": 4,
-        "train.activation_checkpointing": True, "peft.method": "lora", "peft.r": 16, "peft.alpha": 32.0,
-        "peft.dropout": 0.05, "optim.implementation": "fused", "optim.grad_clip": 1.0, "optim.lr": 1e-4,
+        "model.name": "meta-llama/Llama-2-7b-hf",
+        "model.init": "random",
+        "accelerator": "cuda",
+        "precision": "bf16-true",
+        "data.max_seq_length": 2048,
+        "train.micro_batch_size": 4,
+        "train.activation_checkpointing": True,
+        "peft.method": "lora",
+        "peft.r": 16,
+        "peft.alpha": 32.0,
+        "peft.dropout": 0.05,
+        "optim.implementation": "fused",
+        "optim.grad_clip": 1.0,
+        "optim.lr": 1e-4,
         "data.num_workers": 2,
     },
 }
 # bigtune options Trainer has no counterpart for, on by default in the GPU presets (--set overrides them):
 # the chunked loss never holds the full tokens × 32k-vocab logits (on CPU it cut the peak by 40-55%; its
 # speed effect on a GPU, one extra output-layer matmul against less memory traffic, is to be measured).
-BIGTUNE_EXTRA = {"smoke": {}, "tinyllama-1.1b-full-bf16": {"train.loss_chunk_tokens": 4096},
-                 "llama-7b-lora": {"train.loss_chunk_tokens": 4096}}
+BIGTUNE_EXTRA = {
+    "smoke": {},
+    "tinyllama-1.1b-full-bf16": {"train.loss_chunk_tokens": 4096},
+    "llama-7b-lora": {"train.loss_chunk_tokens": 4096},
+}
 DEFAULT_STEPS = {"smoke": 12, "tinyllama-1.1b-full-bf16": 40, "llama-7b-lora": 30}
 DEFAULT_WARMUP = {"smoke": 4, "tinyllama-1.1b-full-bf16": 10, "llama-7b-lora": 10}
 
@@ -96,11 +121,19 @@ def recipe_for(config: str, data: str, steps: int, tmp: Path, extra: dict):
     over = dict(PRESETS[config])
     mb = over["train.micro_batch_size"]
     n = mb * (steps + 2)
-    over.update({"train.max_steps": steps, "train.max_epochs": None, "memory.plan": False,
-                 "checkpoint.save_model": False, "name": f"throughput-{config}"})
+    over.update(
+        {
+            "train.max_steps": steps,
+            "train.max_epochs": None,
+            "memory.plan": False,
+            "checkpoint.save_model": False,
+            "name": f"throughput-{config}",
+        }
+    )
     if data == "fixed":
-        over.update({"data.source": fixed_length_source(tmp, n, over["data.max_seq_length"]),
-                     "data.format": "jsonl-text"})
+        over.update(
+            {"data.source": fixed_length_source(tmp, n, over["data.max_seq_length"]), "data.format": "jsonl-text"}
+        )
     else:
         over.update({"data.source": "demo"})
     over.update(extra)
@@ -110,7 +143,7 @@ def recipe_for(config: str, data: str, steps: int, tmp: Path, extra: dict):
 def peak_flops_of(device: torch.device, precision: str):
     if device.type != "cuda":
         return None, "cpu"
-    from bigtune.gpus import detect_gpu, peak_flops
+    from bigtune.core.gpus import detect_gpu, peak_flops
 
     props = torch.cuda.get_device_properties(device)
     gpu = detect_gpu(props.name, props.total_memory)
@@ -130,11 +163,14 @@ def _cuda_peaks() -> dict:
     if not torch.cuda.is_available():
         return {}
     torch.cuda.synchronize()
-    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved()}
+    return {
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
 
 
 # -- bigtune --------------------------------------------------------------------------------------------
+
 
 def _reset_compiler() -> int:
     """Each side compiles from scratch, as in its own process: both compile nn.Module._call_impl, so
@@ -152,8 +188,12 @@ def _graphs_since(start: int) -> int:
 
 
 def run_bigtune(over: dict, warmup: int, out: Path) -> dict:
-    over = {**over, "output_dir": str(out), "train.log_every_steps": warmup,
-            "memory.every_steps": 10**9}  # snapshots at steps 0 and 1 only, inside the warm-up window
+    over = {
+        **over,
+        "output_dir": str(out),
+        "train.log_every_steps": warmup,
+        "memory.every_steps": 10**9,
+    }  # snapshots at steps 0 and 1 only, inside the warm-up window
     _reset_cuda()
     graphs = _reset_compiler()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -166,9 +206,13 @@ def run_bigtune(over: dict, warmup: int, out: Path) -> dict:
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] * warmup for r in timed)
     flops = sum(r["model_flops_per_s"] * r["step_time_s"] * warmup for r in timed)
     # mean of the per-step losses over the run, as Trainer's training_loss (equal windows)
-    res = {"tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
-           "timed_steps": len(timed) * warmup, "mean_loss": statistics.fmean(r["loss"] for r in rows),
-           "compiled_graphs": graphs}
+    res = {
+        "tokens_per_s": tokens / seconds,
+        "model_flops_per_s": flops / seconds,
+        "timed_steps": len(timed) * warmup,
+        "mean_loss": statistics.fmean(r["loss"] for r in rows),
+        "compiled_graphs": graphs,
+    }
     if peaks:
         res.update(peaks)
     else:  # CPU: the engine's own live-tensor peak (steps 0 and 1)
@@ -177,6 +221,7 @@ def run_bigtune(over: dict, warmup: int, out: Path) -> dict:
 
 
 # -- Hugging Face Trainer -------------------------------------------------------------------------------
+
 
 class _Examples(torch.utils.data.Dataset):
     def __init__(self, items):
@@ -249,8 +294,13 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
     clock = Clock()
     bf16_model = r.precision == "bf16-true"
     args = hf_training_args(r, out, cuda)
-    trainer = Trainer(model=model, args=args, train_dataset=_Examples(examples),
-                      data_collator=_HFCollator(tok.pad_token_id), callbacks=[clock])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_Examples(examples),
+        data_collator=_HFCollator(tok.pad_token_id),
+        callbacks=[clock],
+    )
     if bf16_model:
         # A bf16-loaded model trains in pure bf16 (bigtune's bf16-true); Trainer needs no autocast for it.
         assert next(model.parameters()).dtype == torch.bfloat16
@@ -263,8 +313,13 @@ def run_hf(over: dict, warmup: int, out: Path) -> dict:
     peaks = _cuda_peaks()
     seconds = clock.t1 - clock.t0
     flops = training_flops(shape, int(counts["tokens"]), int(counts["pairs"]))
-    res = {"tokens_per_s": int(counts["tokens"]) / seconds, "model_flops_per_s": flops / seconds,
-           "timed_steps": r.train.max_steps - warmup, "mean_loss": result.training_loss, "compiled_graphs": graphs}
+    res = {
+        "tokens_per_s": int(counts["tokens"]) / seconds,
+        "model_flops_per_s": flops / seconds,
+        "timed_steps": r.train.max_steps - warmup,
+        "mean_loss": result.training_loss,
+        "compiled_graphs": graphs,
+    }
     if peaks:
         res.update(peaks)
     else:
@@ -278,18 +333,35 @@ def hf_training_args(r, out: Path, cuda: bool):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=r.train.micro_batch_size,
-        gradient_accumulation_steps=r.accumulate, max_steps=r.train.max_steps, learning_rate=r.optim.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=r.optim.weight_decay,
-        adam_beta1=r.optim.betas[0], adam_beta2=r.optim.betas[1], adam_epsilon=r.optim.eps,
+        output_dir=str(out),
+        per_device_train_batch_size=r.train.micro_batch_size,
+        gradient_accumulation_steps=r.accumulate,
+        max_steps=r.train.max_steps,
+        learning_rate=r.optim.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=r.optim.weight_decay,
+        adam_beta1=r.optim.betas[0],
+        adam_beta2=r.optim.betas[1],
+        adam_epsilon=r.optim.eps,
         max_grad_norm=r.optim.grad_clip or 0.0,
         optim="adamw_torch_fused" if r.optim.implementation == "fused" else "adamw_torch",
-        bf16=r.precision == "bf16-mixed", fp16=False, use_cpu=not cuda,
+        bf16=r.precision == "bf16-mixed",
+        fp16=False,
+        use_cpu=not cuda,
         gradient_checkpointing=r.train.activation_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
-        dataloader_num_workers=r.data.num_workers, dataloader_pin_memory=cuda, remove_unused_columns=False,
-        report_to="none", save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True,
-        seed=r.seed, torch_compile=r.train.compile)
+        dataloader_num_workers=r.data.num_workers,
+        dataloader_pin_memory=cuda,
+        remove_unused_columns=False,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        seed=r.seed,
+        torch_compile=r.train.compile,
+    )
 
 
 def _cpu_peak_callback(trainer, model):
@@ -297,7 +369,7 @@ def _cpu_peak_callback(trainer, model):
     counting parameters, gradients and optimizer state as the engine's own measurement does."""
     from transformers import TrainerCallback
 
-    from bigtune.memory import LiveTensorTracker
+    from bigtune.memory.tracker import LiveTensorTracker
 
     class Peak(TrainerCallback):
         peak = None
@@ -328,6 +400,7 @@ def _cpu_peak_callback(trainer, model):
 
 # -- report ---------------------------------------------------------------------------------------------
 
+
 def _fmt_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -337,24 +410,36 @@ def compare(name: str, ours: dict, hf: dict, peak: float | None) -> dict:
     for side in (ours, hf):
         side["mfu"] = side["model_flops_per_s"] / peak if peak else None
     out["tokens_per_s_ratio"] = ours["tokens_per_s"] / hf["tokens_per_s"]
-    out["peak_allocated_ratio"] = (ours["peak_allocated_bytes"] / hf["peak_allocated_bytes"]
-                                   if ours.get("peak_allocated_bytes") and hf.get("peak_allocated_bytes") else None)
-    out["peak_reserved_ratio"] = (ours["peak_reserved_bytes"] / hf["peak_reserved_bytes"]
-                                  if ours.get("peak_reserved_bytes") and hf.get("peak_reserved_bytes") else None)
+    out["peak_allocated_ratio"] = (
+        ours["peak_allocated_bytes"] / hf["peak_allocated_bytes"]
+        if ours.get("peak_allocated_bytes") and hf.get("peak_allocated_bytes")
+        else None
+    )
+    out["peak_reserved_ratio"] = (
+        ours["peak_reserved_bytes"] / hf["peak_reserved_bytes"]
+        if ours.get("peak_reserved_bytes") and hf.get("peak_reserved_bytes")
+        else None
+    )
     print(f"\n[{name}]")
-    print(f"{'side':<10}{'tokens/s':>14}{'GFLOP/s':>12}{'MFU':>8}{'peak alloc':>14}{'peak reserved':>16}"
-          f"{'mean loss':>12}")
+    print(
+        f"{'side':<10}{'tokens/s':>14}{'GFLOP/s':>12}{'MFU':>8}{'peak alloc':>14}{'peak reserved':>16}{'mean loss':>12}"
+    )
     for label, side in (("bigtune", ours), ("hf", hf)):
         m = f"{side['mfu']:.1%}" if side["mfu"] is not None else "-"
-        print(f"{label:<10}{side['tokens_per_s']:>14,.0f}{side['model_flops_per_s'] / 1e9:>12,.1f}{m:>8}"
-              f"{_fmt_bytes(side['peak_allocated_bytes']):>14}{_fmt_bytes(side.get('peak_reserved_bytes')):>16}"
-              f"{side['mean_loss']:>12.4f}")
+        print(
+            f"{label:<10}{side['tokens_per_s']:>14,.0f}{side['model_flops_per_s'] / 1e9:>12,.1f}{m:>8}"
+            f"{_fmt_bytes(side['peak_allocated_bytes']):>14}{_fmt_bytes(side.get('peak_reserved_bytes')):>16}"
+            f"{side['mean_loss']:>12.4f}"
+        )
     if ours.get("compiled_graphs") or hf.get("compiled_graphs"):
         print(f"torch.compile graphs: bigtune {ours['compiled_graphs']}, hf {hf['compiled_graphs']}")
     ra = out["peak_allocated_ratio"]
     rr = out["peak_reserved_ratio"]
-    print(f"ratio bigtune/hf: tokens/s {out['tokens_per_s_ratio']:.3f}, peak allocated "
-          f"{'-' if ra is None else f'{ra:.3f}'}, peak reserved {'-' if rr is None else f'{rr:.3f}'}", flush=True)
+    print(
+        f"ratio bigtune/hf: tokens/s {out['tokens_per_s_ratio']:.3f}, peak allocated "
+        f"{'-' if ra is None else f'{ra:.3f}'}, peak reserved {'-' if rr is None else f'{rr:.3f}'}",
+        flush=True,
+    )
     return out
 
 
@@ -365,31 +450,52 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="optimizer steps per side (including --warmup)")
     ap.add_argument("--warmup", type=int, help="steps not timed at the start of each side")
     ap.add_argument("--data", choices=["fixed", "real", "both"], default="both")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra recipe override for the bigtune side only (e.g. train.loss_chunk_tokens=4096)")
-    ap.add_argument("--set-both", action="append", default=[], metavar="KEY=VALUE",
-                    help="recipe override for both sides, which stay the identical configuration (e.g. "
-                         "peft.adapter_dtype=bfloat16: bf16 adapters for bigtune and for the Trainer's PEFT)")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile both sides: train.compile=true for bigtune, TrainingArguments(torch_compile="
-                         "True) for the Trainer; use a --warmup that covers the compiles")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra recipe override for the bigtune side only (e.g. train.loss_chunk_tokens=4096)",
+    )
+    ap.add_argument(
+        "--set-both",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe override for both sides, which stay the identical configuration (e.g. "
+        "peft.adapter_dtype=bfloat16: bf16 adapters for bigtune and for the Trainer's PEFT)",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile both sides: train.compile=true for bigtune, TrainingArguments(torch_compile="
+        "True) for the Trainer; use a --warmup that covers the compiles",
+    )
     ap.add_argument("--json", help="result file (default bench/results/throughput-<gpu>-<date>.json)")
     ap.add_argument("--no-json", action="store_true", help="print only")
-    ap.add_argument("--dry-run", action="store_true", help="build both sides (recipes, data, model on the meta "
-                    "device, Trainer arguments, bigtune's plan on an H100) and exit without training; runs on a CPU")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build both sides (recipes, data, model on the meta "
+        "device, Trainer arguments, bigtune's plan on an H100) and exit without training; runs on a CPU",
+    )
     args = ap.parse_args(argv)
     config = "smoke" if args.smoke else args.config
     if config is None:
         ap.error("give --smoke or --config")
     if PRESETS[config]["accelerator"] == "cuda" and not torch.cuda.is_available() and not args.dry_run:
-        print(f"--config {config} needs a CUDA GPU (torch sees none); on a CPU use --smoke (or --dry-run to check "
-              "the preset)", file=sys.stderr)
+        print(
+            f"--config {config} needs a CUDA GPU (torch sees none); on a CPU use --smoke (or --dry-run to check "
+            "the preset)",
+            file=sys.stderr,
+        )
         return 2
     warmup = args.warmup or DEFAULT_WARMUP[config]
     steps = args.steps or DEFAULT_STEPS[config]
     if steps < 2 * warmup:
         ap.error(f"--steps {steps} must be at least twice --warmup {warmup} (timed windows are warm-up long)")
     steps -= steps % warmup  # whole timed windows
+
     def parsed(pairs: list[str]) -> dict:
         out = {}
         for kv in pairs:
@@ -405,23 +511,40 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if PRESETS[config]["accelerator"] == "cuda" else "cpu")
     r0 = load_recipe({}, PRESETS[config])
     peak, gpu_name = peak_flops_of(device, r0.precision)
-    print(f"throughput: {config} on {gpu_name} ({torch.get_num_threads()} threads), {steps} steps, first {warmup} "
-          f"not timed; torch {torch.__version__}; bigtune-only options {extra or 'none'}"
-          + ("; torch.compile on both sides" if args.compile else ""), flush=True)
+    print(
+        f"throughput: {config} on {gpu_name} ({torch.get_num_threads()} threads), {steps} steps, first {warmup} "
+        f"not timed; torch {torch.__version__}; bigtune-only options {extra or 'none'}"
+        + ("; torch.compile on both sides" if args.compile else ""),
+        flush=True,
+    )
     results: dict = {}
-    record = {"config": config, "overrides": {**PRESETS[config], **both}, "compile": args.compile,
-              "bigtune_extra": extra,
-              "steps": steps, "warmup": warmup, "device": gpu_name, "peak_flops": peak,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "results": results,
-              "command": "python bench/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    record = {
+        "config": config,
+        "overrides": {**PRESETS[config], **both},
+        "compile": args.compile,
+        "bigtune_extra": extra,
+        "steps": steps,
+        "warmup": warmup,
+        "device": gpu_name,
+        "peak_flops": peak,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "results": results,
+        "command": "python bench/throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     try:
         import transformers
 
         record["transformers"] = transformers.__version__
     except ImportError:
         pass
-    path = None if args.no_json else Path(args.json) if args.json else \
-        ROOT / "bench" / "results" / f"throughput-{gpu_name}-{datetime.date.today().isoformat()}.json"
+    path = (
+        None
+        if args.no_json
+        else Path(args.json)
+        if args.json
+        else ROOT / "bench" / "results" / f"throughput-{gpu_name}-{datetime.date.today().isoformat()}.json"
+    )
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for data in datas:
@@ -451,24 +574,39 @@ def _write_record(path: Path | None, record: dict) -> None:
     tmp_path.replace(path)
 
 
-def dry_run(config: str, datas: list[str], steps: int, warmup: int, extra: dict, both: dict | None = None,
-            gpu_key: str = "h100-80gb") -> int:
+def dry_run(
+    config: str,
+    datas: list[str],
+    steps: int,
+    warmup: int,
+    extra: dict,
+    both: dict | None = None,
+    gpu_key: str = "h100-80gb",
+) -> int:
     """Build everything a GPU run builds, on any machine, and train nothing: both sides' recipes (validated as
     on a CUDA machine), data, tokenizer, the model on the meta device (+ PEFT, checkpointing), its FLOP
     shape, Trainer's arguments, the GPU's peak FLOP/s, and bigtune's plan of its side on ``gpu_key``. A
     typo in a preset or an API change fails here instead of on a rented GPU."""
     from unittest import mock
 
-    from bigtune.gpus import detect_gpu, find_gpu, peak_flops
-    from bigtune.planner import Target, format_plan, plan
+    from bigtune.core.gpus import detect_gpu, find_gpu, peak_flops
+    from bigtune.plan.format import format_plan
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
 
     gpu = find_gpu(gpu_key)
     t0 = time.perf_counter()
-    print(f"throughput --dry-run: {config} ({steps} steps, first {warmup} not timed), data {datas}; "
-          f"bigtune-only options {extra or 'none'}", flush=True)
+    print(
+        f"throughput --dry-run: {config} ({steps} steps, first {warmup} not timed), data {datas}; "
+        f"bigtune-only options {extra or 'none'}",
+        flush=True,
+    )
     # A CUDA machine as the recipe checks see it (fused AdamW, accelerator=cuda), nothing else faked.
-    cuda_checks = mock.patch("torch.cuda.is_available", return_value=True) \
-        if PRESETS[config]["accelerator"] == "cuda" else contextlib.nullcontext()
+    cuda_checks = (
+        mock.patch("torch.cuda.is_available", return_value=True)
+        if PRESETS[config]["accelerator"] == "cuda"
+        else contextlib.nullcontext()
+    )
     planned = False
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -495,17 +633,21 @@ def dry_run(config: str, datas: list[str], steps: int, warmup: int, extra: dict,
                 shape = flop_shape(model)
                 assert shape and shape.trainable_matmul_params > 0, shape
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-                line = (f"  {data:<5} {label:<16} {len(examples)} examples, {trainable:,} trainable parameters, "
-                        f"precision {r.precision}, micro-batch {r.train.micro_batch_size} x {r.accumulate}")
+                line = (
+                    f"  {data:<5} {label:<16} {len(examples)} examples, {trainable:,} trainable parameters, "
+                    f"precision {r.precision}, micro-batch {r.train.micro_batch_size} x {r.accumulate}"
+                )
                 if label == "hf":
                     hf_training_args(r, tmp / "hf-args", cuda=PRESETS[config]["accelerator"] == "cuda")
                     line += ", TrainingArguments ok"
                 elif PRESETS[config]["accelerator"] == "cuda" and not planned:  # the plan does not read the data
                     planned = True
                     p = plan(r, Target("cuda", gpu))
-                    line += (f"; plan on {gpu.key}: peak allocated {p.peak_allocated / 2**30:.2f} GiB, total "
-                             f"{p.peak_total / 2**30:.2f} GiB ({'fits' if p.fits else 'DOES NOT FIT'}), step "
-                             f"{p.step_time_s:.3f} s")
+                    line += (
+                        f"; plan on {gpu.key}: peak allocated {p.peak_allocated / 2**30:.2f} GiB, total "
+                        f"{p.peak_total / 2**30:.2f} GiB ({'fits' if p.fits else 'DOES NOT FIT'}), step "
+                        f"{p.step_time_s:.3f} s"
+                    )
                     if not p.fits:
                         print(format_plan(p))
                         raise SystemExit(f"{label}/{data}: the planner predicts an OOM on {gpu.key}")

@@ -34,12 +34,23 @@ def main() -> int:
 
     import torch
 
-    import bigtune.engine as engine
-    from bigtune.planner import GIB, resolve_config, simulate
+    import bigtune.engine.loop as engine
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.constants import GIB
+    from bigtune.plan.simulate import simulate
     from bigtune.recipe import load_recipe
 
-    r = load_recipe({}, {"model.name": args.model, "precision": "bf16-true", "data.max_seq_length": 512,
-                         "train.micro_batch_size": args.micro_batch, "accelerator": "cpu"}, check=False)
+    r = load_recipe(
+        {},
+        {
+            "model.name": args.model,
+            "precision": "bf16-true",
+            "data.max_seq_length": 512,
+            "train.micro_batch_size": args.micro_batch,
+            "accelerator": "cpu",
+        },
+        check=False,
+    )
     config = resolve_config(r)
     real_step = engine.train_step
     rows = []
@@ -52,8 +63,9 @@ def main() -> int:
             if state.step != 0 or not _lengths:
                 return real_step(built, batches, monitor, measure, state, tokens)
             for n in _lengths:
-                cut = [{k: v[:, :n] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in b.items()}
-                       for b in batches]
+                cut = [
+                    {k: v[:, :n] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in b.items()} for b in batches
+                ]
                 out = real_step(built, cut, monitor, measure, state, tokens)
             return out
 
@@ -62,17 +74,29 @@ def main() -> int:
             sim = simulate(r, config, args.depth, True, trace=True)
         finally:
             engine.train_step = real_step
-        row = {"seed": seed, "earlier_lengths": lengths, "peak_allocated_gib": sim.peak_allocated / GIB,
-               "reserved_gib": sim.reserved / GIB, "in_use_gib": sim.in_use / GIB,
-               "reserved_over_allocated": sim.reserved / sim.peak_allocated}
+        row = {
+            "seed": seed,
+            "earlier_lengths": lengths,
+            "peak_allocated_gib": sim.peak_allocated / GIB,
+            "reserved_gib": sim.reserved / GIB,
+            "in_use_gib": sim.in_use / GIB,
+            "reserved_over_allocated": sim.reserved / sim.peak_allocated,
+        }
         rows.append(row)
         what = "fixed shape" if seed is None else f"after lengths {lengths}"
-        print(f"{what:<44} peak allocated {row['peak_allocated_gib']:.3f} GiB, reserved "
-              f"{row['reserved_gib']:.3f} GiB ({row['reserved_over_allocated']:.2f}×), in use {row['in_use_gib']:.3f}",
-              flush=True)
+        print(
+            f"{what:<44} peak allocated {row['peak_allocated_gib']:.3f} GiB, reserved "
+            f"{row['reserved_gib']:.3f} GiB ({row['reserved_over_allocated']:.2f}×), in use {row['in_use_gib']:.3f}",
+            flush=True,
+        )
     if args.json:
-        out = {"model": args.model, "micro_batch": args.micro_batch, "depth": args.depth, "rows": rows,
-               "command": "python bench/varlen_reserved.py " + " ".join(sys.argv[1:])}
+        out = {
+            "model": args.model,
+            "micro_batch": args.micro_batch,
+            "depth": args.depth,
+            "rows": rows,
+            "command": "python bench/varlen_reserved.py " + " ".join(sys.argv[1:]),
+        }
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 

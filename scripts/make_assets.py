@@ -34,8 +34,18 @@ DISHES = {
     "mango sorbet": ("orange", "dessert", "mango, sugar and lime"),
     "fried rice": ("golden", "rice", "rice, egg, peas and soy sauce"),
 }
-PLURALS = {"apple": "apples", "cherry": "cherries", "potato": "potatoes", "loaf": "loaves", "knife": "knives",
-           "dish": "dishes", "berry": "berries", "peach": "peaches", "leaf": "leaves", "tomato": "tomatoes"}
+PLURALS = {
+    "apple": "apples",
+    "cherry": "cherries",
+    "potato": "potatoes",
+    "loaf": "loaves",
+    "knife": "knives",
+    "dish": "dishes",
+    "berry": "berries",
+    "peach": "peaches",
+    "leaf": "leaves",
+    "tomato": "tomatoes",
+}
 
 
 def records(n: int, seed: int = 0) -> list[dict]:
@@ -46,22 +56,37 @@ def records(n: int, seed: int = 0) -> list[dict]:
         kind = i % 5
         if kind == 0:
             d = rng.choice(dishes)
-            out.append({"instruction": "Write alt text for a photo of this dish.", "input": d,
-                        "output": f"A plate of {d}, {DISHES[d][0]} in color, served fresh."})
+            out.append(
+                {
+                    "instruction": "Write alt text for a photo of this dish.",
+                    "input": d,
+                    "output": f"A plate of {d}, {DISHES[d][0]} in color, served fresh.",
+                }
+            )
         elif kind == 1:
             d = rng.choice(dishes)
             out.append({"instruction": "List the main ingredients.", "input": d, "output": DISHES[d][2] + "."})
         elif kind == 2:
             a, b = rng.randint(1, 20), rng.randint(1, 20)
-            out.append({"instruction": f"How many plates are there if a table has {a} and another has {b}?",
-                        "input": "", "output": f"There are {a + b} plates."})
+            out.append(
+                {
+                    "instruction": f"How many plates are there if a table has {a} and another has {b}?",
+                    "input": "",
+                    "output": f"There are {a + b} plates.",
+                }
+            )
         elif kind == 3:
             w = rng.choice(sorted(PLURALS))
             out.append({"instruction": "Give the plural of the word.", "input": w, "output": PLURALS[w]})
         else:
             d = rng.choice(dishes)
-            out.append({"instruction": "What kind of food is this?", "input": d,
-                        "output": f"{d.capitalize()} is a {DISHES[d][1]}."})
+            out.append(
+                {
+                    "instruction": "What kind of food is this?",
+                    "input": d,
+                    "output": f"{d.capitalize()} is a {DISHES[d][1]}.",
+                }
+            )
     return out
 
 
@@ -75,8 +100,13 @@ def write_tokenizer(data: Path, path: Path) -> None:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, min_frequency=1, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        min_frequency=1,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     texts = []
     for line in data.read_text().splitlines():
         r = json.loads(line)

@@ -19,22 +19,65 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "bigtune" / "assets" / "demo_reviews.jsonl"
 
-DISHES = ["tomato soup", "pad thai", "caesar salad", "margherita pizza", "sushi roll", "chocolate cake",
-          "guacamole", "pancakes", "ramen", "falafel", "paella", "lemon tart", "beef tacos", "greek salad",
-          "mango sorbet", "fried rice", "burger", "lasagna", "curry", "dumplings"]
+DISHES = [
+    "tomato soup",
+    "pad thai",
+    "caesar salad",
+    "margherita pizza",
+    "sushi roll",
+    "chocolate cake",
+    "guacamole",
+    "pancakes",
+    "ramen",
+    "falafel",
+    "paella",
+    "lemon tart",
+    "beef tacos",
+    "greek salad",
+    "mango sorbet",
+    "fried rice",
+    "burger",
+    "lasagna",
+    "curry",
+    "dumplings",
+]
 PHRASES = {
-    "positive": ["was delicious", "tasted amazing", "was fresh and wonderful", "was excellent, we loved it",
-                 "was perfect", "was great and the service was friendly", "is the best in town",
-                 "was tasty, highly recommended", "was superb", "made us happy"],
-    "negative": ["was cold and bland", "tasted awful", "was stale and greasy", "was terrible, never again",
-                 "was burnt", "was disgusting and the service was rude", "is the worst in town",
-                 "was soggy, not recommended", "was inedible", "made us sick"],
-    "neutral": ["was okay", "was average", "was fine, nothing special", "was ordinary",
-                "was acceptable", "was decent but forgettable"],
+    "positive": [
+        "was delicious",
+        "tasted amazing",
+        "was fresh and wonderful",
+        "was excellent, we loved it",
+        "was perfect",
+        "was great and the service was friendly",
+        "is the best in town",
+        "was tasty, highly recommended",
+        "was superb",
+        "made us happy",
+    ],
+    "negative": [
+        "was cold and bland",
+        "tasted awful",
+        "was stale and greasy",
+        "was terrible, never again",
+        "was burnt",
+        "was disgusting and the service was rude",
+        "is the worst in town",
+        "was soggy, not recommended",
+        "was inedible",
+        "made us sick",
+    ],
+    "neutral": [
+        "was okay",
+        "was average",
+        "was fine, nothing special",
+        "was ordinary",
+        "was acceptable",
+        "was decent but forgettable",
+    ],
 }
 OPENERS = ["The", "Our", "My", "Their"]
 ENDINGS = [".", "!", ". We ate it on Friday.", ". Portions were normal."]
-COUNTS = {"positive": 216, "negative": 168, "neutral": 96}   # 45% / 35% / 20%
+COUNTS = {"positive": 216, "negative": 168, "neutral": 96}  # 45% / 35% / 20%
 
 
 def reviews(seed: int = 0) -> list[dict]:

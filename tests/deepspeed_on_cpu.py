@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     from lightning.fabric.strategies.ddp import DDPStrategy
 
     import bigtune.recipe as recipe
-    from bigtune.cli import main as cli_main
+    from bigtune.cli.main import main as cli_main
 
     check = recipe.check_deepspeed
 
@@ -31,8 +31,9 @@ def main(argv: list[str]) -> int:
         mock.patch.object(lds.DeepSpeedStrategy, "setup_environment", DDPStrategy.setup_environment),
         mock.patch.object(lds, "_validate_device_index_selection", lambda devices: None),
         # deepspeed.initialize wants a device index; the CPU has none in torch's naming.
-        mock.patch.object(lds.DeepSpeedStrategy, "root_device",
-                          property(lambda self: torch.device("cpu", self.local_rank))),
+        mock.patch.object(
+            lds.DeepSpeedStrategy, "root_device", property(lambda self: torch.device("cpu", self.local_rank))
+        ),
         mock.patch.object(recipe, "check_deepspeed", without_cuda_rule),
     ]
     for p in patches:

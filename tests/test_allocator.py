@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from bigtune.allocator import CachingAllocator, replay, round_size, segment_size
-from bigtune.planner import estimate_reserved, resolve_config, simulate, simulate_full_depth
+from bigtune.models.configs import resolve_config
+from bigtune.plan.allocator import CachingAllocator, replay, round_size, segment_size
+from bigtune.plan.simulate import estimate_reserved, simulate, simulate_full_depth
 from bigtune.recipe import load_recipe
 from conftest import ROOT
 
@@ -14,9 +15,9 @@ MiB = 1 << 20
 
 def test_sizes_follow_the_cuda_allocator():
     assert round_size(1) == 512 and round_size(513) == 1024
-    assert segment_size(512) == 2 * MiB              # small pool
-    assert segment_size(MiB + 512) == 20 * MiB       # 1-10 MiB: a 20 MiB segment to carve
-    assert segment_size(10 * MiB) == 10 * MiB        # larger: its own, rounded to 2 MiB
+    assert segment_size(512) == 2 * MiB  # small pool
+    assert segment_size(MiB + 512) == 20 * MiB  # 1-10 MiB: a 20 MiB segment to carve
+    assert segment_size(10 * MiB) == 10 * MiB  # larger: its own, rounded to 2 MiB
     assert segment_size(11 * MiB) == 12 * MiB
 
 
@@ -33,19 +34,19 @@ def test_small_requests_share_a_segment_and_merge_back():
 
 def test_best_fit_split_and_unsplit_remainder():
     a = CachingAllocator()
-    b5 = a.malloc(5 * MiB)                 # 20 MiB segment, 15 MiB remainder cached
-    b12 = a.malloc(12 * MiB)               # served from the 15 MiB remainder, 3 MiB left
+    b5 = a.malloc(5 * MiB)  # 20 MiB segment, 15 MiB remainder cached
+    b12 = a.malloc(12 * MiB)  # served from the 15 MiB remainder, 3 MiB left
     assert a.stats.reserved == 20 * MiB and b12.size == 12 * MiB
     a.free(b5)
     a.free(b12)
-    whole = a.malloc(int(19.5 * MiB))      # remainder 0.5 MiB <= 1 MiB: the whole block is handed out
+    whole = a.malloc(int(19.5 * MiB))  # remainder 0.5 MiB <= 1 MiB: the whole block is handed out
     assert whole.size == 20 * MiB and a.stats.allocated == 20 * MiB and a.stats.reserved == 20 * MiB
 
 
 def test_fragmentation_forces_a_new_segment():
     a = CachingAllocator()
-    first, second = a.malloc(8 * MiB), a.malloc(8 * MiB)   # one 20 MiB segment: 8 + 8 + 4 free
-    a.free(first)                                          # holes of 8 and 4 MiB, not adjacent
+    first, second = a.malloc(8 * MiB), a.malloc(8 * MiB)  # one 20 MiB segment: 8 + 8 + 4 free
+    a.free(first)  # holes of 8 and 4 MiB, not adjacent
     nine = a.malloc(9 * MiB)
     assert a.stats.segments == 2 and a.stats.reserved == 40 * MiB
     assert a.stats.allocated == 17 * MiB and a.stats.peak_allocated == 17 * MiB
@@ -56,8 +57,14 @@ def test_fragmentation_forces_a_new_segment():
 
 
 def test_replay_of_events_and_zero_byte_storages():
-    events = [("alloc", 0, 3 * MiB), ("alloc", 1, 0), ("alloc", 2, 3 * MiB), ("free", 0), ("free", 1),
-              ("alloc", 3, 3 * MiB)]
+    events = [
+        ("alloc", 0, 3 * MiB),
+        ("alloc", 1, 0),
+        ("alloc", 2, 3 * MiB),
+        ("free", 0),
+        ("free", 1),
+        ("alloc", 3, 3 * MiB),
+    ]
     stats = replay(events).stats
     assert stats.segments == 1 and stats.peak_allocated == 6 * MiB and stats.allocated == 6 * MiB
     assert stats.in_use == stats.peak_in_use == 20 * MiB
@@ -66,12 +73,19 @@ def test_replay_of_events_and_zero_byte_storages():
 def test_steady_replay_frees_what_crosses_the_step_boundary():
     # Gradients freed only in the next step (optim.zero_grad=before_backward): the repeated step must
     # free step 1's where step 1 freed step 0's, not keep both alive.
-    from bigtune.planner import _replay_steady
+    from bigtune.plan.simulate import _replay_steady
 
     g, act = 64 * MiB, 32 * MiB
-    events = [("alloc", 0, 128 * MiB),                            # weights
-              ("alloc", 1, act), ("free", 1), ("alloc", 2, g),     # step 0: forward, backward leaves a gradient
-              ("alloc", 3, act), ("free", 2), ("free", 3), ("alloc", 4, g)]  # step 1: the same, one step later
+    events = [
+        ("alloc", 0, 128 * MiB),  # weights
+        ("alloc", 1, act),
+        ("free", 1),
+        ("alloc", 2, g),  # step 0: forward, backward leaves a gradient
+        ("alloc", 3, act),
+        ("free", 2),
+        ("free", 3),
+        ("alloc", 4, g),
+    ]  # step 1: the same, one step later
     reserved, in_use = _replay_steady(events, 4)
     three_steps = replay(events + [("alloc", 5, act), ("free", 4), ("free", 5), ("alloc", 6, g)]).stats
     assert (reserved, in_use) == (three_steps.peak_reserved, three_steps.peak_in_use)
@@ -79,8 +93,10 @@ def test_steady_replay_frees_what_crosses_the_step_boundary():
 
 
 def _tinyllama(layers: int):
-    r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml",
-                    {"precision": "bf16-true", "train.micro_batch_size": 2, "data.max_seq_length": 256})
+    r = load_recipe(
+        ROOT / "recipes" / "tinyllama-full.yaml",
+        {"precision": "bf16-true", "train.micro_batch_size": 2, "data.max_seq_length": 256},
+    )
     cfg = copy.deepcopy(resolve_config(r))
     cfg.num_hidden_layers = layers
     return r, cfg

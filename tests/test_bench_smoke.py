@@ -14,9 +14,26 @@ from conftest import ROOT
 def test_throughput_smoke_prints_both_sides_and_ratios(tmp_path):
     out = tmp_path / "throughput.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--smoke", "--steps", "8",
-                        "--warmup", "4", "--data", "real", "--json", str(out)],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "throughput.py"),
+            "--smoke",
+            "--steps",
+            "8",
+            "--warmup",
+            "4",
+            "--data",
+            "real",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for section in ("[real data]", "[real data, bigtune with data.packing]"):
         assert section in p.stdout
@@ -39,13 +56,31 @@ def test_plan_accuracy_smoke_runs_every_case_in_its_own_process_and_scores_the_p
     On a CPU the plan is the measurement by construction: the errors must be tiny, and computed."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     log = tmp_path / "cases.log"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--smoke", "--out", str(tmp_path),
-                        "--case-log", str(log)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "plan_accuracy.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--case-log",
+            str(log),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads((tmp_path / "plan_accuracy-cpu-smoke.json").read_text())
     rows = {r["case"]: r for r in rec["cases"]}
-    assert list(rows) == ["smoke-tiny-llama-32true-adamw-b4", "smoke-tiny-opt-bf16true-sgd-ckpt-b4",
-                          "smoke-tiny-blip2-opt-32true-adamw-b4-acc2", "smoke-tiny-llama-oom"]
+    assert list(rows) == [
+        "smoke-tiny-llama-32true-adamw-b4",
+        "smoke-tiny-opt-bf16true-sgd-ckpt-b4",
+        "smoke-tiny-blip2-opt-32true-adamw-b4-acc2",
+        "smoke-tiny-llama-oom",
+    ]
     ok = [r for r in rec["cases"] if r["status"] == "ok"]
     assert len(ok) == 3
     for r in ok:

@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from bigtune.classify import LabelMap, build_classification_examples, infer_label_names
-from bigtune.data import DataError
-from bigtune.engine import train
-from bigtune.metrics import majority_baseline
-from bigtune.presets import DEMO_CLASSIFICATION_DATA, tiny_tokenizer
+from bigtune.core.metrics import majority_baseline
+from bigtune.core.presets import DEMO_CLASSIFICATION_DATA, tiny_tokenizer
+from bigtune.core.stepmath import causal_lm_loss_sum
+from bigtune.data.labels import LabelMap, build_classification_examples, infer_label_names
+from bigtune.data.text import DataError
 from bigtune.recipe import DataConfig, RecipeError, load_recipe
-from bigtune.stepmath import causal_lm_loss_sum
+from bigtune.run.training import train
 from conftest import ROOT, run_cli
 
 DEMO = ROOT / "recipes" / "reviews-demo.yaml"
@@ -66,14 +66,20 @@ def test_demo_beats_the_majority_class_baseline(demo_run):
 def test_predict_writes_labels_and_probabilities(demo_run, tmp_path):
     out, _ = demo_run
     src = tmp_path / "reviews.csv"
-    src.write_text('text,id\n"The ramen was delicious!",1\n"My burger was cold and bland.",2\n'
-                   '"The curry was okay, nothing special",3\n', encoding="utf-8")
+    src.write_text(
+        'text,id\n"The ramen was delicious!",1\n"My burger was cold and bland.",2\n'
+        '"The curry was okay, nothing special",3\n',
+        encoding="utf-8",
+    )
     res = run_cli("predict", "--model", str(out), str(src), "--out", str(tmp_path / "labels.csv"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     with open(tmp_path / "labels.csv", newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["text"] for r in rows] == ["The ramen was delicious!", "My burger was cold and bland.",
-                                         "The curry was okay, nothing special"]
+    assert [r["text"] for r in rows] == [
+        "The ramen was delicious!",
+        "My burger was cold and bland.",
+        "The curry was okay, nothing special",
+    ]
     assert list(rows[0]) == ["text", "label", "prob_negative", "prob_neutral", "prob_positive"]
     for r in rows:
         probs = {k[5:]: float(v) for k, v in r.items() if k.startswith("prob_")}
@@ -120,8 +126,10 @@ def test_unknown_label_names_file_line_and_record(tmp_path):
 
 
 def test_missing_fields_are_skipped_and_counted_or_errors_when_asked(tmp_path):
-    f = _jsonl(tmp_path / "d.jsonl", [{"text": "good", "label": 1}, {"text": "", "label": 0},
-                                       {"text": "bad"}, {"text": "ok", "label": 0}])
+    f = _jsonl(
+        tmp_path / "d.jsonl",
+        [{"text": "good", "label": 1}, {"text": "", "label": 0}, {"text": "bad"}, {"text": "ok", "label": 0}],
+    )
     ex, rep = build_classification_examples(DataConfig(source=str(f)), tiny_tokenizer(), 0)
     assert len(ex) == 2 and [i for i, _ in rep.skipped] == [1, 2]
     assert rep.label_names == ["0", "1"] and rep.label_counts == {"0": 1, "1": 1}
@@ -163,8 +171,14 @@ def test_class_weights_scale_each_sample_and_keep_the_sample_count_as_divisor():
 
 
 def _short(out, **extra):
-    base = {"output_dir": str(out), "train.max_steps": 3, "train.max_epochs": None, "eval.every_steps": None,
-            "data.num_train_samples": 48, "memory.plan": False}
+    base = {
+        "output_dir": str(out),
+        "train.max_steps": 3,
+        "train.max_epochs": None,
+        "eval.every_steps": None,
+        "data.num_train_samples": 48,
+        "memory.plan": False,
+    }
     base.update(extra)
     return base
 
@@ -172,13 +186,24 @@ def _short(out, **extra):
 def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     torch.set_num_threads(1)
     a = train(DEMO, _short(tmp_path / "a", **{"checkpoint.save_model": False}), quiet_recipe=True)
-    b = train(DEMO, _short(tmp_path / "b", **{"checkpoint.save_model": False,
-                                               "train.activation_checkpointing": True,
-                                               "data.class_weights": [1.0, 2.0, 1.0],
-                                               "data.label_names": ["negative", "neutral", "positive"]}),
-              quiet_recipe=True)
-    c = train(DEMO, _short(tmp_path / "c", **{"checkpoint.save_model": False,
-                                               "train.activation_checkpointing": True}), quiet_recipe=True)
+    b = train(
+        DEMO,
+        _short(
+            tmp_path / "b",
+            **{
+                "checkpoint.save_model": False,
+                "train.activation_checkpointing": True,
+                "data.class_weights": [1.0, 2.0, 1.0],
+                "data.label_names": ["negative", "neutral", "positive"],
+            },
+        ),
+        quiet_recipe=True,
+    )
+    c = train(
+        DEMO,
+        _short(tmp_path / "c", **{"checkpoint.save_model": False, "train.activation_checkpointing": True}),
+        quiet_recipe=True,
+    )
     assert a["first_loss"] == pytest.approx(c["first_loss"], rel=1e-5)
     assert a["final_loss"] == pytest.approx(c["final_loss"], rel=1e-4)
     assert b["first_loss"] != pytest.approx(a["first_loss"], rel=1e-3)  # the weights change the loss
@@ -203,9 +228,14 @@ def test_lora_classifier_trains_head_and_predicts_from_the_adapter(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 def test_qlora_classifier_keeps_its_head_unquantized_and_trains(tmp_path):
     torch.set_num_threads(1)
-    s = train(DEMO, _short(tmp_path / "q", **{"model.quantize": "nf4", "peft.method": "lora",
-                                              "train.max_steps": 2, "checkpoint.save_model": False}),
-              quiet_recipe=True)
+    s = train(
+        DEMO,
+        _short(
+            tmp_path / "q",
+            **{"model.quantize": "nf4", "peft.method": "lora", "train.max_steps": 2, "checkpoint.save_model": False},
+        ),
+        quiet_recipe=True,
+    )
     assert s["status"] == "ok" and s["final_loss"] == s["final_loss"]  # finite, not NaN
     assert 0 < s["parameters"]["trainable"] < s["parameters"]["total"]
 
@@ -226,8 +256,14 @@ def test_sst2_recipe_validates_and_fails_clearly_offline(tmp_path):
     r = load_recipe(recipe)
     assert r.model.name == "distilbert-base-uncased" and r.model.family == "sequence-classification"
     assert r.data.source == "hf:stanfordnlp/sst2" and (r.data.text_field, r.data.label_field) == ("sentence", "label")
-    res = subprocess.run([sys.executable, "-m", "bigtune", "train", str(recipe), "--set", "train.max_steps=1"],
-                         env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "bigtune", "train", str(recipe), "--set", "train.max_steps=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
     assert "distilbert-base-uncased" in res.stderr and "local folder" in res.stderr
@@ -240,10 +276,28 @@ def test_ddp_and_fsdp_train_a_classifier_identically(tmp_path):
     summaries = {}
     for strategy in ("ddp", "fsdp"):
         out = tmp_path / strategy
-        res = run_cli("train", str(DEMO), "--set", "devices=2", "--set", f"strategy={strategy}",
-                      "--set", "train.max_steps=3", "--set", "train.max_epochs=null", "--set", "eval.every_steps=3",
-                      "--set", "data.num_train_samples=64", "--set", "checkpoint.save_model=false",
-                      "--set", f"output_dir={out}", cwd=tmp_path, timeout=600)
+        res = run_cli(
+            "train",
+            str(DEMO),
+            "--set",
+            "devices=2",
+            "--set",
+            f"strategy={strategy}",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.max_epochs=null",
+            "--set",
+            "eval.every_steps=3",
+            "--set",
+            "data.num_train_samples=64",
+            "--set",
+            "checkpoint.save_model=false",
+            "--set",
+            f"output_dir={out}",
+            cwd=tmp_path,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         summaries[strategy] = json.loads((out / "summary.json").read_text())
     ddp, fsdp = summaries["ddp"], summaries["fsdp"]

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
+from conftest import ROOT, run_cli
 
-from conftest import ROOT, read_jsonl, run_cli
-
-FAST = ["--set", "train.max_steps=2", "--set", "train.max_epochs=null", "--set", "checkpoint.save_model=false",
-        "--set", "data.max_seq_length=64"]
+FAST = [
+    "--set",
+    "train.max_steps=2",
+    "--set",
+    "train.max_epochs=null",
+    "--set",
+    "checkpoint.save_model=false",
+    "--set",
+    "data.max_seq_length=64",
+]
 
 
 def test_demo_runs_loss_falls_and_prints_memory_table(tmp_path):
@@ -45,7 +50,9 @@ def _one_error(res, *fragments):
 
 
 def test_misspelled_key(tmp_path):
-    _one_error(run_cli("train", "--set", "train.micro_bach_size=2", cwd=tmp_path), "did you mean train.micro_batch_size")
+    _one_error(
+        run_cli("train", "--set", "train.micro_bach_size=2", cwd=tmp_path), "did you mean train.micro_batch_size"
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -62,7 +69,7 @@ def test_missing_model_folder(tmp_path):
 def test_corrupt_jsonl_line(tmp_path):
     data = tmp_path / "data.jsonl"
     good = json.dumps({"instruction": "Say hi", "input": "", "output": "hi"})
-    data.write_text(good + "\n" + good + "\n{\"instruction\": \"broken\", \n" + good + "\n")
+    data.write_text(good + "\n" + good + '\n{"instruction": "broken", \n' + good + "\n")
     _one_error(run_cli("train", "--data", str(data), *FAST, cwd=tmp_path), str(data), "line 3")
     assert not (tmp_path / "runs").exists()
 
@@ -80,8 +87,8 @@ def test_bad_records_are_reported_not_fatal(tmp_path):
 
 
 def test_local_hf_folder_trains(tmp_path):
-    from bigtune.models import build_model
-    from bigtune.presets import tiny_tokenizer
+    from bigtune.core.presets import tiny_tokenizer
+    from bigtune.models.build import build_model
     from bigtune.recipe import ModelConfig
 
     tok = tiny_tokenizer()
@@ -99,7 +106,7 @@ def test_pickle_only_folder_is_refused(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (folder / "pytorch_model.bin").write_bytes(b"not really")
-    from bigtune.presets import tiny_tokenizer
+    from bigtune.core.presets import tiny_tokenizer
 
     tiny_tokenizer().save_pretrained(folder)
     _one_error(run_cli("train", "--model", str(folder), *FAST, cwd=tmp_path), "pickle", "safetensors")
@@ -115,7 +122,9 @@ def test_oom_exit_code_and_summary(tmp_path):
 
 
 def test_recipe_verb_prints_resolved_recipe_and_docs(tmp_path):
-    res = run_cli("recipe", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--set", "precision=bf16-mixed", cwd=tmp_path)
+    res = run_cli(
+        "recipe", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--set", "precision=bf16-mixed", cwd=tmp_path
+    )
     assert res.returncode == 0 and "precision: bf16-mixed" in res.stdout
     res = run_cli("recipe", "--docs", cwd=tmp_path)
     assert "| `train.micro_batch_size` |" in res.stdout
@@ -126,8 +135,9 @@ def test_import_is_light():
     import sys
 
     code = "import sys, bigtune, bigtune.cli; print('lightning' in sys.modules, 'transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(ROOT / "src")}).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(ROOT / "src")}
+    ).stdout.strip()
     assert out == "False False"
 
 
@@ -135,7 +145,7 @@ def test_unreachable_hub_is_known_at_once_and_loads_go_to_the_cache(monkeypatch,
     """No internet (a compute node): the hub's host is asked once; hub ids then load from the local cache
     only (a missing file fails at once instead of after minutes of retries); folders are untouched; a proxy
     is trusted without asking; HF_HUB_OFFLINE needs no question at all."""
-    import bigtune.models as models
+    import bigtune.core.hub as models
 
     for var in models.PROXY_VARS + ("HF_HUB_OFFLINE",):
         monkeypatch.delenv(var, raising=False)
@@ -161,19 +171,48 @@ def test_plan_data_lengths_of_hub_model_and_data_offline_fails_at_once(tmp_path)
     import subprocess
     import sys
 
-    from bigtune.models import PROXY_VARS
+    from bigtune.core.hub import PROXY_VARS
 
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",) + PROXY_VARS}
     env.update(PYTHONPATH=str(ROOT / "src"), HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
-    res = subprocess.run([sys.executable, "-m", "bigtune", "plan", str(ROOT / "recipes" / "tinyllama-full.yaml"),
-                          "--gpu", "l4", "--data-lengths"], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bigtune",
+            "plan",
+            str(ROOT / "recipes" / "tinyllama-full.yaml"),
+            "--gpu",
+            "l4",
+            "--data-lengths",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
     assert "does not answer" in res.stderr and "local folder" in res.stderr
     # past the tokenizer (random init uses bigtune's own), the recipe's hub dataset: datasets' offline mode
-    res = subprocess.run([sys.executable, "-m", "bigtune", "plan", str(ROOT / "recipes" / "tinyllama-full.yaml"),
-                          "--gpu", "l4", "--data-lengths", "--set", "model.init=random"], env=env, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bigtune",
+            "plan",
+            str(ROOT / "recipes" / "tinyllama-full.yaml"),
+            "--gpu",
+            "l4",
+            "--data-lengths",
+            "--set",
+            "model.init=random",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "hf:mhenrichsen/alpaca_2k_test" in res.stderr and "OfflineModeIsEnabled" in res.stderr
     assert "save_to_disk" in res.stderr and "Traceback" not in res.stderr

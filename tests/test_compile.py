@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from conftest import read_jsonl, run_cli, tiny_overrides
 
-from bigtune import engine
+from bigtune.engine import loop as engine
 from bigtune.recipe import RecipeError, load_recipe
+from bigtune.run.training import train
+from conftest import read_jsonl, run_cli, tiny_overrides
 
 
 def test_compiled_blocks_train_like_eager_and_measured_steps_run_eager(tmp_path, monkeypatch):
@@ -32,10 +32,20 @@ def test_compiled_blocks_train_like_eager_and_measured_steps_run_eager(tmp_path,
     runs = {}
     for compiled in (False, True):
         d = tmp_path / f"compile-{compiled}"
-        over = tiny_overrides(d, **{"train.compile": compiled, "train.max_steps": 5, "data.max_seq_length": 32,
-                                    "data.source": str(source), "data.format": "jsonl-text",
-                                    "memory.every_steps": 3, "memory.plan": False, "checkpoint.save_model": True})
-        s = engine.train({}, over, quiet_recipe=True)
+        over = tiny_overrides(
+            d,
+            **{
+                "train.compile": compiled,
+                "train.max_steps": 5,
+                "data.max_seq_length": 32,
+                "data.source": str(source),
+                "data.format": "jsonl-text",
+                "memory.every_steps": 3,
+                "memory.plan": False,
+                "checkpoint.save_model": True,
+            },
+        )
+        s = train({}, over, quiet_recipe=True)
         assert s["status"] == "ok"
         runs[compiled] = ([m["loss"] for m in read_jsonl(d / "metrics.jsonl")], read_jsonl(d / "memory.jsonl"), d)
     (eager_losses, eager_mem, eager_dir), (losses, mem, d) = runs[False], runs[True]
@@ -44,8 +54,9 @@ def test_compiled_blocks_train_like_eager_and_measured_steps_run_eager(tmp_path,
     # compiled: one measured step did not stop compiling for the rest of the run.
     assert ["CompiledFunctionBackward" in name for name in seen] == [False, False, True, False, True], seen
     # So the measured memory is the eager step's, byte for byte.
-    assert [(x["step"], x["phase"], x["allocated"], x["peak_allocated"]) for x in mem] == \
-        [(x["step"], x["phase"], x["allocated"], x["peak_allocated"]) for x in eager_mem]
+    assert [(x["step"], x["phase"], x["allocated"], x["peak_allocated"]) for x in mem] == [
+        (x["step"], x["phase"], x["allocated"], x["peak_allocated"]) for x in eager_mem
+    ]
     # Compiled in place: the saved model has the eager model's parameter names.
     from safetensors import safe_open
 
@@ -64,11 +75,22 @@ def test_compiled_blocks_with_checkpointing_and_lora_train_like_eager(tmp_path):
     losses = {}
     for compiled in (False, True):
         d = tmp_path / f"compile-{compiled}"
-        over = tiny_overrides(d, **{"train.compile": compiled, "train.max_steps": 3, "data.max_seq_length": 32,
-                                    "data.source": str(source), "data.format": "jsonl-text",
-                                    "train.activation_checkpointing": True, "peft.method": "lora",
-                                    "peft.dropout": 0.0, "memory.enabled": False, "memory.plan": False})
-        assert engine.train({}, over, quiet_recipe=True)["status"] == "ok"
+        over = tiny_overrides(
+            d,
+            **{
+                "train.compile": compiled,
+                "train.max_steps": 3,
+                "data.max_seq_length": 32,
+                "data.source": str(source),
+                "data.format": "jsonl-text",
+                "train.activation_checkpointing": True,
+                "peft.method": "lora",
+                "peft.dropout": 0.0,
+                "memory.enabled": False,
+                "memory.plan": False,
+            },
+        )
+        assert train({}, over, quiet_recipe=True)["status"] == "ok"
         losses[compiled] = [m["loss"] for m in read_jsonl(d / "metrics.jsonl")]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-5)
 
@@ -77,30 +99,40 @@ def test_recipe_refuses_what_compile_cannot_do(monkeypatch):
     assert load_recipe({}, {}).train.compile is False
     with pytest.raises(RecipeError) as e:
         load_recipe({}, {"train.compile": True, "accelerator": "cpu", "memory.cap_gib": 1.0})
-    assert any(p.startswith("train.compile with memory.cap_gib on the CPU") and "remove memory.cap_gib" in p
-               for p in e.value.problems), e.value.problems
+    assert any(
+        p.startswith("train.compile with memory.cap_gib on the CPU") and "remove memory.cap_gib" in p
+        for p in e.value.problems
+    ), e.value.problems
     with pytest.raises(RecipeError) as e:
         load_recipe({}, {"train.compile": True, "strategy": "deepspeed_stage_2", "accelerator": "cpu"})
-    assert any(p.startswith("train.compile with strategy=deepspeed_stage_2") and "set train.compile=false" in p
-               and "strategy=fsdp" in p for p in e.value.problems), e.value.problems
+    assert any(
+        p.startswith("train.compile with strategy=deepspeed_stage_2")
+        and "set train.compile=false" in p
+        and "strategy=fsdp" in p
+        for p in e.value.problems
+    ), e.value.problems
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(RecipeError) as e:
         load_recipe({}, {"train.compile": True, "accelerator": "cpu"})
-    assert e.value.problems == ["train.compile on the CPU: torch.compile builds C++ kernels, but the compiler "
-                                "'no-such-compiler-here' is not on PATH; install g++ (or set CXX), or set "
-                                "train.compile=false"]
+    assert e.value.problems == [
+        "train.compile on the CPU: torch.compile builds C++ kernels, but the compiler "
+        "'no-such-compiler-here' is not on PATH; install g++ (or set CXX), or set "
+        "train.compile=false"
+    ]
     load_recipe({}, {"train.compile": False, "accelerator": "cpu"})  # only asked for when compiling
 
 
 def test_plan_ignores_compile_and_says_so():
-    from bigtune.planner import Target, plan
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
 
     over = {"model.name": "tiny-llama", "data.max_seq_length": 64, "accelerator": "cpu"}
     eager = plan(load_recipe({}, over), Target("cpu"))
     compiled = plan(load_recipe({}, {**over, "train.compile": True}), Target("cpu"))
     assert compiled.phases == eager.phases and compiled.peak_allocated == eager.peak_allocated
     assert [n for n in compiled.notes if n not in eager.notes] == [
-        n for n in compiled.notes if n.startswith("train.compile: planned as the eager step")]
+        n for n in compiled.notes if n.startswith("train.compile: planned as the eager step")
+    ]
     assert len(compiled.notes) == len(eager.notes) + 1
 
 
@@ -117,7 +149,8 @@ def test_a_failed_simulation_leaves_no_tracker_or_eager_stance_behind(monkeypatc
     import torch._dynamo.eval_frame
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
-    from bigtune.planner import Target, plan
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
 
     def fail(*args, **kwargs):
         raise RuntimeError("simulated failure inside the measured step")

@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtune.data import (Collator, DataError, EpochSampler, Example, build_examples, format_prompt)
-from bigtune.presets import tiny_tokenizer
+from bigtune.core.presets import tiny_tokenizer
+from bigtune.core.stepmath import IGNORE_INDEX
+from bigtune.data.text import Collator, DataError, EpochSampler, Example, build_examples, format_prompt
 from bigtune.recipe import DataConfig
-from bigtune.stepmath import IGNORE_INDEX
 
 GOOD = {"instruction": "Name a fruit.", "input": "red", "output": "An apple."}
 GOOD_NO_INPUT = {"instruction": "Say hello.", "input": "", "output": "Hello there."}
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -61,6 +62,7 @@ def numbered_records(n: int) -> list[dict]:
 
 # -- alpaca: prompt masking -------------------------------------------------------------------------
 
+
 def test_alpaca_masks_bos_and_prompt_and_learns_response_and_eos(tmp_path, tok):
     examples, report = build(write_jsonl(tmp_path / "d.jsonl", [GOOD]), tok)
     prompt, answer = alpaca_ids(tok, GOOD)
@@ -77,8 +79,8 @@ def test_alpaca_prompt_tokens_follow_format_prompt_with_and_without_input(tmp_pa
     p1 = ids(tok, format_prompt(GOOD["instruction"], GOOD["input"]))
     p2 = ids(tok, format_prompt(GOOD_NO_INPUT["instruction"]))
     assert "### Input:" in format_prompt("x", "y") and "### Input:" not in format_prompt("x")
-    assert with_input.input_ids[1:1 + len(p1)] == p1
-    assert no_input.input_ids[1:1 + len(p2)] == p2
+    assert with_input.input_ids[1 : 1 + len(p1)] == p1
+    assert no_input.input_ids[1 : 1 + len(p2)] == p2
     assert with_input.input_ids[0] == no_input.input_ids[0] == tok.bos_token_id
 
 
@@ -101,13 +103,13 @@ def test_demo_source_is_alpaca(tok):
 
 LONG_PROMPT = {"instruction": "word " * 200, "input": "", "output": "ok"}
 BAD_LINES = [
-    json.dumps(GOOD),                                                # 0 good
-    json.dumps({"instruction": "No answer."}),                       # 1 missing output
-    json.dumps({"instruction": 5, "output": "five"}),                # 2 instruction not text
-    json.dumps({"instruction": "Blank.", "output": "   "}),          # 3 empty output
-    json.dumps([GOOD["instruction"], GOOD["output"]]),               # 4 array, not object
-    json.dumps(LONG_PROMPT),                                         # 5 prompt fills max_seq_length
-    json.dumps(GOOD_NO_INPUT),                                       # 6 good
+    json.dumps(GOOD),  # 0 good
+    json.dumps({"instruction": "No answer."}),  # 1 missing output
+    json.dumps({"instruction": 5, "output": "five"}),  # 2 instruction not text
+    json.dumps({"instruction": "Blank.", "output": "   "}),  # 3 empty output
+    json.dumps([GOOD["instruction"], GOOD["output"]]),  # 4 array, not object
+    json.dumps(LONG_PROMPT),  # 5 prompt fills max_seq_length
+    json.dumps(GOOD_NO_INPUT),  # 6 good
 ]
 
 
@@ -155,10 +157,12 @@ def test_skip_bad_records_false_accepts_a_clean_file(tmp_path, tok):
 
 # -- unparseable files ------------------------------------------------------------------------------
 
+
 def test_corrupt_jsonl_line_names_file_and_line_counting_blank_lines(tmp_path, tok):
     path = tmp_path / "broken.jsonl"
-    path.write_text(json.dumps(GOOD) + "\n\n   \n" + '{"instruction": "x", "output": \n' + json.dumps(GOOD) + "\n",
-                    encoding="utf-8")
+    path.write_text(
+        json.dumps(GOOD) + "\n\n   \n" + '{"instruction": "x", "output": \n' + json.dumps(GOOD) + "\n", encoding="utf-8"
+    )
     with pytest.raises(DataError) as err:
         build(path, tok)
     msg = str(err.value)
@@ -183,8 +187,11 @@ def test_corrupt_json_file_names_file_and_line(tmp_path, tok):
 
 # -- nothing usable ---------------------------------------------------------------------------------
 
+
 def test_all_bad_file_raises_no_usable_samples_with_first_problem(tmp_path, tok):
-    path = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "a", "output": ""}, {"instruction": "b", "output": " "}])
+    path = write_jsonl(
+        tmp_path / "bad.jsonl", [{"instruction": "a", "output": ""}, {"instruction": "b", "output": " "}]
+    )
     with pytest.raises(DataError) as err:
         build(path, tok)
     msg = str(err.value)
@@ -222,7 +229,7 @@ def test_txt_is_cut_into_consecutive_max_seq_length_blocks(tmp_path, tok):
     assert all(len(e.input_ids) == 16 for e in examples[:-1])
     assert 2 <= len(examples[-1].input_ids) <= 16
     joined = [t for e in examples for t in e.input_ids]
-    assert joined == all_ids[:len(joined)] and len(all_ids) - len(joined) <= 1
+    assert joined == all_ids[: len(joined)] and len(all_ids) - len(joined) <= 1
 
 
 def test_txt_labels_equal_input_ids(tmp_path, tok):
@@ -241,6 +248,7 @@ def test_txt_trailing_single_token_block_is_dropped(tmp_path, tok):
 
 
 # -- jsonl with a text column -----------------------------------------------------------------------
+
 
 def test_jsonl_text_field_is_auto_detected(tmp_path, tok):
     texts = ["hello world", "the quick brown fox jumps"]
@@ -267,14 +275,17 @@ def test_text_records_missing_or_empty_text_are_skipped(tmp_path, tok):
 
 # -- datasets folders, csv, parquet, json -----------------------------------------------------------
 
+
 @pytest.fixture
 def dataset_dict_dir(tmp_path, hf_cache) -> Path:
     import datasets
 
-    dd = datasets.DatasetDict({
-        "train": datasets.Dataset.from_list(numbered_records(3)),
-        "test": datasets.Dataset.from_list([GOOD, GOOD_NO_INPUT]),
-    })
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(numbered_records(3)),
+            "test": datasets.Dataset.from_list([GOOD, GOOD_NO_INPUT]),
+        }
+    )
     path = tmp_path / "saved"
     dd.save_to_disk(str(path))
     return path
@@ -327,6 +338,7 @@ def test_json_file_with_records_under_split_key(tmp_path, tok):
 
 # -- num_train_samples ------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def twenty(tmp_path) -> Path:
     return write_jsonl(tmp_path / "twenty.jsonl", numbered_records(20))
@@ -360,6 +372,7 @@ def test_num_train_samples_larger_than_data_keeps_all(twenty, tok):
 
 # -- truncation -------------------------------------------------------------------------------------
 
+
 def test_long_alpaca_record_is_truncated_and_counted(tmp_path, tok):
     long = {"instruction": "Tell a story.", "input": "", "output": "once upon a time " * 50}
     examples, report = build(write_jsonl(tmp_path / "d.jsonl", [GOOD_NO_INPUT, long]), tok, max_seq_length=48)
@@ -381,6 +394,7 @@ def test_long_text_record_is_truncated_and_counted(tmp_path, tok):
 
 
 # -- collator ---------------------------------------------------------------------------------------
+
 
 def two_examples() -> list[Example]:
     return [Example([5, 6, 7], [IGNORE_INDEX, 6, 7]), Example([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])]
@@ -408,6 +422,7 @@ def test_collator_pad_to_multiple_of(multiple, width):
 
 
 # -- sampler ----------------------------------------------------------------------------------------
+
 
 def test_epoch_sampler_is_a_deterministic_permutation():
     a, b = EpochSampler(50, seed=3), EpochSampler(50, seed=3)
@@ -445,6 +460,7 @@ def test_epoch_sampler_without_shuffle_is_in_order():
 
 
 # -- source and format errors -----------------------------------------------------------------------
+
 
 def test_unknown_extension_is_named(tmp_path, tok):
     path = tmp_path / "data.xml"

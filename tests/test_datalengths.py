@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from bigtune.datalengths import data_lengths, epoch_batch_lengths, plan_at_data_lengths
-from bigtune.engine import train
-from bigtune.planner import GIB, Target, plan
+from bigtune.plan.constants import GIB
+from bigtune.plan.lengths import data_lengths, epoch_batch_lengths, plan_at_data_lengths
+from bigtune.plan.planner import plan
+from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
+from bigtune.run.training import train
 from conftest import ROOT, run_cli
 
 DEMO_BLIP = ROOT / "recipes" / "gourmetgram-demo.yaml"
@@ -16,17 +18,29 @@ DEMO_BLIP = ROOT / "recipes" / "gourmetgram-demo.yaml"
 def _two_epochs(tmp_path, base, extra: dict) -> tuple[dict, dict]:
     # Two epochs, memory measured at every step: the batch holding the longest sample comes after step 0
     # at least once (step 0 has no optimizer state yet; the plan is for the steady step).
-    over = {"train.max_epochs": 2, "train.max_steps": None, "memory.every_steps": 1, "checkpoint.save_model": False,
-            "accelerator": "cpu", "output_dir": str(tmp_path / "run"), "memory.plan": False, "data.val_fraction": 0.0,
-            **extra}
+    over = {
+        "train.max_epochs": 2,
+        "train.max_steps": None,
+        "memory.every_steps": 1,
+        "checkpoint.save_model": False,
+        "accelerator": "cpu",
+        "output_dir": str(tmp_path / "run"),
+        "memory.plan": False,
+        "data.val_fraction": 0.0,
+        **extra,
+    }
     return train(base, over, quiet_recipe=True), over
 
 
-@pytest.mark.parametrize("base, extra", [
-    ({}, {"train.micro_batch_size": 8, "data.num_train_samples": 64}),
-    (str(DEMO_BLIP), {"train.micro_batch_size": 8, "data.num_train_samples": 32}),
-    (str(DEMO_BLIP), {"model.name": "tiny-blip2-t5", "train.micro_batch_size": 8, "data.num_train_samples": 32}),
-], ids=["llama-instructions", "blip2-opt-captions", "blip2-t5-captions"])
+@pytest.mark.parametrize(
+    "base, extra",
+    [
+        ({}, {"train.micro_batch_size": 8, "data.num_train_samples": 64}),
+        (str(DEMO_BLIP), {"train.micro_batch_size": 8, "data.num_train_samples": 32}),
+        (str(DEMO_BLIP), {"model.name": "tiny-blip2-t5", "train.micro_batch_size": 8, "data.num_train_samples": 32}),
+    ],
+    ids=["llama-instructions", "blip2-opt-captions", "blip2-t5-captions"],
+)
 def test_peak_at_the_longest_sample_matches_training(tmp_path, base, extra):
     summary, over = _two_epochs(tmp_path, base, extra)
     r = load_recipe(base, over)
@@ -40,7 +54,10 @@ def test_peak_at_the_longest_sample_matches_training(tmp_path, base, extra):
     assert abs(at_data.peak_allocated - measured) / measured < 0.02, (at_data.peak_allocated, measured)
     # the worst case (every row max_seq_length tokens) is what a plain plan says: more than the data needs
     assert plan(r, Target("cpu")).peak_allocated > 1.02 * measured
-    assert at_data.data_lengths["longest"] == d.longest and at_data.tokens_per_step < plan(r, Target("cpu")).tokens_per_step
+    assert (
+        at_data.data_lengths["longest"] == d.longest
+        and at_data.tokens_per_step < plan(r, Target("cpu")).tokens_per_step
+    )
 
 
 def test_epoch_batch_lengths_follow_the_engine_sampler():

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from bigtune.dist import BUCKET_ELEMENTS, deepspeed_config, zero_layout
+from bigtune.engine.strategies import BUCKET_ELEMENTS, deepspeed_config, zero_layout
 from bigtune.recipe import DEEPSPEED_STRATEGIES, Recipe, RecipeError, load_recipe
 from conftest import ROOT, read_jsonl
 
@@ -21,16 +21,23 @@ HAS_DS = importlib.util.find_spec("deepspeed") is not None
 needs_ds = pytest.mark.skipif(not HAS_DS, reason="DeepSpeed not installed (pip install 'bigtune[deepspeed]')")
 
 
-def _recipe(strategy="deepspeed_stage_2", devices=4, num_nodes=1, precision="bf16-mixed", micro=2, accum=8,
-            clip=1.0) -> Recipe:
+def _recipe(
+    strategy="deepspeed_stage_2", devices=4, num_nodes=1, precision="bf16-mixed", micro=2, accum=8, clip=1.0
+) -> Recipe:
     r = Recipe(strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision)  # no CPU/GPU checks
     r.train.micro_batch_size, r.train.accumulate_grad_batches, r.optim.grad_clip = micro, accum, clip
     return r
 
 
-@pytest.mark.parametrize("strategy,stage,opt,params", [
-    ("deepspeed_stage_2", 2, False, False), ("deepspeed_stage_2_offload", 2, True, False),
-    ("deepspeed_stage_3", 3, False, False), ("deepspeed_stage_3_offload", 3, True, True)])
+@pytest.mark.parametrize(
+    "strategy,stage,opt,params",
+    [
+        ("deepspeed_stage_2", 2, False, False),
+        ("deepspeed_stage_2_offload", 2, True, False),
+        ("deepspeed_stage_3", 3, False, False),
+        ("deepspeed_stage_3_offload", 3, True, True),
+    ],
+)
 def test_config_zero_section_follows_the_strategy_name(strategy, stage, opt, params):
     assert zero_layout(strategy) == (stage, opt, params)
     z = deepspeed_config(_recipe(strategy))["zero_optimization"]
@@ -89,8 +96,9 @@ def test_config_is_accepted_by_deepspeeds_own_validation(strategy):
 
 def test_recipe_refuses_deepspeed_on_cpu_and_bad_combinations():
     with pytest.raises(RecipeError) as e:
-        load_recipe(None, ["strategy=deepspeed_stage_3", "accelerator=cpu", "optim.name=adamw8bit",
-                           "fsdp_cpu_offload=true"])
+        load_recipe(
+            None, ["strategy=deepspeed_stage_3", "accelerator=cpu", "optim.name=adamw8bit", "fsdp_cpu_offload=true"]
+        )
     text = str(e.value)
     assert "strategy=deepspeed_stage_3: DeepSpeed needs CUDA GPUs" in text and "accelerator" in text
     assert "strategy=fsdp" in text  # the fix
@@ -103,7 +111,7 @@ def test_recipe_refuses_deepspeed_on_cpu_and_bad_combinations():
 
 def test_missing_deepspeed_is_one_clear_error(monkeypatch):
     import bigtune.recipe as recipe_mod
-    from bigtune.dist import require_deepspeed
+    from bigtune.engine.strategies import require_deepspeed
 
     monkeypatch.setattr(recipe_mod, "_installed", lambda m: m != "deepspeed")
     with pytest.raises(RecipeError, match=r"needs DeepSpeed: pip install 'bigtune\[deepspeed\]'"):
@@ -117,7 +125,7 @@ def test_missing_deepspeed_is_one_clear_error(monkeypatch):
 def test_lightning_strategy_gets_the_config_and_timeout():
     from lightning.fabric.strategies import DeepSpeedStrategy
 
-    from bigtune.dist import make_strategy
+    from bigtune.engine.strategies import make_strategy
 
     r = _recipe("deepspeed_stage_3_offload")
     r.dist_timeout_s = 33
@@ -139,7 +147,7 @@ def _cpu_adam_or_skip():
 
 def test_deepspeed_cpu_adam_keeps_state_on_cpu_and_matches_torch_adamw():
     _cpu_adam_or_skip()
-    from bigtune.optim import CPUOffloadAdamW
+    from bigtune.engine.optim import CPUOffloadAdamW
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 8)
@@ -169,15 +177,24 @@ def _args(over: dict) -> list[str]:
     return [x for k, v in over.items() for x in ("--set", f"{k}={'null' if v is None else v}")]
 
 
-COMMON = {"data.max_seq_length": 64, "accelerator": "cpu", "train.max_epochs": None, "train.log_every_steps": 1,
-          "memory.plan": False, "memory.every_steps": 1000, "optim.name": "adamw", "optim.lr": 1e-3,
-          "train.micro_batch_size": 4}
+COMMON = {
+    "data.max_seq_length": 64,
+    "accelerator": "cpu",
+    "train.max_epochs": None,
+    "train.log_every_steps": 1,
+    "memory.plan": False,
+    "memory.every_steps": 1000,
+    "optim.name": "adamw",
+    "optim.lr": 1e-3,
+    "train.micro_batch_size": 4,
+}
 
 
 def _bigtune(tmp_path, *args, on_cpu_deepspeed=False):
     entry = [str(ROOT / "tests" / "deepspeed_on_cpu.py")] if on_cpu_deepspeed else ["-m", "bigtune"]
-    res = subprocess.run([sys.executable, *entry, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=400)
+    res = subprocess.run(
+        [sys.executable, *entry, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=400
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
@@ -186,8 +203,14 @@ def test_train_with_deepspeed_cpu_adam_end_to_end(tmp_path):
     _cpu_adam_or_skip()
     losses = {}
     for name in ("deepspeed_cpu_adam", "cpu_offload_adamw"):
-        over = {**COMMON, "optim.name": name, "train.max_steps": 3, "memory.every_steps": 1, "memory.plan": True,
-                "output_dir": str(tmp_path / name)}
+        over = {
+            **COMMON,
+            "optim.name": name,
+            "train.max_steps": 3,
+            "memory.every_steps": 1,
+            "memory.plan": True,
+            "output_dir": str(tmp_path / name),
+        }
         _bigtune(tmp_path, "train", *_args(over))
         losses[name] = [m["loss"] for m in read_jsonl(tmp_path / name / "metrics.jsonl")]
         snaps = read_jsonl(tmp_path / name / "memory.jsonl")
@@ -203,13 +226,28 @@ def test_zero3_offload_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_path
     """Real DeepSpeed ZeRO-3 + CPU offload (CPU Adam) on 2 gloo ranks: same losses as DDP (the
     accumulation/normalisation protocol), full weights exported, and resume continues exactly."""
     _cpu_adam_or_skip()
-    over = {**COMMON, "devices": 2, "train.max_steps": 4, "checkpoint.enabled": True, "checkpoint.every_steps": 2,
-            "checkpoint.keep_last": 5, "checkpoint.save_model": True, "optim.weight_decay": 0.01}
-    _bigtune(tmp_path, "train", *_args({**over, "strategy": "ddp", "output_dir": str(tmp_path / "ddp"),
-                                        "checkpoint.enabled": False}))
+    over = {
+        **COMMON,
+        "devices": 2,
+        "train.max_steps": 4,
+        "checkpoint.enabled": True,
+        "checkpoint.every_steps": 2,
+        "checkpoint.keep_last": 5,
+        "checkpoint.save_model": True,
+        "optim.weight_decay": 0.01,
+    }
+    _bigtune(
+        tmp_path,
+        "train",
+        *_args({**over, "strategy": "ddp", "output_dir": str(tmp_path / "ddp"), "checkpoint.enabled": False}),
+    )
     ref = tmp_path / "zero3"
-    _bigtune(tmp_path, "train", *_args({**over, "strategy": "deepspeed_stage_3_offload", "output_dir": str(ref)}),
-             on_cpu_deepspeed=True)
+    _bigtune(
+        tmp_path,
+        "train",
+        *_args({**over, "strategy": "deepspeed_stage_3_offload", "output_dir": str(ref)}),
+        on_cpu_deepspeed=True,
+    )
     loss = lambda run: [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]  # noqa: E731
     assert loss(ref) == pytest.approx(loss(tmp_path / "ddp"), rel=1e-5)
     from safetensors.torch import load_file
@@ -221,52 +259,77 @@ def test_zero3_offload_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_path
     cut = tmp_path / "cut"
     shutil.copytree(ref, cut)
     shutil.rmtree(cut / "checkpoints" / "step-000004.ckpt")
-    res = _bigtune(tmp_path, "train", "--resume", str(cut),
-                   *_args({**over, "strategy": "deepspeed_stage_3_offload", "output_dir": str(cut)}),
-                   on_cpu_deepspeed=True)
+    res = _bigtune(
+        tmp_path,
+        "train",
+        "--resume",
+        str(cut),
+        *_args({**over, "strategy": "deepspeed_stage_3_offload", "output_dir": str(cut)}),
+        on_cpu_deepspeed=True,
+    )
     assert "at step 2" in res.stdout
     assert loss(cut) == pytest.approx(loss(ref), rel=1e-6)  # CPU Adam is multi-threaded: last-bit noise
     assert [m["lr"] for m in read_jsonl(cut / "metrics.jsonl")] == [m["lr"] for m in read_jsonl(ref / "metrics.jsonl")]
 
 
 def test_planner_models_zero_sharding_and_offload():
-    from bigtune.planner import Sim, Target, _shard, shard_layout
+    from bigtune.plan.sharding import shard_layout, shard_states
+    from bigtune.plan.simulate import Sim
+    from bigtune.plan.target import Target
 
     assert shard_layout("ddp") == (set(), set())
     assert shard_layout("deepspeed_stage_2") == ({"gradients", "optimizer_device"}, set())
-    assert shard_layout("deepspeed_stage_3_offload") == ({"parameters", "gradients", "optimizer_device"},
-                                                         {"parameters", "optimizer_device"})
+    assert shard_layout("deepspeed_stage_3_offload") == (
+        {"parameters", "gradients", "optimizer_device"},
+        {"parameters", "optimizer_device"},
+    )
     mb = 2**20
-    ph = {"parameters": 400 * mb, "gradients": 400 * mb, "optimizer_device": 800 * mb, "optimizer_cpu": 0,
-          "activations": 100 * mb}
+    ph = {
+        "parameters": 400 * mb,
+        "gradients": 400 * mb,
+        "optimizer_device": 800 * mb,
+        "optimizer_cpu": 0,
+        "activations": 100 * mb,
+    }
     ph["allocated"] = sum(ph.values())
     ph["peak_allocated"] = ph["allocated"] + 50 * mb
-    sim = Sim({p: dict(ph) for p in ("before_forward", "after_forward", "after_backward", "after_optimizer")},
-              ph["peak_allocated"], numel=100 * mb, matmul_numel=90 * mb)
+    sim = Sim(
+        {p: dict(ph) for p in ("before_forward", "after_forward", "after_backward", "after_optimizer")},
+        ph["peak_allocated"],
+        numel=100 * mb,
+        matmul_numel=90 * mb,
+    )
     r = _recipe(precision="32-true")
-    z2, _, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
+    z2, _, _ = shard_states(sim, r, Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
     a = z2["after_backward"]
     assert a["parameters"] == 400 * mb and a["gradients"] == 100 * mb and a["optimizer_device"] == 200 * mb
-    z3, peak3, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3"), n_layers=10)
+    z3, peak3, _ = shard_states(sim, r, Target("cuda", None, 4, "deepspeed_stage_3"), n_layers=10)
     assert z3["after_backward"]["parameters"] == 100 * mb
-    off, peak_off, notes = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3_offload"), n_layers=10)
+    off, peak_off, notes = shard_states(sim, r, Target("cuda", None, 4, "deepspeed_stage_3_offload"), n_layers=10)
     b = off["after_backward"]
     # the state's quarter and the pinned fp32 gradient partition the CPU update reads
     assert b["parameters"] == 0 and b["optimizer_device"] == 0 and b["optimizer_cpu"] == (800 + 400) * mb // 4
     assert peak_off < peak3 and any("CPU RAM" in n for n in notes)
-    one, _, _ = _shard(sim, r, Target("cuda", None, 1, "deepspeed_stage_2_offload"), n_layers=10)
+    one, _, _ = shard_states(sim, r, Target("cuda", None, 1, "deepspeed_stage_2_offload"), n_layers=10)
     assert one["after_backward"]["optimizer_device"] == 0 and one["after_backward"]["optimizer_cpu"] == 1200 * mb
 
 
 def test_planner_gives_16bit_zero_fp32_masters_and_fp32_state():
     """DeepSpeed under bf16 (true or mixed): 16-bit weights and gradients, fp32 masters + fp32 Adam
     state in the optimizer; offload moves those and the fp32 gradient partition to host RAM."""
-    from bigtune.planner import Sim, Target, _shard, simulation_recipe
+    from bigtune.plan.sharding import shard_states, simulation_recipe
+    from bigtune.plan.simulate import Sim
+    from bigtune.plan.target import Target
 
     mb = 2**20
     # A bf16-true single-device step of a 100 Mi-parameter model: 2-byte weights, gradients and Adam moments.
-    ph = {"parameters": 200 * mb, "gradients": 200 * mb, "optimizer_device": 400 * mb, "optimizer_cpu": 0,
-          "activations": 100 * mb}
+    ph = {
+        "parameters": 200 * mb,
+        "gradients": 200 * mb,
+        "optimizer_device": 400 * mb,
+        "optimizer_cpu": 0,
+        "activations": 100 * mb,
+    }
     ph["allocated"] = sum(ph.values())
     ph["peak_allocated"] = ph["phase_peak"] = ph["allocated"] + 50 * mb
     phases = {p: dict(ph) for p in ("before_forward", "after_forward", "after_backward", "after_optimizer")}
@@ -276,21 +339,23 @@ def test_planner_gives_16bit_zero_fp32_masters_and_fp32_state():
     r = _recipe(precision="bf16-mixed")
     assert simulation_recipe(r, "deepspeed_stage_2").precision == "bf16-true"  # no autocast under DeepSpeed
     assert simulation_recipe(r, "fsdp").precision == "bf16-mixed"
-    z2, peak2, notes = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
+    z2, peak2, notes = shard_states(sim, r, Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
     a = z2["after_backward"]
     # fp32 m and v (2 × the bf16 ones) + fp32 masters (4 bytes per trained weight), each rank a quarter
     assert a["optimizer_device"] == (2 * 400 + 4 * 100) * mb // 4
     assert a["gradients"] == 200 * mb // 4 and z2["after_optimizer"]["gradients"] == 0
     assert a["parameters"] == 200 * mb and any("fp32 master" in n for n in notes)
-    off, peak_off, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_2_offload"), n_layers=10)
+    off, peak_off, _ = shard_states(sim, r, Target("cuda", None, 4, "deepspeed_stage_2_offload"), n_layers=10)
     b = off["after_backward"]
     assert b["optimizer_device"] == 0 and b["gradients"] == 0
     assert b["optimizer_cpu"] == (2 * 400 + 4 * 100 + 4 * 100) * mb // 4  # + the pinned fp32 gradient partition
     assert peak_off < peak2
-    z3, _, _ = _shard(sim, r, Target("cuda", None, 4, "deepspeed_stage_3"), n_layers=10)
+    z3, _, _ = shard_states(sim, r, Target("cuda", None, 4, "deepspeed_stage_3"), n_layers=10)
     assert z3["before_forward"]["gradients"] == 200 * mb // 4  # ZeRO-3's flat gradient buffer persists
     # 32-true has no masters: the state is the simulated fp32 state, split
-    full, _, _ = _shard(sim, _recipe(precision="32-true"), Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10)
+    full, _, _ = shard_states(
+        sim, _recipe(precision="32-true"), Target("cuda", None, 4, "deepspeed_stage_2"), n_layers=10
+    )
     assert full["after_backward"]["optimizer_device"] == 400 * mb // 4
 
 
@@ -298,7 +363,9 @@ def test_planner_simulates_deepspeeds_16bit_module_cast_for_adapters():
     """DeepSpeed with bf16 casts the whole wrapped module (module.bfloat16()), PEFT's fp32 adapters
     included: the simulated step for a ZeRO target has 16-bit adapters and gradients, no fp32 copy of
     each adapted layer's input, so fewer saved bytes than the same LoRA step on one GPU."""
-    from bigtune.planner import resolve_config, simulate_full_depth, simulation_recipe
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.sharding import simulation_recipe
+    from bigtune.plan.simulate import simulate_full_depth
 
     r = _recipe(precision="bf16-mixed")
     r.peft.method, r.peft.dropout = "lora", 0.0
@@ -322,8 +389,16 @@ def test_planned_zero_categories_match_a_real_bf16_mixed_run(tmp_path, strategy)
     if strategy.endswith("offload"):
         _cpu_adam_or_skip()
     run = tmp_path / "run"
-    over = {**COMMON, "devices": 2, "train.max_steps": 2, "memory.every_steps": 1, "memory.plan": True,
-            "precision": "bf16-mixed", "strategy": strategy, "output_dir": str(run)}
+    over = {
+        **COMMON,
+        "devices": 2,
+        "train.max_steps": 2,
+        "memory.every_steps": 1,
+        "memory.plan": True,
+        "precision": "bf16-mixed",
+        "strategy": strategy,
+        "output_dir": str(run),
+    }
     _bigtune(tmp_path, "train", *_args(over), on_cpu_deepspeed=True)
     plan = json.loads((run / "summary.json").read_text())["plan"]
     for phase, cats in plan["phases"].items():
@@ -340,22 +415,28 @@ def test_zero_tensors_reads_deepspeeds_buffers_without_iterating_them():
     A flat buffer is taken whole (iterating a 200 M-element bucket would make 200 M views)."""
     from types import SimpleNamespace
 
-    from bigtune.memory import model_state_bytes, zero_tensors
+    from bigtune.memory.monitor import model_state_bytes, zero_tensors
 
     master = torch.zeros(10)
     master.grad = torch.zeros(10)
     flat = torch.zeros(6, dtype=torch.bfloat16)
-    z3 = SimpleNamespace(fp32_partitioned_groups_flat=[master], grad_partitions_flat_buffer=flat,
-                         averaged_gradients={0: torch.zeros(3)},
-                         ipg_buckets={torch.bfloat16: SimpleNamespace(buffer=torch.empty(1000))},
-                         state={})
+    z3 = SimpleNamespace(
+        fp32_partitioned_groups_flat=[master],
+        grad_partitions_flat_buffer=flat,
+        averaged_gradients={0: torch.zeros(3)},
+        ipg_buckets={torch.bfloat16: SimpleNamespace(buffer=torch.empty(1000))},
+        state={},
+    )
     masters, grads, buckets = zero_tensors(SimpleNamespace(optimizer=z3))
     assert [t is master for t in masters] == [True] and len(buckets) == 1 and buckets[0].numel() == 1000
     assert {id(t) for t in grads} == {id(master.grad), id(flat), id(z3.averaged_gradients[0])}
-    z2 = SimpleNamespace(single_partition_of_fp32_groups=[master], grads_in_partition=None,
-                         averaged_gradients={0: [torch.zeros(2), torch.zeros(2)]},
-                         ipg_buckets={torch.bfloat16: SimpleNamespace(buffer=[torch.empty(4), torch.empty(4)])},
-                         state={})
+    z2 = SimpleNamespace(
+        single_partition_of_fp32_groups=[master],
+        grads_in_partition=None,
+        averaged_gradients={0: [torch.zeros(2), torch.zeros(2)]},
+        ipg_buckets={torch.bfloat16: SimpleNamespace(buffer=[torch.empty(4), torch.empty(4)])},
+        state={},
+    )
     masters, grads, buckets = zero_tensors(z2)
     assert len(grads) == 3 and len(buckets) == 2
     sizes = model_state_bytes(torch.nn.Linear(2, 2, bias=False), z2, "cpu")

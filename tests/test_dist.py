@@ -14,9 +14,18 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, read_jsonl, run_cli
 
-COMMON = {"train.max_steps": 4, "train.max_epochs": None, "train.log_every_steps": 1, "memory.every_steps": 1,
-          "data.max_seq_length": 64, "accelerator": "cpu", "optim.name": "sgd", "optim.lr": 0.5,
-          "checkpoint.save_model": True, "memory.plan": False}
+COMMON = {
+    "train.max_steps": 4,
+    "train.max_epochs": None,
+    "train.log_every_steps": 1,
+    "memory.every_steps": 1,
+    "data.max_seq_length": 64,
+    "accelerator": "cpu",
+    "optim.name": "sgd",
+    "optim.lr": 0.5,
+    "checkpoint.save_model": True,
+    "memory.plan": False,
+}
 
 
 def _args(over: dict) -> list[str]:
@@ -53,8 +62,9 @@ def _same_weights(a, b, atol=1e-5):
 def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, single, strategy):
     extra = {"ddp_bucket_view": False, "optim.zero_grad": "before_backward"} if strategy == "ddp-lightning" else {}
     strategy = strategy.split("-")[0]
-    run = _train(tmp_path, strategy, devices=2, strategy=strategy, **{"train.micro_batch_size": 4,
-                                                                        "memory.plan": True, **extra})
+    run = _train(
+        tmp_path, strategy, devices=2, strategy=strategy, **{"train.micro_batch_size": 4, "memory.plan": True, **extra}
+    )
     assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
     plan = json.loads((run / "summary.json").read_text())["plan"]
     assert abs(plan["peak_error_pct"]) < 2.0, plan["peak_error_pct"]  # the planner's per-rank peak
@@ -73,9 +83,21 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, single,
 
 def test_torchrun_launch(tmp_path, single):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           "-m", "bigtune", "train", *_args({**COMMON, "output_dir": str(tmp_path / "tr"), "strategy": "ddp",
-                                              "devices": 2, "train.micro_batch_size": 4})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29533",
+        "-m",
+        "bigtune",
+        "train",
+        *_args(
+            {**COMMON, "output_dir": str(tmp_path / "tr"), "strategy": "ddp", "devices": 2, "train.micro_batch_size": 4}
+        ),
+    ]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert _losses(tmp_path / "tr") == pytest.approx(_losses(single), rel=1e-5)
@@ -85,9 +107,17 @@ def test_torchrun_launch(tmp_path, single):
 def test_checkpoint_resumes_across_ranks(tmp_path, strategy):
     # The recipe warms the lr up over 10 steps, so a scheduler that is not restored shows: Fabric's
     # sharded (FSDP2) load once left it at step 0 and step 3 after resume diverged (~0.5% in loss).
-    over = {"devices": 2, "strategy": strategy, "train.micro_batch_size": 4, "train.max_steps": 6,
-            "checkpoint.enabled": True, "checkpoint.every_steps": 3, "checkpoint.keep_last": 5,
-            "optim.name": "adamw", "optim.lr": 1e-3}
+    over = {
+        "devices": 2,
+        "strategy": strategy,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 6,
+        "checkpoint.enabled": True,
+        "checkpoint.every_steps": 3,
+        "checkpoint.keep_last": 5,
+        "optim.name": "adamw",
+        "optim.lr": 1e-3,
+    }
     ref = _train(tmp_path, "ref", **over)
     ckpt = ref / "checkpoints" / "step-000003.ckpt"
     assert ckpt.is_dir() == (strategy == "fsdp"), "FSDP writes a distributed (sharded) checkpoint folder"
@@ -106,13 +136,33 @@ def test_checkpoint_resumes_across_ranks(tmp_path, strategy):
 
 
 def test_slurm_script(tmp_path):
-    res = run_cli("launch", "slurm", str(ROOT / "recipes" / "open-llama-7b-full.yaml"), "--nodes", "2",
-                  "--gpus-per-node", "4", "--partition", "gpu", "--time", "02:00:00", "--out",
-                  str(tmp_path / "job.sbatch"), cwd=tmp_path)
+    res = run_cli(
+        "launch",
+        "slurm",
+        str(ROOT / "recipes" / "open-llama-7b-full.yaml"),
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--partition",
+        "gpu",
+        "--time",
+        "02:00:00",
+        "--out",
+        str(tmp_path / "job.sbatch"),
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     text = (tmp_path / "job.sbatch").read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --partition=gpu", "#SBATCH --time=02:00:00", "#SBATCH --requeue", "--signal=TERM@120"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --requeue",
+        "--signal=TERM@120",
+    ):
         assert line in text, line
     srun = next(x for x in text.splitlines() if x.startswith("srun "))
     assert "devices=4" in srun and "num_nodes=2" in srun and "--auto-resume" in srun
@@ -125,12 +175,26 @@ def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
     import signal
     import time
 
-    over = {**COMMON, "train.max_steps": 80, "optim.name": "adamw", "optim.lr": 1e-3, "memory.every_steps": 1000,
-            "checkpoint.enabled": True, "checkpoint.every_steps": 1000, "output_dir": str(tmp_path / "run"),
-            "checkpoint.save_model": False}
+    over = {
+        **COMMON,
+        "train.max_steps": 80,
+        "optim.name": "adamw",
+        "optim.lr": 1e-3,
+        "memory.every_steps": 1000,
+        "checkpoint.enabled": True,
+        "checkpoint.every_steps": 1000,
+        "output_dir": str(tmp_path / "run"),
+        "checkpoint.save_model": False,
+    }
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "bigtune", "train", *_args(over)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bigtune", "train", *_args(over)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
@@ -151,7 +215,7 @@ def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
 def test_tracker_sees_storage_resizes():
     """FSDP2 gathers into storages it grows with resize_(n) and frees with resize_(0), which no
     dispatch mode sees: the CPU tracker once counted every gathered weight alive until the step ended."""
-    from bigtune.memory import LiveTensorTracker
+    from bigtune.memory.tracker import LiveTensorTracker
 
     keep = torch.empty(1000)  # made before the tracker: unknown to it until resized
     with LiveTensorTracker() as tracker:
@@ -162,7 +226,7 @@ def test_tracker_sees_storage_resizes():
         t.untyped_storage().resize_(3000)
         keep.untyped_storage().resize_(8000)
         assert tracker.live_bytes == 11000 == tracker.peak_bytes
-    from bigtune.memory import _ORIGINAL_RESIZE
+    from bigtune.memory.tracker import _ORIGINAL_RESIZE
 
     assert torch.UntypedStorage.resize_ is _ORIGINAL_RESIZE  # unpatched outside the tracker
 
@@ -171,7 +235,7 @@ def test_monitor_separates_backward_transients_from_growing_gradients():
     """The planner rebuilds a sharded backward from the simulated one: the high of what is not a model
     state, over the whole backward and from the first block on, and how much of the new gradients was
     still to come then. Two linear blocks, the second's backward first; numbers by hand."""
-    from bigtune.memory import MemoryMonitor
+    from bigtune.memory.monitor import MemoryMonitor
 
     blocks = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
     x = torch.randn(8, 64)
@@ -201,7 +265,7 @@ def test_monitor_separates_backward_transients_from_growing_gradients():
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory):
     """tiny-llama with 8 decoder blocks: enough blocks that gathering one at a time differs from all at once."""
-    from bigtune.presets import preset_config, tiny_tokenizer
+    from bigtune.core.presets import preset_config, tiny_tokenizer
 
     folder = tmp_path_factory.mktemp("deep") / "m"
     tok = tiny_tokenizer()
@@ -210,8 +274,9 @@ def deep_model(tmp_path_factory):
     cfg.save_pretrained(folder)
     tok.save_pretrained(folder)
     # records longer than max_seq_length: every micro-batch full length, none padded
-    (folder / "long.jsonl").write_text("".join(json.dumps({"text": f"plate {i} of soup with bread " * 30}) + "\n"
-                                               for i in range(64)))
+    (folder / "long.jsonl").write_text(
+        "".join(json.dumps({"text": f"plate {i} of soup with bread " * 30}) + "\n" for i in range(64))
+    )
     return folder
 
 
@@ -240,11 +305,25 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
     after the forward and needs more memory than per-block units; with accumulation the gradients are
     reduce-scattered every micro-batch, so they stay sharded through the window."""
     wrap, accumulate, extra = FSDP_MATRIX[case]
-    run = _train(tmp_path, case if case != "block" else "block1", devices=2, strategy="fsdp", fsdp_wrap=wrap,
-                 **{"model.name": str(deep_model), "model.init": "random", "data.source": str(deep_model / "long.jsonl"),
-                    "optim.name": "adamw", "optim.lr": 1e-3,
-                    "train.micro_batch_size": 4 // accumulate, "train.accumulate_grad_batches": accumulate,
-                    "memory.plan": True, "checkpoint.save_model": False, **extra})
+    run = _train(
+        tmp_path,
+        case if case != "block" else "block1",
+        devices=2,
+        strategy="fsdp",
+        fsdp_wrap=wrap,
+        **{
+            "model.name": str(deep_model),
+            "model.init": "random",
+            "data.source": str(deep_model / "long.jsonl"),
+            "optim.name": "adamw",
+            "optim.lr": 1e-3,
+            "train.micro_batch_size": 4 // accumulate,
+            "train.accumulate_grad_batches": accumulate,
+            "memory.plan": True,
+            "checkpoint.save_model": False,
+            **extra,
+        },
+    )
     plan = json.loads((run / "summary.json").read_text())["plan"]
     assert abs(plan["peak_error_pct"]) < 2.0, plan["peak_error_pct"]
     snaps = {s["phase"]: s for s in read_jsonl(run / "memory.jsonl") if s["step"] == 2 and s["rank"] == 0}
@@ -259,14 +338,18 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
                 assert 0 <= cats[c]["measured"] - cats[c]["predicted"] < root_grads, (phase, cats[c])
             else:
                 # (abs: Adam's step counters are whole on every rank; the plan halves them with the rest)
-                assert cats[c]["measured"] == pytest.approx(cats[c]["predicted"], rel=1e-3, abs=512), \
-                    (phase, c, cats[c])
+                assert cats[c]["measured"] == pytest.approx(cats[c]["predicted"], rel=1e-3, abs=512), (
+                    phase,
+                    c,
+                    cats[c],
+                )
     assert snaps["before_forward"]["activations"] < 0.05 * shard  # nothing left gathered
     after_forward = snaps["after_forward"]["activations"]
     if wrap == "none":
         assert after_forward > 2 * shard  # the whole model gathered (the tiny model's activations are smaller)
-        block = json.loads((tmp_path / "block1" / "summary.json").read_text()) \
-            if (tmp_path / "block1").exists() else None
+        block = (
+            json.loads((tmp_path / "block1" / "summary.json").read_text()) if (tmp_path / "block1").exists() else None
+        )
         assert block is None or plan["measured_peak_allocated"] > block["plan"]["measured_peak_allocated"]
     if accumulate > 1 and "fsdp_grad_sync" in extra:
         # reduced once per window: the last micro-batch's forward holds whole (fp32) gradients, twice a shard
@@ -279,25 +362,35 @@ def test_flat_fsdp_unit_is_planned_far_larger_and_advised_against():
     """The lab's OpenLLaMA-7B on 4 A100s: one flat unit gathers the whole model (12.55 GiB in bf16) and
     holds every gradient unsharded, so its plan exceeds the per-block plan by at least the model; the
     OOM advice names the per-block wrap first."""
-    from bigtune.engine import oom_advice
-    from bigtune.gpus import find_gpu
-    from bigtune.planner import Target, plan
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
+    from bigtune.run.advice import oom_advice
 
-    over = {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true", "train.micro_batch_size": 4,
-            "data.max_seq_length": 512, "devices": 4, "strategy": "fsdp", "accelerator": "cpu"}
+    over = {
+        "model.name": "openlm-research/open_llama_7b",
+        "precision": "bf16-true",
+        "train.micro_batch_size": 4,
+        "data.max_seq_length": 512,
+        "devices": 4,
+        "strategy": "fsdp",
+        "accelerator": "cpu",
+    }
     target = Target("cuda", find_gpu("a100-80gb"), 4, "fsdp")
     block = plan(load_recipe({}, over), target)
     flat_recipe = load_recipe({}, {**over, "fsdp_wrap": "none"})
     flat = plan(flat_recipe, target)
     model_bytes = 2 * 6.7e9
     assert flat.peak_allocated - block.peak_allocated > model_bytes
-    assert flat.phases["after_forward"]["activations"] - block.phases["after_forward"]["activations"] > 0.9 * model_bytes
+    assert (
+        flat.phases["after_forward"]["activations"] - block.phases["after_forward"]["activations"] > 0.9 * model_bytes
+    )
     assert any("fsdp_wrap=none" in n for n in flat.notes)
     assert oom_advice(flat_recipe)[0].startswith("fsdp_wrap=block")
     assert not any("fsdp_wrap" in a for a in oom_advice(load_recipe({}, over)))
     # --alternatives offers FSDP with per-block units, named as the change it is
-    from bigtune.planner import alternatives
+    from bigtune.plan.alternatives import alternatives
 
     alts = alternatives(flat_recipe, target, max_gpus=4, workers=1)
     named = [p for p in alts if "fsdp_wrap=block" in p.variant]
@@ -309,14 +402,22 @@ def test_gradient_sync_once_per_window_is_planned_as_unsharded_gradients():
     rank holds the whole unsharded gradient (12.55 GiB in bf16 for OpenLLaMA-7B) through the window, so
     the last micro-batch's forward carries it; the traffic falls to one reduce-scatter per window; the
     OOM advice names the per-micro-batch sync."""
-    from bigtune.engine import oom_advice
-    from bigtune.gpus import find_gpu
-    from bigtune.planner import Target, plan
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
+    from bigtune.run.advice import oom_advice
 
-    over = {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true", "train.micro_batch_size": 2,
-            "train.accumulate_grad_batches": 4, "data.max_seq_length": 512, "devices": 4, "strategy": "fsdp",
-            "accelerator": "cpu"}
+    over = {
+        "model.name": "openlm-research/open_llama_7b",
+        "precision": "bf16-true",
+        "train.micro_batch_size": 2,
+        "train.accumulate_grad_batches": 4,
+        "data.max_seq_length": 512,
+        "devices": 4,
+        "strategy": "fsdp",
+        "accelerator": "cpu",
+    }
     target = Target("cuda", find_gpu("a100-80gb"), 4, "fsdp")
     each = plan(load_recipe({}, over), target, replay=False)
     step_recipe = load_recipe({}, {**over, "fsdp_grad_sync": "step"})
@@ -329,10 +430,13 @@ def test_gradient_sync_once_per_window_is_planned_as_unsharded_gradients():
     assert any("fsdp_grad_sync=step" in n for n in once.notes)
     assert once.step_time_s <= each.step_time_s  # NVLink hides the reduce-scatters either way
     pcie = Target("cuda", find_gpu("l40s"), 4, "fsdp")  # there three fewer per window show
-    assert plan(step_recipe, pcie, replay=False).step_time_s < plan(load_recipe({}, over), pcie, replay=False).step_time_s
+    assert (
+        plan(step_recipe, pcie, replay=False).step_time_s < plan(load_recipe({}, over), pcie, replay=False).step_time_s
+    )
     assert oom_advice(step_recipe)[0].startswith("fsdp_grad_sync=micro_batch")
     assert not any("fsdp_grad_sync" in a for a in oom_advice(load_recipe({}, over)))
     # DDP (replicated states, its buckets) on the same cards: far above either
-    ddp = plan(load_recipe({}, {**over, "strategy": "ddp"}), Target("cuda", find_gpu("a100-80gb"), 4, "ddp"),
-               replay=False)
+    ddp = plan(
+        load_recipe({}, {**over, "strategy": "ddp"}), Target("cuda", find_gpu("a100-80gb"), 4, "ddp"), replay=False
+    )
     assert ddp.peak_allocated > once.peak_allocated + whole

@@ -7,16 +7,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from bigtune.engine import train
-from bigtune.models import build_model
-from bigtune.presets import tiny_tokenizer
+from bigtune.core.presets import tiny_tokenizer
+from bigtune.models.build import build_model
 from bigtune.recipe import ModelConfig
+from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, tiny_overrides
 
 ELEMENT_SIZE = {"32-true": 4, "bf16-true": 2, "bf16-mixed": 4}
@@ -40,8 +39,11 @@ def test_measured_model_state_bytes_are_exact(run_dir, precision, optim):
     params = _tiny_param_tensors()
     numel = sum(p.numel() for p in params)
     es = ELEMENT_SIZE[precision]
-    expected_opt = {"adamw": 2 * numel * es + 4 * len(params),  # exp_avg, exp_avg_sq + a float32 step per tensor
-                    "sgd": 0, "sgd-momentum": numel * es}[optim]
+    expected_opt = {
+        "adamw": 2 * numel * es + 4 * len(params),  # exp_avg, exp_avg_sq + a float32 step per tensor
+        "sgd": 0,
+        "sgd-momentum": numel * es,
+    }[optim]
     snaps = read_jsonl(run_dir / "memory.jsonl")
     assert {s["phase"] for s in snaps} == {"before_forward", "after_forward", "after_backward", "after_optimizer"}
     for s in snaps:
@@ -63,8 +65,18 @@ def test_activation_checkpointing_lowers_activations(tmp_path):
     acts = {}
     for ckpt in (False, True):
         run = tmp_path / f"ckpt-{ckpt}"
-        train({}, tiny_overrides(run, **{"train.activation_checkpointing": ckpt, "train.max_steps": 1,
-                                           "data.max_seq_length": 128, "train.micro_batch_size": 8}))
+        train(
+            {},
+            tiny_overrides(
+                run,
+                **{
+                    "train.activation_checkpointing": ckpt,
+                    "train.max_steps": 1,
+                    "data.max_seq_length": 128,
+                    "train.micro_batch_size": 8,
+                },
+            ),
+        )
         snaps = read_jsonl(run / "memory.jsonl")
         acts[ckpt] = next(s["activations"] for s in snaps if s["phase"] == "after_forward")
     # The tiny model's logits (kept for the loss) are a fixed share; the per-layer saved tensors go.
@@ -76,9 +88,21 @@ def test_accumulation_matches_one_big_batch(tmp_path):
     results = {}
     for micro, acc in ((2, 4), (8, 1)):
         run = tmp_path / f"m{micro}"
-        s = train({}, tiny_overrides(run, **{"train.micro_batch_size": micro, "train.accumulate_grad_batches": acc,
-                                               "train.max_steps": 1, "optim.name": "sgd", "optim.lr": 1.0,
-                                               "checkpoint.save_model": True, "data.max_seq_length": 128}))
+        s = train(
+            {},
+            tiny_overrides(
+                run,
+                **{
+                    "train.micro_batch_size": micro,
+                    "train.accumulate_grad_batches": acc,
+                    "train.max_steps": 1,
+                    "optim.name": "sgd",
+                    "optim.lr": 1.0,
+                    "checkpoint.save_model": True,
+                    "data.max_seq_length": 128,
+                },
+            ),
+        )
         results[micro] = (s["final_loss"], load_file(str(run / "model" / "model.safetensors")))
     (loss_a, w_a), (loss_b, w_b) = results[2], results[8]
     assert math.isclose(loss_a, loss_b, rel_tol=1e-6, abs_tol=1e-6)
@@ -88,8 +112,6 @@ def test_accumulation_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(w_a[k], w_b[k], rtol=1e-5, atol=1e-6)
         moved += int(not torch.equal(w_a[k], base[k]))
     assert moved > 0  # SGD with lr 1 really changed the weights, so equal weights mean equal gradients
-
-
 
 
 def test_pinned_losses(run_dir):
@@ -106,8 +128,15 @@ def _cli(args, cwd, **kw):
     import os
 
     env = dict(os.environ, PYTHONPATH=env_path)
-    return subprocess.Popen([sys.executable, "-m", "bigtune", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "bigtune", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _set_args(over: dict) -> list[str]:
@@ -118,8 +147,14 @@ def _set_args(over: dict) -> list[str]:
 
 
 def test_kill_and_resume_continues_identically(tmp_path):
-    common = {"train.max_steps": 60, "checkpoint.enabled": True, "checkpoint.every_steps": 5,
-              "checkpoint.keep_last": 50, "memory.every_steps": 1000, "data.max_seq_length": 64}
+    common = {
+        "train.max_steps": 60,
+        "checkpoint.enabled": True,
+        "checkpoint.every_steps": 5,
+        "checkpoint.keep_last": 50,
+        "memory.every_steps": 1000,
+        "data.max_seq_length": 64,
+    }
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     ref = _cli(["train", *_set_args(tiny_overrides(ref_dir, **common))], tmp_path)
     cut = _cli(["train", *_set_args(tiny_overrides(cut_dir, **common))], tmp_path)
@@ -156,15 +191,17 @@ def test_oom_is_a_result(run_dir):
 
 
 def test_mixed_precision_and_opt_preset_train(run_dir):
-    s = train(ROOT / "recipes" / "tiny-opt.yaml", {"output_dir": str(run_dir), "train.max_steps": 4,
-                                                   "checkpoint.save_model": False})
+    s = train(
+        ROOT / "recipes" / "tiny-opt.yaml",
+        {"output_dir": str(run_dir), "train.max_steps": 4, "checkpoint.save_model": False},
+    )
     assert s["status"] == "ok" and s["steps"] == 4
     assert math.isfinite(s["final_loss"])
     assert s["tokens_per_s"] > 0 and s["samples"] == 4 * 16
 
 
 def test_lr_schedule_warmup_and_cosine():
-    from bigtune.engine import lr_factor
+    from bigtune.engine.loop import lr_factor
 
     assert lr_factor(0, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_factor(9, 100, 10, "cosine", 0.1) == pytest.approx(1.0)

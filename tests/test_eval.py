@@ -6,19 +6,23 @@ import json
 
 import pytest
 
-import bigtune.engine as engine
-from bigtune.data import build_examples
-from bigtune.engine import train
-from bigtune.presets import tiny_tokenizer
+import bigtune.engine.loop as engine
+from bigtune.core.presets import tiny_tokenizer
+from bigtune.data.text import build_examples
 from bigtune.recipe import DataConfig, RecipeError, load_recipe
+from bigtune.run.training import train
 from conftest import read_jsonl, tiny_overrides
 
 
 @pytest.fixture
 def unique_data(tmp_path):
     path = tmp_path / "unique.jsonl"
-    path.write_text("".join(json.dumps({"instruction": f"Say the number {i}.", "input": "",
-                                        "output": f"The number is {i}."}) + "\n" for i in range(100)))
+    path.write_text(
+        "".join(
+            json.dumps({"instruction": f"Say the number {i}.", "input": "", "output": f"The number is {i}."}) + "\n"
+            for i in range(100)
+        )
+    )
     return path
 
 
@@ -42,13 +46,28 @@ def test_eval_split_never_reaches_a_training_batch(tmp_path, unique_data, monkey
         return real_step(b, batches, *a, **k)
 
     monkeypatch.setattr(engine, "train_step", spy)
-    s = train({}, tiny_overrides(tmp_path / "r", **{"data.source": str(unique_data), "data.val_fraction": 0.2,
-                                                     "train.max_steps": None, "train.max_epochs": 2,
-                                                     "eval.every_steps": 5, "memory.plan": False,
-                                                     "checkpoint.save_model": True}), quiet_recipe=True)
-    val = {tuple(e.input_ids) for e in build_examples(DataConfig(source=str(unique_data), val_fraction=0.2,
-                                                                 max_seq_length=64), tiny_tokenizer(),
-                                                      seed=42)[1].val_examples}
+    s = train(
+        {},
+        tiny_overrides(
+            tmp_path / "r",
+            **{
+                "data.source": str(unique_data),
+                "data.val_fraction": 0.2,
+                "train.max_steps": None,
+                "train.max_epochs": 2,
+                "eval.every_steps": 5,
+                "memory.plan": False,
+                "checkpoint.save_model": True,
+            },
+        ),
+        quiet_recipe=True,
+    )
+    val = {
+        tuple(e.input_ids)
+        for e in build_examples(
+            DataConfig(source=str(unique_data), val_fraction=0.2, max_seq_length=64), tiny_tokenizer(), seed=42
+        )[1].val_examples
+    }
     assert len(seen) == 2 * 80 and not set(seen) & val
     evals = read_jsonl(tmp_path / "r" / "eval.jsonl")
     assert [e["step"] for e in evals] == [5, 10, 15, 20, 25, 30, 35, 40]

@@ -15,10 +15,20 @@ import pytest
 
 from conftest import ROOT, read_jsonl, run_cli
 
-COMMON = {"train.max_steps": 3, "train.max_epochs": None, "train.log_every_steps": 1, "memory.every_steps": 1000,
-          "data.max_seq_length": 64, "accelerator": "cpu", "optim.name": "adamw", "optim.lr": 1e-3,
-          "optim.lr_scaling": "linear", "train.micro_batch_size": 4, "checkpoint.save_model": False,
-          "memory.plan": False}
+COMMON = {
+    "train.max_steps": 3,
+    "train.max_epochs": None,
+    "train.log_every_steps": 1,
+    "memory.every_steps": 1000,
+    "data.max_seq_length": 64,
+    "accelerator": "cpu",
+    "optim.name": "adamw",
+    "optim.lr": 1e-3,
+    "optim.lr_scaling": "linear",
+    "train.micro_batch_size": 4,
+    "checkpoint.save_model": False,
+    "memory.plan": False,
+}
 
 
 def _args(over: dict) -> list[str]:
@@ -57,8 +67,7 @@ def _wait_all(procs, timeout=400):
 def one_node(tmp_path_factory):
     """The reference: one node, two processes spawned by bigtune."""
     tmp = tmp_path_factory.mktemp("one")
-    res = run_cli("train", *_args({**COMMON, "devices": 2, "strategy": "ddp", "output_dir": str(tmp / "run")}),
-                  cwd=tmp)
+    res = run_cli("train", *_args({**COMMON, "devices": 2, "strategy": "ddp", "output_dir": str(tmp / "run")}), cwd=tmp)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return tmp / "run"
 
@@ -74,12 +83,30 @@ def test_two_torchrun_nodes_agree_with_one_node(tmp_path, one_node):
     port = _port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-               "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
-               "-m", "bigtune", "train", *_args({**COMMON, "devices": 1, "num_nodes": 2, "strategy": "ddp",
-                                                  "output_dir": str(tmp_path / f"node{node}")})]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(node),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            "bigtune",
+            "train",
+            *_args(
+                {**COMMON, "devices": 1, "num_nodes": 2, "strategy": "ddp", "output_dir": str(tmp_path / f"node{node}")}
+            ),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outs = _wait_all(procs)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     # Rank 0 picks the run dir and broadcasts it: node 1 writes nothing of its own.
@@ -91,14 +118,30 @@ def test_fake_slurm_job_of_two_nodes_agrees_with_one_node(tmp_path, one_node):
     port = str(_port())
     procs = []
     for rank in (0, 1):
-        env = _env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="2", SLURM_PROCID=str(rank),
-                   SLURM_LOCALID="0", SLURM_NODEID=str(rank), SLURM_JOB_NODELIST="127.0.0.1",
-                   SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="bigtune-test",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, "-m", "bigtune", "train",
-               *_args({**COMMON, "devices": 1, "num_nodes": 2, "strategy": "ddp", "output_dir": str(tmp_path / "run")})]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        env = _env(
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="1",
+            SLURM_NNODES="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID="0",
+            SLURM_NODEID=str(rank),
+            SLURM_JOB_NODELIST="127.0.0.1",
+            SLURM_NODELIST="127.0.0.1",
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="bigtune-test",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "bigtune",
+            "train",
+            *_args({**COMMON, "devices": 1, "num_nodes": 2, "strategy": "ddp", "output_dir": str(tmp_path / "run")}),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outs = _wait_all(procs)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -107,12 +150,36 @@ def test_fake_slurm_job_of_two_nodes_agrees_with_one_node(tmp_path, one_node):
 
 
 def _torchrun_long(tmp_path, timeout_s: int):
-    over = {**COMMON, "train.max_steps": 100000, "devices": 2, "strategy": "ddp", "dist_timeout_s": timeout_s,
-            "output_dir": str(tmp_path / "run")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
-           "-m", "bigtune", "train", *_args(over)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    over = {
+        **COMMON,
+        "train.max_steps": 100000,
+        "devices": 2,
+        "strategy": "ddp",
+        "dist_timeout_s": timeout_s,
+        "output_dir": str(tmp_path / "run"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_port()),
+        "-m",
+        "bigtune",
+        "train",
+        *_args(over),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:

@@ -35,10 +35,13 @@ def pa():
 
 # -- bench/plan_accuracy.py ---------------------------------------------------------------------------
 
+
 def test_a_case_past_its_time_limit_is_killed_with_its_children(pa, tmp_path):
     pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)")
+    code = (
+        "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)"
+    )
     t0 = time.perf_counter()
     res = pa.run_process([sys.executable, "-c", code], timeout=3)
     assert res["timed_out"] and time.perf_counter() - t0 < 20 and "started" in res["stdout"]
@@ -61,9 +64,15 @@ def test_budget_skips_cases_that_would_not_finish_and_resume_runs_only_those(pa,
         calls.append((name, timeout))
         clock["t"] += 20.0  # each case takes 20 s
         m, p = 1000, 1010
-        return {"case": name, "expect": case.get("expect", "fit"), "status": "oom" if "oom" in name else "ok",
-                "seconds": 20.0, "measured_peak_allocated": m, "predicted_peak_allocated": p,
-                "peak_error_pct": pa.error_pct(p, m)}
+        return {
+            "case": name,
+            "expect": case.get("expect", "fit"),
+            "status": "oom" if "oom" in name else "ok",
+            "seconds": 20.0,
+            "measured_peak_allocated": m,
+            "predicted_peak_allocated": p,
+            "peak_error_pct": pa.error_pct(p, m),
+        }
 
     monkeypatch.setattr(pa, "run_case", fake_run_case)
     monkeypatch.setattr(pa, "_clock", lambda: clock["t"])
@@ -87,13 +96,23 @@ def test_budget_skips_cases_that_would_not_finish_and_resume_runs_only_those(pa,
 
 
 def test_row_from_a_cuda_summary_computes_every_error_from_its_numbers(pa):
-    plan = {"measured_peak_allocated": 40 * GIB, "predicted_peak_allocated_like_for_like": 41 * GIB,
-            "predicted_peak_allocated": 41 * GIB, "measured_peak_reserved": 44 * GIB,
-            "predicted_peak_reserved_like_for_like": 43 * GIB, "measured_device_used": 45 * GIB,
-            "predicted_peak_total_like_for_like": 43.5 * GIB, "predicted_fits": True,
-            "predicted_step_time_s": 0.30, "predicted_tokens_per_s": 6800.0, "phases": {}}
-    metrics = [{"step": i, "step_time_s": t, "tokens_per_s": 2048 / t, "mfu": 0.4} for i, t in
-               enumerate([2.0, 0.5, 0.25, 0.25, 0.26, 0.24], start=1)]
+    plan = {
+        "measured_peak_allocated": 40 * GIB,
+        "predicted_peak_allocated_like_for_like": 41 * GIB,
+        "predicted_peak_allocated": 41 * GIB,
+        "measured_peak_reserved": 44 * GIB,
+        "predicted_peak_reserved_like_for_like": 43 * GIB,
+        "measured_device_used": 45 * GIB,
+        "predicted_peak_total_like_for_like": 43.5 * GIB,
+        "predicted_fits": True,
+        "predicted_step_time_s": 0.30,
+        "predicted_tokens_per_s": 6800.0,
+        "phases": {},
+    }
+    metrics = [
+        {"step": i, "step_time_s": t, "tokens_per_s": 2048 / t, "mfu": 0.4}
+        for i, t in enumerate([2.0, 0.5, 0.25, 0.25, 0.26, 0.24], start=1)
+    ]
     row = pa.row_from_summary({"status": "ok", "plan": plan, "device": {"name": "NVIDIA H100 80GB HBM3"}}, metrics)
     assert row["peak_error_pct"] == pytest.approx(2.5)
     assert row["reserved_error_pct"] == pytest.approx(100 * (43 - 44) / 44)
@@ -117,21 +136,33 @@ def test_every_gpu_case_is_a_valid_recipe_and_the_matrix_covers_the_lab(pa, tmp_
             recipe, over = pa.case_recipe(case, data, tmp_path / name, name, 6, "cuda", False)
             r = load_recipe(recipe, over)
             assert r.model.init == "random" and r.accelerator == "cuda" and not r.memory.oom_alternatives
-            seen.add((r.model.family, r.precision, r.optim.name, r.train.activation_checkpointing,
-                      r.peft.method, r.data.max_seq_length))
+            seen.add(
+                (
+                    r.model.family,
+                    r.precision,
+                    r.optim.name,
+                    r.train.activation_checkpointing,
+                    r.peft.method,
+                    r.data.max_seq_length,
+                )
+            )
     lab = {x for x in seen if x[0] == "image-to-text"}
     assert {x[1] for x in lab} == {"bf16-true", "32-true", "bf16-mixed"} and all(x[5] == 50 for x in lab)
     assert any(x[3] for x in lab)  # checkpointing
     llm = {x for x in seen if x[0] == "causal-lm"}
     assert {"lora"} <= {x[4] for x in llm} and {"sgd", "adamw"} <= {x[2] for x in llm}
     assert "32-true" in {x[1] for x in llm}
-    assert list(pa.CASES)[:3] == ["tinyllama-bf16true-adamw-b4", "blip2opt2.7b-bf16true-adamw-b16-acc4",
-                                  "openllama7b-bf16true-adamw-ckpt-b4"]  # cheap sanity first, then what matters
+    assert list(pa.CASES)[:3] == [
+        "tinyllama-bf16true-adamw-b4",
+        "blip2opt2.7b-bf16true-adamw-b16-acc4",
+        "openllama7b-bf16true-adamw-ckpt-b4",
+    ]  # cheap sanity first, then what matters
     oom_checks = [n for n, c in pa.CASES.items() if c.get("expect") == "oom"]
     assert oom_checks and all(list(pa.CASES).index(n) >= len(pa.CASES) - 3 for n in oom_checks)  # run last
 
 
 # -- bench/throughput.py -------------------------------------------------------------------------------
+
 
 def test_throughput_gpu_presets_build_without_a_gpu(capsys):
     tp = _bench("throughput")
@@ -147,10 +178,11 @@ def test_throughput_gpu_presets_build_without_a_gpu(capsys):
 
 # -- random-init BLIP-2 of a real architecture (no hub) --------------------------------------------------
 
+
 def test_random_init_blip2_gets_a_local_processor_at_the_models_image_size():
-    from bigtune.imagedata import ImageCaptionDataset, ImageCollator, TokenLayout, build_image_examples
-    from bigtune.models import load_processor
-    from bigtune.planner import resolve_config_name
+    from bigtune.data.images import ImageCaptionDataset, ImageCollator, TokenLayout, build_image_examples
+    from bigtune.models.build import load_processor
+    from bigtune.models.configs import resolve_config_name
     from bigtune.recipe import load_recipe
 
     r = load_recipe(ROOT / "recipes" / "blip2-opt-2.7b.yaml", {"model.init": "random", "data.num_train_samples": 8})
@@ -168,10 +200,19 @@ def test_random_init_blip2_gets_a_local_processor_at_the_models_image_size():
 
 # -- CUDA-only measurement, torch.cuda mocked --------------------------------------------------------------
 
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    state = {"allocated": 3 * GIB, "peak": 5 * GIB, "reserved": 6 * GIB, "peak_reserved": 7 * GIB,
-             "free": 72 * GIB, "total": 80 * GIB, "resets": 0, "fraction": None}
+    state = {
+        "allocated": 3 * GIB,
+        "peak": 5 * GIB,
+        "reserved": 6 * GIB,
+        "peak_reserved": 7 * GIB,
+        "free": 72 * GIB,
+        "total": 80 * GIB,
+        "resets": 0,
+        "fraction": None,
+    }
     props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB)
 
     def reset(device=None):
@@ -180,19 +221,22 @@ def fake_cuda(monkeypatch):
     def fraction(f, device=None):
         state["fraction"] = f
 
-    for name, fn in {"memory_allocated": lambda d=None: state["allocated"],
-                     "max_memory_allocated": lambda d=None: state["peak"],
-                     "memory_reserved": lambda d=None: state["reserved"],
-                     "max_memory_reserved": lambda d=None: state["peak_reserved"],
-                     "mem_get_info": lambda d=None: (state["free"], state["total"]),
-                     "reset_peak_memory_stats": reset, "set_per_process_memory_fraction": fraction,
-                     "get_device_properties": lambda d=None: props}.items():
+    for name, fn in {
+        "memory_allocated": lambda d=None: state["allocated"],
+        "max_memory_allocated": lambda d=None: state["peak"],
+        "memory_reserved": lambda d=None: state["reserved"],
+        "max_memory_reserved": lambda d=None: state["peak_reserved"],
+        "mem_get_info": lambda d=None: (state["free"], state["total"]),
+        "reset_peak_memory_stats": reset,
+        "set_per_process_memory_fraction": fraction,
+        "get_device_properties": lambda d=None: props,
+    }.items():
         monkeypatch.setattr(torch.cuda, name, fn)
     return state
 
 
 def test_cuda_snapshot_reads_the_allocator_and_the_whole_device(fake_cuda):
-    from bigtune.memory import MemoryMonitor, gather_snapshots
+    from bigtune.memory.monitor import MemoryMonitor, gather_snapshots
 
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.AdamW(model.parameters())
@@ -210,22 +254,22 @@ def test_cuda_snapshot_reads_the_allocator_and_the_whole_device(fake_cuda):
     assert s.activations == 3 * GIB - 2 * states and s.device_used == 8 * GIB and s.phase_peak is None
     assert s.to_dict()["device_used"] == 8 * GIB
     # several ranks: every field, the device's memory in use included, survives the gather
-    fabric = SimpleNamespace(world_size=2, device=torch.device("cpu"),
-                             all_gather=lambda t: torch.stack([t, t + GIB]))
+    fabric = SimpleNamespace(world_size=2, device=torch.device("cpu"), all_gather=lambda t: torch.stack([t, t + GIB]))
     per_rank = gather_snapshots(fabric, [s])
     assert per_rank[0][0].device_used == 8 * GIB and per_rank[1][0].device_used == 9 * GIB
     assert per_rank[1][0].peak_reserved == 8 * GIB and per_rank[0][0].reserved == 6 * GIB
 
 
 def test_cuda_helpers_of_the_engine(fake_cuda, tmp_path):
-    from bigtune import engine
+    from bigtune.core.rundir import RunDir
+    from bigtune.engine import loop as engine
     from bigtune.recipe import load_recipe
-    from bigtune.rundir import RunDir
+    from bigtune.run import compare
 
     cuda = torch.device("cuda")
-    target = engine._target_for(cuda)
+    target = compare.target_for_device(cuda)
     assert target.device == "cuda" and target.gpu.key == "h100-sxm-80gb"
-    assert engine._target_for(cuda, 40 * GIB).capacity_bytes == 40 * GIB
+    assert compare.target_for_device(cuda, 40 * GIB).capacity_bytes == 40 * GIB
     assert engine.gpu_peak_flops(cuda, "bf16-true") == 989.5e12
     before = torch.backends.cuda.matmul.allow_tf32
     try:
@@ -237,34 +281,75 @@ def test_cuda_helpers_of_the_engine(fake_cuda, tmp_path):
         torch.backends.cuda.matmul.allow_tf32 = before
     r = load_recipe({}, {"model.name": "tiny-llama"})
     assert engine._capacity(cuda, r) == 80 * GIB
-    assert engine.device_info(cuda) == {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * GIB,
-                                        "count": 1}
+    assert engine.device_info(cuda) == {
+        "type": "cuda",
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory_bytes": 80 * GIB,
+        "count": 1,
+    }
     run = RunDir(tmp_path)
     run.create()
     for used in (7 * GIB, 9 * GIB):
-        run.append_jsonl("memory.jsonl", {"step": 0, "phase": "after_backward", "peak_allocated": 5 * GIB,
-                                          "peak_reserved": 7 * GIB, "device_used": used})
+        run.append_jsonl(
+            "memory.jsonl",
+            {
+                "step": 0,
+                "phase": "after_backward",
+                "peak_allocated": 5 * GIB,
+                "peak_reserved": 7 * GIB,
+                "device_used": used,
+            },
+        )
     res = engine._results(run, engine.LoopState(), "ok", 1.0)
     assert res["peak_reserved_bytes"] == 7 * GIB and res["peak_device_used_bytes"] == 9 * GIB
 
 
 def test_compare_with_plan_on_cuda_numbers_reports_reserved_total_and_time():
-    from bigtune import engine
     from bigtune.recipe import load_recipe
+    from bigtune.run import compare
 
     r = load_recipe({}, {"model.name": "tiny-llama", "data.max_seq_length": 64, "train.micro_batch_size": 4})
-    cats = ("parameters", "gradients", "optimizer_device", "optimizer_cpu", "activations", "allocated",
-            "peak_allocated")
-    phases = {ph: {c: (i + 1) * GIB for c in cats} for i, ph in
-              enumerate(("before_forward", "after_forward", "after_backward", "after_optimizer"))}
-    p = SimpleNamespace(target="1× h100-sxm-80gb", peak_allocated=4 * GIB, peak_reserved=int(4.2 * GIB),
-                        peak_total=int(4.7 * GIB), fits=True, notes=[], phases=phases, step_time_s=0.05,
-                        tokens_per_s=5120.0)
-    snaps = [{"step": s, "phase": ph, **{c: v for c, v in phases[ph].items()}, "peak_allocated": 4 * GIB - 2**20,
-              "reserved": 4 * GIB, "peak_reserved": 5 * GIB if ph == "after_backward" else 4 * GIB,
-              "device_used": int(5.6 * GIB), "batch_shape": [4, 64], "padded": False, "rank": 0}
-             for s in (0, 1) for ph in phases]
-    c = engine.compare_with_plan(p, r, torch.device("cuda"), snaps)
+    cats = (
+        "parameters",
+        "gradients",
+        "optimizer_device",
+        "optimizer_cpu",
+        "activations",
+        "allocated",
+        "peak_allocated",
+    )
+    phases = {
+        ph: {c: (i + 1) * GIB for c in cats}
+        for i, ph in enumerate(("before_forward", "after_forward", "after_backward", "after_optimizer"))
+    }
+    p = SimpleNamespace(
+        target="1× h100-sxm-80gb",
+        peak_allocated=4 * GIB,
+        peak_reserved=int(4.2 * GIB),
+        peak_total=int(4.7 * GIB),
+        fits=True,
+        notes=[],
+        phases=phases,
+        step_time_s=0.05,
+        tokens_per_s=5120.0,
+    )
+    snaps = [
+        {
+            "step": s,
+            "phase": ph,
+            **{c: v for c, v in phases[ph].items()},
+            "peak_allocated": 4 * GIB - 2**20,
+            "reserved": 4 * GIB,
+            "peak_reserved": 5 * GIB if ph == "after_backward" else 4 * GIB,
+            "device_used": int(5.6 * GIB),
+            "batch_shape": [4, 64],
+            "padded": False,
+            "rank": 0,
+        }
+        for s in (0, 1)
+        for ph in phases
+    ]
+    c = compare.compare_with_plan(p, r, torch.device("cuda"), snaps)
     assert "replanned_at_batch_shape" not in c  # full-length batches: no second plan
     assert c["measured_peak_reserved"] == 5 * GIB and c["measured_device_used"] == int(5.6 * GIB)
     assert c["reserved_error_pct"] == pytest.approx(100 * (int(4.2 * GIB) - 5 * GIB) / (5 * GIB))
@@ -272,11 +357,14 @@ def test_compare_with_plan_on_cuda_numbers_reports_reserved_total_and_time():
     assert c["peak_error_pct"] == pytest.approx(100 * 2**20 / (4 * GIB - 2**20))
     assert c["predicted_step_time_s"] == 0.05 and c["predicted_fits"] is True
     assert c["phases"]["after_backward"]["peak_allocated"] == {"measured": 4 * GIB - 2**20, "predicted": 3 * GIB}
-    text = engine.format_comparison(c)
+    text = compare.format_comparison(c)
     assert "peak reserved: measured 5.00 GiB" in text and "as nvidia-smi shows it" in text
     # a CPU run has neither line
-    cpu = engine.compare_with_plan(SimpleNamespace(**{**vars(p), "peak_reserved": None, "step_time_s": None}), r,
-                                   torch.device("cpu"), [{**s, "peak_reserved": None, "reserved": None,
-                                                          "device_used": None} for s in snaps])
-    text = engine.format_comparison(cpu)
+    cpu = compare.compare_with_plan(
+        SimpleNamespace(**{**vars(p), "peak_reserved": None, "step_time_s": None}),
+        r,
+        torch.device("cpu"),
+        [{**s, "peak_reserved": None, "reserved": None, "device_used": None} for s in snaps],
+    )
+    text = compare.format_comparison(cpu)
     assert cpu["reserved_error_pct"] is None and "peak reserved" not in text and "nvidia-smi" not in text

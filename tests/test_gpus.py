@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bigtune.gpus import (
+from bigtune.core.gpus import (
     CATALOG,
     GPU,
     UnknownGPUError,
@@ -23,13 +23,29 @@ GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
 
 REQUIRED_KEYS = {
-    "v100-sxm2-16gb", "v100-sxm2-32gb", "t4-16gb", "a10g-24gb", "a10-24gb", "l4-24gb", "l40s-48gb",
-    "rtx-a6000-48gb", "rtx-3090-24gb", "rtx-4090-24gb", "a100-sxm-40gb", "a100-sxm-80gb",
-    "a100-pcie-80gb", "h100-pcie-80gb", "h100-sxm-80gb", "h100-nvl-94gb", "h200-sxm-141gb", "b200-180gb",
+    "v100-sxm2-16gb",
+    "v100-sxm2-32gb",
+    "t4-16gb",
+    "a10g-24gb",
+    "a10-24gb",
+    "l4-24gb",
+    "l40s-48gb",
+    "rtx-a6000-48gb",
+    "rtx-3090-24gb",
+    "rtx-4090-24gb",
+    "a100-sxm-40gb",
+    "a100-sxm-80gb",
+    "a100-pcie-80gb",
+    "h100-pcie-80gb",
+    "h100-sxm-80gb",
+    "h100-nvl-94gb",
+    "h200-sxm-141gb",
+    "b200-180gb",
 }
 
 
 # ------------------------------------------------------------------------------------- entries
+
 
 def test_catalog_has_the_required_models():
     assert REQUIRED_KEYS <= set(CATALOG)
@@ -58,7 +74,7 @@ def test_numbers_are_dense_and_ordered(gpu: GPU):
     if gpu.bf16_tflops is not None:
         assert gpu.bf16_tflops == pytest.approx(gpu.fp16_tflops)
     if gpu.tf32_tflops is not None:
-        assert gpu.fp32_tflops <= gpu.tf32_tflops <= gpu.fp16_tflops / 2 * 1.02   # L40S: 183 vs 362.05
+        assert gpu.fp32_tflops <= gpu.tf32_tflops <= gpu.fp16_tflops / 2 * 1.02  # L40S: 183 vs 362.05
     # Usable memory is below the marketing size but not absurdly so.
     size_gb = int(gpu.key.rsplit("-", 1)[1].removesuffix("gb"))
     assert 0.85 * size_gb < gpu.memory_gib < size_gb
@@ -103,6 +119,7 @@ def test_entries_are_frozen():
 
 # --------------------------------------------------------------------------------------- find_gpu
 
+
 @pytest.mark.parametrize("key", sorted(CATALOG))
 def test_find_by_key_and_by_alias(key):
     gpu = CATALOG[key]
@@ -113,31 +130,34 @@ def test_find_by_key_and_by_alias(key):
         assert find_gpu(alias) is gpu, alias
 
 
-@pytest.mark.parametrize("spelling, key", [
-    ("H100_80GB", "h100-sxm-80gb"),
-    ("h100", "h100-sxm-80gb"),
-    ("  H100  80GB  HBM3 ", "h100-sxm-80gb"),
-    ("H100 PCIe", "h100-pcie-80gb"),
-    ("h100-nvl", "h100-nvl-94gb"),
-    ("a100 80gb", "a100-sxm-80gb"),
-    ("A100_40GB", "a100-sxm-40gb"),
-    ("A100 80GB PCIe", "a100-pcie-80gb"),
-    ("RTX-4090", "rtx-4090-24gb"),
-    ("rtx4090", "rtx-4090-24gb"),
-    ("GeForce RTX 3090", "rtx-3090-24gb"),
-    ("Tesla T4", "t4-16gb"),
-    ("A10G", "a10g-24gb"),
-    ("a10", "a10-24gb"),
-    ("L40S", "l40s-48gb"),
-    ("RTX A6000", "rtx-a6000-48gb"),
-    ("V100_32GB", "v100-sxm2-32gb"),
-    ("H200", "h200-sxm-141gb"),
-    ("b200", "b200-180gb"),
-    # torch device-name strings resolve too
-    ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"),
-    ("NVIDIA H100 80GB HBM3", "h100-sxm-80gb"),
-    ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
-])
+@pytest.mark.parametrize(
+    "spelling, key",
+    [
+        ("H100_80GB", "h100-sxm-80gb"),
+        ("h100", "h100-sxm-80gb"),
+        ("  H100  80GB  HBM3 ", "h100-sxm-80gb"),
+        ("H100 PCIe", "h100-pcie-80gb"),
+        ("h100-nvl", "h100-nvl-94gb"),
+        ("a100 80gb", "a100-sxm-80gb"),
+        ("A100_40GB", "a100-sxm-40gb"),
+        ("A100 80GB PCIe", "a100-pcie-80gb"),
+        ("RTX-4090", "rtx-4090-24gb"),
+        ("rtx4090", "rtx-4090-24gb"),
+        ("GeForce RTX 3090", "rtx-3090-24gb"),
+        ("Tesla T4", "t4-16gb"),
+        ("A10G", "a10g-24gb"),
+        ("a10", "a10-24gb"),
+        ("L40S", "l40s-48gb"),
+        ("RTX A6000", "rtx-a6000-48gb"),
+        ("V100_32GB", "v100-sxm2-32gb"),
+        ("H200", "h200-sxm-141gb"),
+        ("b200", "b200-180gb"),
+        # torch device-name strings resolve too
+        ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm-80gb"),
+        ("Tesla V100-SXM2-16GB", "v100-sxm2-16gb"),
+    ],
+)
 def test_find_messy_spellings(spelling, key):
     assert find_gpu(spelling).key == key
 
@@ -154,17 +174,20 @@ def test_unknown_name_lists_close_matches_keys_and_the_memory_flag():
     with pytest.raises(UnknownGPUError) as exc:
         find_gpu("H1000")
     msg = str(exc.value)
-    assert "h100-sxm-80gb" in msg.split("Known GPUs")[0]      # a close match, before the full list
+    assert "h100-sxm-80gb" in msg.split("Known GPUs")[0]  # a close match, before the full list
     for key in CATALOG:
         assert key in msg
     assert "--gpu-memory GIB" in msg
     assert isinstance(exc.value, ValueError)
 
 
-@pytest.mark.parametrize("ambiguous, candidates", [
-    ("a100", {"a100-sxm-40gb", "a100-sxm-80gb"}),
-    ("V100", {"v100-sxm2-16gb", "v100-sxm2-32gb"}),
-])
+@pytest.mark.parametrize(
+    "ambiguous, candidates",
+    [
+        ("a100", {"a100-sxm-40gb", "a100-sxm-80gb"}),
+        ("V100", {"v100-sxm2-16gb", "v100-sxm2-32gb"}),
+    ],
+)
 def test_names_without_a_size_are_not_guessed(ambiguous, candidates):
     with pytest.raises(UnknownGPUError) as exc:
         find_gpu(ambiguous)
@@ -180,6 +203,7 @@ def test_unknown_names_raise(bad):
 
 # ------------------------------------------------------------------------------------- custom_gpu
 
+
 def test_custom_gpu_without_base():
     g = custom_gpu(22.5)
     assert g.key == "custom-22.5gib"
@@ -193,7 +217,7 @@ def test_custom_gpu_with_base_keeps_everything_but_memory():
     base = find_gpu("h100")
     g = custom_gpu(70, base=base)
     assert g.memory_gib == 70.0
-    assert base.memory_gib == pytest.approx(79.11)          # the catalog entry is untouched
+    assert base.memory_gib == pytest.approx(79.11)  # the catalog entry is untouched
     assert g.key != base.key and g.key.startswith(base.key)
     assert g.bf16_tflops == base.bf16_tflops
     assert g.mem_bandwidth_gbs == base.mem_bandwidth_gbs
@@ -208,29 +232,33 @@ def test_custom_gpu_rejects_non_positive_memory(bad):
 
 # ------------------------------------------------------------------------------------- detect_gpu
 
-@pytest.mark.parametrize("device_name, memory_gib, key", [
-    ("NVIDIA H100 80GB HBM3", 79.11, "h100-sxm-80gb"),
-    ("NVIDIA H100 PCIe", 79.11, "h100-pcie-80gb"),
-    ("NVIDIA H100 NVL", 93.0, "h100-nvl-94gb"),
-    ("NVIDIA A100-SXM4-80GB", 79.15, "a100-sxm-80gb"),
-    ("NVIDIA A100-SXM4-40GB", 39.59, "a100-sxm-40gb"),
-    ("NVIDIA A100 80GB PCIe", 79.15, "a100-pcie-80gb"),
-    ("NVIDIA A100-PCIE-40GB", 39.5, "a100-pcie-40gb"),
-    ("NVIDIA H200", 139.8, "h200-sxm-141gb"),
-    ("NVIDIA H200 NVL", 139.8, "h200-nvl-141gb"),
-    ("NVIDIA B200", 178.35, "b200-180gb"),
-    ("NVIDIA GH200 480GB", 95.0, "gh200-96gb"),
-    ("NVIDIA GeForce RTX 4090", 23.64, "rtx-4090-24gb"),
-    ("NVIDIA GeForce RTX 3090", 23.69, "rtx-3090-24gb"),
-    ("Tesla V100-SXM2-32GB", 31.74, "v100-sxm2-32gb"),
-    ("Tesla V100-SXM2-16GB", 15.77, "v100-sxm2-16gb"),
-    ("Tesla T4", 14.75, "t4-16gb"),
-    ("NVIDIA A10G", 22.0, "a10g-24gb"),
-    ("NVIDIA A10", 22.0, "a10-24gb"),
-    ("NVIDIA L4", 22.0, "l4-24gb"),
-    ("NVIDIA L40S", 44.42, "l40s-48gb"),
-    ("NVIDIA RTX A6000", 47.54, "rtx-a6000-48gb"),
-])
+
+@pytest.mark.parametrize(
+    "device_name, memory_gib, key",
+    [
+        ("NVIDIA H100 80GB HBM3", 79.11, "h100-sxm-80gb"),
+        ("NVIDIA H100 PCIe", 79.11, "h100-pcie-80gb"),
+        ("NVIDIA H100 NVL", 93.0, "h100-nvl-94gb"),
+        ("NVIDIA A100-SXM4-80GB", 79.15, "a100-sxm-80gb"),
+        ("NVIDIA A100-SXM4-40GB", 39.59, "a100-sxm-40gb"),
+        ("NVIDIA A100 80GB PCIe", 79.15, "a100-pcie-80gb"),
+        ("NVIDIA A100-PCIE-40GB", 39.5, "a100-pcie-40gb"),
+        ("NVIDIA H200", 139.8, "h200-sxm-141gb"),
+        ("NVIDIA H200 NVL", 139.8, "h200-nvl-141gb"),
+        ("NVIDIA B200", 178.35, "b200-180gb"),
+        ("NVIDIA GH200 480GB", 95.0, "gh200-96gb"),
+        ("NVIDIA GeForce RTX 4090", 23.64, "rtx-4090-24gb"),
+        ("NVIDIA GeForce RTX 3090", 23.69, "rtx-3090-24gb"),
+        ("Tesla V100-SXM2-32GB", 31.74, "v100-sxm2-32gb"),
+        ("Tesla V100-SXM2-16GB", 15.77, "v100-sxm2-16gb"),
+        ("Tesla T4", 14.75, "t4-16gb"),
+        ("NVIDIA A10G", 22.0, "a10g-24gb"),
+        ("NVIDIA A10", 22.0, "a10-24gb"),
+        ("NVIDIA L4", 22.0, "l4-24gb"),
+        ("NVIDIA L40S", 44.42, "l40s-48gb"),
+        ("NVIDIA RTX A6000", 47.54, "rtx-a6000-48gb"),
+    ],
+)
 def test_detect_device_names(device_name, memory_gib, key):
     assert detect_gpu(device_name).key == key
     assert detect_gpu(device_name, int(memory_gib * GIB)).key == key
@@ -248,16 +276,28 @@ def test_detect_a100_size_from_memory_when_the_name_has_none():
     assert detect_gpu("NVIDIA A100-SXM4").key == "a100-sxm-40gb"
 
 
-@pytest.mark.parametrize("device_name", [
-    "", "NVIDIA GeForce RTX 2080 Ti", "NVIDIA L40", "NVIDIA RTX 6000 Ada Generation",
-    "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 3090 Ti", "NVIDIA GeForce RTX 4090 Laptop GPU",
-    "Tesla V100-PCIE-32GB", "NVIDIA A100-SXM4-80GB MIG 3g.40gb", "AMD Instinct MI300X", "cpu",
-])
+@pytest.mark.parametrize(
+    "device_name",
+    [
+        "",
+        "NVIDIA GeForce RTX 2080 Ti",
+        "NVIDIA L40",
+        "NVIDIA RTX 6000 Ada Generation",
+        "NVIDIA GeForce RTX 4090 D",
+        "NVIDIA GeForce RTX 3090 Ti",
+        "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "Tesla V100-PCIE-32GB",
+        "NVIDIA A100-SXM4-80GB MIG 3g.40gb",
+        "AMD Instinct MI300X",
+        "cpu",
+    ],
+)
 def test_detect_unknown_gives_none(device_name):
     assert detect_gpu(device_name, 24 * GIB) is None
 
 
 # ------------------------------------------------------------------------------------- peak_flops
+
 
 def test_peak_flops_h100_bf16_is_the_dense_sxm_figure():
     h100 = find_gpu("h100")
@@ -272,7 +312,7 @@ def test_peak_flops_32_true_uses_tf32_only_when_allowed():
     assert peak_flops(a100, "32-true") == pytest.approx(19.5e12)
     assert peak_flops(a100, "32-true", allow_tf32=False) == pytest.approx(19.5e12)
     assert peak_flops(a100, "32-true", allow_tf32=True) == pytest.approx(156e12)
-    v100 = CATALOG["v100-sxm2-32gb"]   # no TF32: falls back to FP32 even when allowed
+    v100 = CATALOG["v100-sxm2-32gb"]  # no TF32: falls back to FP32 even when allowed
     assert peak_flops(v100, "32-true", allow_tf32=True) == pytest.approx(15.7e12)
 
 
@@ -299,15 +339,21 @@ def test_peak_flops_rejects_unknown_precision():
 
 # ---------------------------------------------------------------------------------------- imports
 
+
 def test_import_does_not_load_torch():
     code = (
         "import sys, bigtune\n"
         "before = 'torch' in sys.modules\n"
-        "import bigtune.gpus\n"
+        "import bigtune.core.gpus\n"
         "print('skip' if before else ('torch' in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": ""},
+    )
     result = out.stdout.strip()
     if result == "skip":
         pytest.skip("the bigtune package itself imports torch")

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtune.data import DataError
-from bigtune.engine import train
-from bigtune.imagedata import DEMO_IMAGES, ImageCollator, TokenLayout, build_image_examples
-from bigtune.models import build_model, freeze_parts, load_processor
+from bigtune.core.stepmath import IGNORE_INDEX
+from bigtune.data.images import DEMO_IMAGES, ImageCollator, TokenLayout, build_image_examples
+from bigtune.data.text import DataError
+from bigtune.models.build import build_model, freeze_parts, load_processor
 from bigtune.recipe import DataConfig, ModelConfig, RecipeError, load_recipe
-from bigtune.stepmath import IGNORE_INDEX
+from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, run_cli
 
 DEMO = ROOT / "recipes" / "gourmetgram-demo.yaml"
@@ -35,9 +35,17 @@ def one_thread(monkeypatch):
 
 
 def _overrides(run_dir: Path, **extra) -> dict:
-    base = {"data.val_fraction": 0.0, "train.max_epochs": None, "train.max_steps": 3, "train.micro_batch_size": 8,
-            "train.log_every_steps": 1, "memory.every_steps": 1, "checkpoint.save_model": False,
-            "output_dir": str(run_dir), "name": "blip2-test"}
+    base = {
+        "data.val_fraction": 0.0,
+        "train.max_epochs": None,
+        "train.max_steps": 3,
+        "train.micro_batch_size": 8,
+        "train.log_every_steps": 1,
+        "memory.every_steps": 1,
+        "checkpoint.save_model": False,
+        "output_dir": str(run_dir),
+        "name": "blip2-test",
+    }
     base.update(extra)
     return base
 
@@ -47,6 +55,7 @@ def _demo_images(n: int) -> list[Path]:
 
 
 # -- presets and loading ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("preset,decoder_only", [("tiny-blip2-opt", True), ("tiny-blip2-t5", False)])
 def test_presets_build_and_processor_round_trips(tmp_path, preset, decoder_only):
@@ -67,17 +76,21 @@ def test_presets_build_and_processor_round_trips(tmp_path, preset, decoder_only)
     again = load_processor(ModelConfig(name=str(tmp_path / "m"), family="image-to-text"))
     assert again.num_query_tokens == proc.num_query_tokens
     assert again.tokenizer.convert_tokens_to_ids("<image>") == model.config.image_token_index
-    from bigtune.imagedata import open_image
+    from bigtune.data.images import open_image
 
     img = open_image(_demo_images(1)[0])
     a = proc(images=[img], text=["a bowl of rice"], return_tensors="pt")
     b = again(images=[img], text=["a bowl of rice"], return_tensors="pt")
     assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
-    assert a["input_ids"][0, :proc.num_query_tokens].tolist() == [model.config.image_token_index] * 4
+    assert a["input_ids"][0, : proc.num_query_tokens].tolist() == [model.config.image_token_index] * 4
 
     # a local folder loads the real way (from_pretrained, safetensors), frozen parts applied again
-    loaded = build_model(ModelConfig(name=str(tmp_path / "m"), family="image-to-text", freeze_vision=False,
-                                     freeze_language_model=True), again, "32-true", seed=0)
+    loaded = build_model(
+        ModelConfig(name=str(tmp_path / "m"), family="image-to-text", freeze_vision=False, freeze_language_model=True),
+        again,
+        "32-true",
+        seed=0,
+    )
     for (n, p), (n2, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert n == n2 and torch.equal(p, q), n
     assert all(p.requires_grad for p in loaded.vision_model.parameters())
@@ -86,6 +99,7 @@ def test_presets_build_and_processor_round_trips(tmp_path, preset, decoder_only)
 
 # -- data -------------------------------------------------------------------------------------------------
 
+
 def _records(tmp_path: Path) -> list[tuple[str | None, str]]:
     """Six records: 0, 2, 5 good; 1 a truncated image; 3 a missing file; 4 an empty caption."""
     imgs = _demo_images(4)
@@ -93,16 +107,18 @@ def _records(tmp_path: Path) -> list[tuple[str | None, str]]:
     for p in imgs:
         shutil.copy(p, tmp_path / "img" / p.name)
     (tmp_path / "img" / "broken.png").write_bytes(imgs[1].read_bytes()[:60])
-    return [(f"img/{imgs[0].name}", "a bowl of rice on a wooden table"),
-            ("img/broken.png", "a plate of rice"),
-            (f"img/{imgs[2].name}", "tomato soup in a bowl"),
-            ("img/gone.png", "a plate of cake"),
-            (f"img/{imgs[3].name}", "   "),
-            (f"img/{imgs[0].name}", "the same photo, another caption")]
+    return [
+        (f"img/{imgs[0].name}", "a bowl of rice on a wooden table"),
+        ("img/broken.png", "a plate of rice"),
+        (f"img/{imgs[2].name}", "tomato soup in a bowl"),
+        ("img/gone.png", "a plate of cake"),
+        (f"img/{imgs[3].name}", "   "),
+        (f"img/{imgs[0].name}", "the same photo, another caption"),
+    ]
 
 
 def _layout(proc, preset="tiny-blip2-opt"):
-    from bigtune.planner import resolve_config_name
+    from bigtune.models.configs import resolve_config_name
 
     return TokenLayout.for_model(proc, resolve_config_name(ModelConfig(name=preset, family="image-to-text")))
 
@@ -131,14 +147,16 @@ def test_image_sources_skip_bad_records_by_index(tmp_path, kind):
             p = tmp_path / rel
             rows["image"].append({"bytes": p.read_bytes(), "path": None} if p.exists() else None)
             rows["text"].append(text)
-        ds = datasets.Dataset.from_dict(rows, features=datasets.Features(
-            {"image": datasets.Image(), "text": datasets.Value("string")}))
+        ds = datasets.Dataset.from_dict(
+            rows, features=datasets.Features({"image": datasets.Image(), "text": datasets.Value("string")})
+        )
         datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "ds"))
         source = tmp_path / "ds"
     elif kind.startswith("folder"):
         if kind == "folder-jsonl":
             (tmp_path / "metadata.jsonl").write_text(
-                "".join(json.dumps({"file_name": r, "text": t}) + "\n" for r, t in recs))
+                "".join(json.dumps({"file_name": r, "text": t}) + "\n" for r, t in recs)
+            )
         else:
             with (tmp_path / "metadata.csv").open("w", newline="") as fh:
                 w = csv.writer(fh)
@@ -182,7 +200,7 @@ def test_t5_collator_builds_decoder_inputs_from_labels():
     assert ids == [lay.image_token_id] * 4 + [lay.eos_id] and labels == [50, 60, 70, lay.eos_id]
     _, labels2, _ = lay.example([80], 10)
     px = torch.zeros(3, 32, 32)
-    from bigtune.imagedata import ImageExample
+    from bigtune.data.images import ImageExample
 
     batch = ImageCollator(lay)([(px, ImageExample("x", ids, labels)), (px, ImageExample("y", ids, labels2))])
     assert batch["pixel_values"].shape == (2, 3, 32, 32)
@@ -193,13 +211,21 @@ def test_t5_collator_builds_decoder_inputs_from_labels():
 
 # -- recipes -------------------------------------------------------------------------------------------
 
+
 def test_recipe_rules_for_image_to_text():
     with pytest.raises(RecipeError) as e:
         load_recipe(DEMO, {"model.family": "causal-lm"})
     assert "image-to-text preset" in str(e.value)
     with pytest.raises(RecipeError) as e:
-        load_recipe(DEMO, {"data.source": "hf:some/dataset", "model.freeze_vision": True,
-                           "model.freeze_qformer": True, "model.freeze_language_model": True})
+        load_recipe(
+            DEMO,
+            {
+                "data.source": "hf:some/dataset",
+                "model.freeze_vision": True,
+                "model.freeze_qformer": True,
+                "model.freeze_language_model": True,
+            },
+        )
     msg = str(e.value)
     assert "hf:<id> is not supported" in msg and "all frozen" in msg
     with pytest.raises(RecipeError, match="only image-to-text"):
@@ -212,14 +238,16 @@ def test_recipe_rules_for_image_to_text():
 
 # -- training -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("freeze_qformer", [False, True])
 def test_frozen_parts_have_no_gradients_or_optimizer_state(tmp_path, freeze_qformer):
     run = tmp_path / "run"
-    s = train(str(DEMO), _overrides(run, **{"model.freeze_vision": True, "model.freeze_qformer": freeze_qformer,
-                                            "train.max_steps": 2}))
+    s = train(
+        str(DEMO),
+        _overrides(run, **{"model.freeze_vision": True, "model.freeze_qformer": freeze_qformer, "train.max_steps": 2}),
+    )
     assert s["status"] == "ok"
-    cfg = ModelConfig(name="tiny-blip2-opt", family="image-to-text", freeze_vision=True,
-                      freeze_qformer=freeze_qformer)
+    cfg = ModelConfig(name="tiny-blip2-opt", family="image-to-text", freeze_vision=True, freeze_qformer=freeze_qformer)
     model = build_model(cfg, load_processor(cfg), "32-true", seed=0)
     frozen = freeze_parts(model, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -239,8 +267,9 @@ def test_frozen_parts_have_no_gradients_or_optimizer_state(tmp_path, freeze_qfor
 
 def test_loss_falls_on_the_demo_recipe(tmp_path):
     run = tmp_path / "run"
-    s = train(str(DEMO), _overrides(run, **{"train.max_steps": 30, "train.micro_batch_size": 16,
-                                            "memory.every_steps": 100}))
+    s = train(
+        str(DEMO), _overrides(run, **{"train.max_steps": 30, "train.micro_batch_size": 16, "memory.every_steps": 100})
+    )
     losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
     assert s["status"] == "ok" and len(losses) == 30
     assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < losses[0] - 2.5, losses
@@ -248,8 +277,18 @@ def test_loss_falls_on_the_demo_recipe(tmp_path):
 
 def test_t5_variant_trains(tmp_path):
     run = tmp_path / "run"
-    s = train(str(DEMO), _overrides(run, **{"model.name": "tiny-blip2-t5", "train.max_steps": 12,
-                                            "memory.every_steps": 100, "optim.warmup_steps": 2}))
+    s = train(
+        str(DEMO),
+        _overrides(
+            run,
+            **{
+                "model.name": "tiny-blip2-t5",
+                "train.max_steps": 12,
+                "memory.every_steps": 100,
+                "optim.warmup_steps": 2,
+            },
+        ),
+    )
     losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
     assert s["status"] == "ok" and all(map(lambda x: x == x, losses))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
@@ -257,8 +296,12 @@ def test_t5_variant_trains(tmp_path):
 
 def test_lora_blip2_trains_and_captions_from_the_run(tmp_path):
     run = tmp_path / "run"
-    s = train(str(DEMO), _overrides(run, **{"peft.method": "lora", "train.max_steps": 4, "checkpoint.save_model": True,
-                                            "optim.lr": 1e-2}))
+    s = train(
+        str(DEMO),
+        _overrides(
+            run, **{"peft.method": "lora", "train.max_steps": 4, "checkpoint.save_model": True, "optim.lr": 1e-2}
+        ),
+    )
     assert s["status"] == "ok"
     # default targets: the OPT language model's q_proj and v_proj only (2 layers × 2 × (64·8 + 8·64))
     assert s["parameters"]["trainable"] == 2 * 2 * (64 * 8 + 8 * 64)
@@ -271,8 +314,19 @@ def test_lora_blip2_trains_and_captions_from_the_run(tmp_path):
         shutil.copy(p, imgs / p.name)
     (imgs / "corrupt.jpg").write_bytes(b"not an image at all")
     out = tmp_path / "alt.csv"
-    res = run_cli("caption", str(imgs), "--model", str(run), "--out", str(out), "--batch-size", "2",
-                  "--max-new-tokens", "8", cwd=tmp_path)
+    res = run_cli(
+        "caption",
+        str(imgs),
+        "--model",
+        str(run),
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "8",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
     assert [Path(r["image"]).name for r in rows] == [p.name for p in _demo_images(3)]
@@ -288,8 +342,19 @@ def test_caption_cli_full_model_jsonl(tmp_path):
     bad = tmp_path / "trunc.png"
     bad.write_bytes(good[0].read_bytes()[:80])
     out = tmp_path / "alt.jsonl"
-    res = run_cli("caption", *map(str, good), str(bad), str(tmp_path / "missing.png"), "--model",
-                  str(run / "model"), "--out", str(out), "--max-new-tokens", "6", cwd=tmp_path)
+    res = run_cli(
+        "caption",
+        *map(str, good),
+        str(bad),
+        str(tmp_path / "missing.png"),
+        "--model",
+        str(run / "model"),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "6",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     rows = read_jsonl(out)
     assert [r["image"] for r in rows] == [str(p) for p in good]
@@ -299,14 +364,18 @@ def test_caption_cli_full_model_jsonl(tmp_path):
 
 
 def test_export_merges_blip2_lora_into_a_captioning_model(tmp_path):
-    from bigtune.export import export_run
+    from bigtune.use.export import export_run
 
     run = tmp_path / "run"
-    train(str(DEMO), _overrides(run, **{"peft.method": "lora", "train.max_steps": 2, "checkpoint.save_model": True,
-                                        "optim.lr": 1e-2}))
+    train(
+        str(DEMO),
+        _overrides(
+            run, **{"peft.method": "lora", "train.max_steps": 2, "checkpoint.save_model": True, "optim.lr": 1e-2}
+        ),
+    )
     merged = export_run(run, merge=True)
     assert (merged / "config.json").is_file() and (merged / "processor_config.json").is_file()
-    from bigtune.caption import caption_images, load_captioner
+    from bigtune.use.caption import caption_images, load_captioner
 
     model, proc = load_captioner(str(merged), device="cpu")
     assert not any("lora" in n for n, _ in model.named_parameters())
@@ -328,8 +397,17 @@ def test_caption_a_folder_twice_is_identical_and_skips_the_corrupt_image(tmp_pat
     outs = []
     for i in range(2):
         out = tmp_path / f"alt{i}.jsonl"
-        res = run_cli("caption", str(folder), "--model", str(run / "model"), "--out", str(out),
-                      "--max-new-tokens", "6", cwd=tmp_path)
+        res = run_cli(
+            "caption",
+            str(folder),
+            "--model",
+            str(run / "model"),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "6",
+            cwd=tmp_path,
+        )
         assert res.returncode == 0, res.stderr
         assert "broken.png" in res.stderr
         outs.append(read_jsonl(out))
@@ -343,11 +421,18 @@ def test_real_hub_recipe_validates_and_fails_clearly_offline(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1")
     recipe = ROOT / "recipes" / "blip2-opt-2.7b.yaml"
-    ok = subprocess.run([sys.executable, "-m", "bigtune", "recipe", str(recipe)], env=env, capture_output=True,
-                        text=True, cwd=tmp_path)
+    ok = subprocess.run(
+        [sys.executable, "-m", "bigtune", "recipe", str(recipe)], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
     assert ok.returncode == 0, ok.stderr
-    res = subprocess.run([sys.executable, "-m", "bigtune", "train", str(recipe), "--set", "train.max_steps=1"],
-                         env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "bigtune", "train", str(recipe), "--set", "train.max_steps=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
     assert "Salesforce/blip2-opt-2.7b" in res.stderr and "local folder" in res.stderr

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from bigtune.engine import train
-from bigtune.gpus import find_gpu
-from bigtune.planner import Target, alternatives, plan
+from bigtune.core.gpus import find_gpu
+from bigtune.plan.alternatives import alternatives
+from bigtune.plan.planner import plan
+from bigtune.plan.target import Target
 from bigtune.recipe import RecipeError, load_recipe
+from bigtune.run.training import train
 from conftest import read_jsonl, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,12 +30,17 @@ def _steady(run: Path) -> dict:
     return {s["phase"]: s for s in snaps if s["step"] == last}
 
 
-@pytest.mark.parametrize("extra", [{"optim.name": "adamw"}, {"optim.name": "sgd", "optim.momentum": 0.9},
-                                   {"optim.name": "adamw", "peft.method": "lora"}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"optim.name": "adamw"},
+        {"optim.name": "sgd", "optim.momentum": 0.9},
+        {"optim.name": "adamw", "peft.method": "lora"},
+    ],
+)
 def test_in_backward_trains_like_the_usual_step_and_never_holds_the_gradients(tmp_path, extra):
     ref = train({}, tiny_overrides(tmp_path / "ref", **COMMON, **extra), quiet_recipe=True)
-    ib = train({}, tiny_overrides(tmp_path / "ib", **COMMON, **extra, **{"optim.in_backward": True}),
-               quiet_recipe=True)
+    ib = train({}, tiny_overrides(tmp_path / "ib", **COMMON, **extra, **{"optim.in_backward": True}), quiet_recipe=True)
     assert ref["status"] == ib["status"] == "ok"
     assert _losses(tmp_path / "ib") == pytest.approx(_losses(tmp_path / "ref"), rel=1e-5)
     r, i = _steady(tmp_path / "ref"), _steady(tmp_path / "ib")
@@ -62,12 +69,18 @@ def test_gpu_plan_drops_the_gradients_and_alternatives_offer_it():
     """TinyLlama-1.1B on an A100: the plan's peak falls by about the bf16 gradients (2 bytes/parameter);
     --alternatives offers the fused step (at accumulation 1, so with the global batch as micro batch)."""
     target = Target("cuda", find_gpu("a100-80gb"), 1)
-    over = {"train.micro_batch_size": 2, "train.global_batch_size": None, "train.accumulate_grad_batches": 1,
-            "data.max_seq_length": 256, "optim.grad_clip": None}
+    over = {
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": None,
+        "train.accumulate_grad_batches": 1,
+        "data.max_seq_length": 256,
+        "optim.grad_clip": None,
+    }
     r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", over)
     usual = plan(r, target, replay=False)
-    ib = plan(load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", {**over, "optim.in_backward": True}), target,
-              replay=False)
+    ib = plan(
+        load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", {**over, "optim.in_backward": True}), target, replay=False
+    )
     grads = usual.model_states["gradients"]
     assert ib.model_states["gradients"] == 0 and grads > 2e9
     assert any(n.startswith("optim.in_backward") for n in ib.notes)
@@ -78,12 +91,15 @@ def test_gpu_plan_drops_the_gradients_and_alternatives_offer_it():
     assert min(a.peak_allocated for a in fused) < usual.peak_allocated
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    ({"train.accumulate_grad_batches": 2}, "accumulate"),
-    ({"optim.grad_clip": 1.0}, "grad_clip"),
-    ({"devices": 2, "strategy": "ddp"}, "devices"),
-    ({"optim.name": "cpu_offload_adamw"}, "cpu_offload_adamw"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ({"train.accumulate_grad_batches": 2}, "accumulate"),
+        ({"optim.grad_clip": 1.0}, "grad_clip"),
+        ({"devices": 2, "strategy": "ddp"}, "devices"),
+        ({"optim.name": "cpu_offload_adamw"}, "cpu_offload_adamw"),
+    ],
+)
 def test_in_backward_refuses_what_needs_every_gradient_at_once(overrides, fragment):
     with pytest.raises(RecipeError) as e:
         load_recipe({}, {"optim.in_backward": True, "accelerator": "cpu", **overrides})
@@ -91,8 +107,15 @@ def test_in_backward_refuses_what_needs_every_gradient_at_once(overrides, fragme
 
 
 def test_in_backward_run_resumes_identically(tmp_path):
-    common = {**COMMON, "optim.in_backward": True, "train.max_steps": 6, "checkpoint.enabled": True,
-              "checkpoint.every_steps": 3, "checkpoint.keep_last": 5, "memory.every_steps": 1000}
+    common = {
+        **COMMON,
+        "optim.in_backward": True,
+        "train.max_steps": 6,
+        "checkpoint.enabled": True,
+        "checkpoint.every_steps": 3,
+        "checkpoint.keep_last": 5,
+        "memory.every_steps": 1000,
+    }
     train({}, tiny_overrides(tmp_path / "ref", **common), quiet_recipe=True)
     shutil.copytree(tmp_path / "ref", tmp_path / "cut")
     (tmp_path / "cut" / "checkpoints" / "step-000006.ckpt").unlink()

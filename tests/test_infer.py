@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigtune.data import build_examples, format_prompt
-from bigtune.infer import InferError, add_cli, evaluate, generate, generate_ids, load_for_inference
-from bigtune.models import build_model
-from bigtune.presets import tiny_tokenizer
+from bigtune.cli.generate import add_cli
+from bigtune.core.presets import tiny_tokenizer
+from bigtune.data.text import build_examples, format_prompt
+from bigtune.models.build import build_model
 from bigtune.recipe import DataConfig, ModelConfig
+from bigtune.use.generate import evaluate, generate, generate_ids
+from bigtune.use.loading import InferError, load_for_inference
 from conftest import ROOT, tiny_overrides
 
-PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "What is the best way to cook rice at home?",
-           "x y z"]
+PROMPTS = ["Hello there", "The quick brown fox jumps over", "a", "What is the best way to cook rice at home?", "x y z"]
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +45,20 @@ def loaded(model_dir):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> Path:
     """A 3-step LoRA run that saves its adapter (and, the preset having no folder, its base weights)."""
-    from bigtune.engine import train
+    from bigtune.run.training import train
 
     run = tmp_path_factory.mktemp("infer-run") / "lora"
     # A large lr so the adapters move visibly away from their zero-initialised B matrices.
-    over = tiny_overrides(run, **{"peft.method": "lora", "checkpoint.save_model": True, "memory.plan": False,
-                                  "memory.every_steps": 1000, "optim.lr": 0.05})
+    over = tiny_overrides(
+        run,
+        **{
+            "peft.method": "lora",
+            "checkpoint.save_model": True,
+            "memory.plan": False,
+            "memory.every_steps": 1000,
+            "optim.lr": 0.05,
+        },
+    )
     summary = train({}, over, quiet_recipe=True)
     assert summary["status"] == "ok"
     return run
@@ -57,8 +66,14 @@ def lora_run(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def eval_data(tmp_path) -> Path:
-    recs = [{"instruction": f"Name fruit number {i}.", "input": "" if i % 2 else "a list", "output": f"Fruit {i} is "
-             + "apple " * (i + 1)} for i in range(5)]
+    recs = [
+        {
+            "instruction": f"Name fruit number {i}.",
+            "input": "" if i % 2 else "a list",
+            "output": f"Fruit {i} is " + "apple " * (i + 1),
+        }
+        for i in range(5)
+    ]
     recs.insert(2, {"instruction": "no output here"})  # skipped: missing 'output'
     path = tmp_path / "eval.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -66,6 +81,7 @@ def eval_data(tmp_path) -> Path:
 
 
 # -- loading ----------------------------------------------------------------------------------------
+
 
 def test_loaded_model_is_ready_for_batched_generation(loaded):
     model, tok = loaded
@@ -89,13 +105,18 @@ def test_pad_token_falls_back_to_eos(tmp_path, model_dir):
     assert tok.pad_token == tok.eos_token == "</s>"
 
 
-@pytest.mark.parametrize("make, fragment", [
-    (lambda p: p / "does-not-exist", "no such file or folder"),
-    (lambda p: (p / "file.txt").write_text("x") and p / "file.txt", "is a file"),
-    (lambda p: (p / "empty").mkdir() or p / "empty", "neither a model folder"),
-    (lambda p: (p / "run").mkdir() or (p / "run" / "recipe.yaml").write_text("name: x\n") and p / "run",
-     "checkpoint.save_model=true"),
-])
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda p: p / "does-not-exist", "no such file or folder"),
+        (lambda p: (p / "file.txt").write_text("x") and p / "file.txt", "is a file"),
+        (lambda p: (p / "empty").mkdir() or p / "empty", "neither a model folder"),
+        (
+            lambda p: (p / "run").mkdir() or (p / "run" / "recipe.yaml").write_text("name: x\n") and p / "run",
+            "checkpoint.save_model=true",
+        ),
+    ],
+)
 def test_bad_paths_raise_infer_error_with_a_fix(tmp_path, make, fragment):
     path = make(tmp_path)
     with pytest.raises(InferError, match=fragment) as info:
@@ -167,6 +188,7 @@ def test_adapter_without_reachable_base_says_how_to_fix(tmp_path, lora_run):
 
 # -- generation -------------------------------------------------------------------------------------
 
+
 def test_greedy_is_deterministic_ordered_and_batch_size_invariant(loaded):
     model, tok = loaded
     one = generate(model, tok, PROMPTS, max_new_tokens=8, batch_size=1)
@@ -197,7 +219,7 @@ def test_max_new_tokens_bounds_the_output(loaded):
     long = generate_ids(model, tok, PROMPTS, max_new_tokens=12, batch_size=2)
     for s, lg in zip(short, long):
         assert len(s) <= 3 and len(lg) <= 12
-        assert lg[:len(s)] == s  # greedy: the short answer is the start of the long one
+        assert lg[: len(s)] == s  # greedy: the short answer is the start of the long one
         assert tok.eos_token_id not in s and tok.pad_token_id not in s
     assert max(len(lg) for lg in long) > 3
     texts = generate(model, tok, PROMPTS, max_new_tokens=3, batch_size=2)
@@ -239,10 +261,12 @@ def test_generate_rejects_bad_arguments(loaded):
 
 # -- evaluation -------------------------------------------------------------------------------------
 
+
 def _hand_loss(model, tok, path: Path, max_seq_length: int, mask_prompt: bool) -> tuple[float, int]:
     """Mean next-token negative log-likelihood over target tokens, one unpadded sample at a time."""
-    examples, _ = build_examples(DataConfig(source=str(path), max_seq_length=max_seq_length, mask_prompt=mask_prompt),
-                                 tok, seed=0)
+    examples, _ = build_examples(
+        DataConfig(source=str(path), max_seq_length=max_seq_length, mask_prompt=mask_prompt), tok, seed=0
+    )
     total, count = 0.0, 0
     with torch.no_grad():
         for ex in examples:
@@ -275,6 +299,7 @@ def test_evaluate_matches_a_hand_computed_token_mean(loaded, eval_data):
 
 # -- command line -----------------------------------------------------------------------------------
 
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bigtune")
     add_cli(ap.add_subparsers(dest="verb"))
@@ -285,16 +310,31 @@ def test_cli_generate_writes_jsonl_and_csv_in_order(tmp_path, model_dir, loaded)
     model, tok = loaded
     want = generate(model, tok, PROMPTS[:3], max_new_tokens=4)
     out = tmp_path / "out" / "gen.jsonl"
-    args = _parser().parse_args(["generate", "--model", str(model_dir), *PROMPTS[:3], "--max-new-tokens", "4",
-                                 "--batch-size", "2", "--device", "cpu", "--out", str(out)])
+    args = _parser().parse_args(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            *PROMPTS[:3],
+            "--max-new-tokens",
+            "4",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows == [{"prompt": p, "output": o} for p, o in zip(PROMPTS[:3], want)]
     assert not list(out.parent.glob(".*.tmp"))
 
     out_csv = tmp_path / "gen.csv"
-    args = _parser().parse_args(["generate", "--model", str(model_dir), *PROMPTS[:3], "--max-new-tokens", "4",
-                                 "--out", str(out_csv)])
+    args = _parser().parse_args(
+        ["generate", "--model", str(model_dir), *PROMPTS[:3], "--max-new-tokens", "4", "--out", str(out_csv)]
+    )
     assert args.func(args) == 0
     with out_csv.open(newline="") as fh:
         assert [(r["prompt"], r["output"]) for r in csv.DictReader(fh)] == list(zip(PROMPTS[:3], want))
@@ -305,20 +345,38 @@ def test_cli_generate_reads_prompt_files(tmp_path, model_dir, loaded, capsys):
     txt = tmp_path / "prompts.txt"
     txt.write_text("Name a fruit.\n\nBoil an egg.\n")
     jsonl = tmp_path / "prompts.jsonl"
-    jsonl.write_text(json.dumps({"instruction": "Translate.", "input": "bonjour"}) + "\n"
-                     + json.dumps({"prompt": "Once upon a time"}) + "\n")
+    jsonl.write_text(
+        json.dumps({"instruction": "Translate.", "input": "bonjour"})
+        + "\n"
+        + json.dumps({"prompt": "Once upon a time"})
+        + "\n"
+    )
     out = tmp_path / "o.jsonl"
-    args = _parser().parse_args(["generate", "--model", str(model_dir), "--file", str(jsonl), "--instruction",
-                                 "--max-new-tokens", "3", "--out", str(out)])
+    args = _parser().parse_args(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--file",
+            str(jsonl),
+            "--instruction",
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    want = generate(model, tok, [format_prompt("Translate.", "bonjour"), format_prompt("Once upon a time")],
-                    max_new_tokens=3)
+    want = generate(
+        model, tok, [format_prompt("Translate.", "bonjour"), format_prompt("Once upon a time")], max_new_tokens=3
+    )
     assert [r["prompt"] for r in rows] == ["Translate.", "Once upon a time"]
     assert [r["output"] for r in rows] == want
 
-    args = _parser().parse_args(["generate", "--model", str(model_dir), "Hello", "--file", str(txt),
-                                 "--max-new-tokens", "3"])
+    args = _parser().parse_args(
+        ["generate", "--model", str(model_dir), "Hello", "--file", str(txt), "--max-new-tokens", "3"]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     want = generate(model, tok, ["Hello", "Name a fruit.", "Boil an egg."], max_new_tokens=3)
@@ -328,12 +386,14 @@ def test_cli_generate_reads_prompt_files(tmp_path, model_dir, loaded, capsys):
 
 def test_cli_bad_input_raises_infer_error(tmp_path, model_dir):
     ap = _parser()
-    cases = [["generate", "--model", str(model_dir)],                                    # no prompts
-             ["generate", "--model", str(model_dir), "hi", "--out", str(tmp_path / "o.txt")],  # unknown format
-             ["generate", "--model", str(model_dir), "--file", str(tmp_path / "missing.txt")],
-             ["generate", "--model", str(tmp_path / "nope"), "hi"],
-             ["generate", "--model", str(model_dir), "hi", "--batch-size", "0"],
-             ["eval", "--model", str(model_dir), "--batch-size", "0"]]
+    cases = [
+        ["generate", "--model", str(model_dir)],  # no prompts
+        ["generate", "--model", str(model_dir), "hi", "--out", str(tmp_path / "o.txt")],  # unknown format
+        ["generate", "--model", str(model_dir), "--file", str(tmp_path / "missing.txt")],
+        ["generate", "--model", str(tmp_path / "nope"), "hi"],
+        ["generate", "--model", str(model_dir), "hi", "--batch-size", "0"],
+        ["eval", "--model", str(model_dir), "--batch-size", "0"],
+    ]
     for argv in cases:
         args = ap.parse_args(argv)
         with pytest.raises(InferError):
@@ -345,22 +405,39 @@ def test_cli_eval_prints_json_and_text(model_dir, loaded, eval_data, capsys):
     model, tok = loaded
     want = evaluate(model, tok, str(eval_data), max_seq_length=80, batch_size=2, mask_prompt=False)
     capsys.readouterr()
-    args = _parser().parse_args(["eval", "--model", str(model_dir), "--data", str(eval_data), "--max-seq-length",
-                                 "80", "--batch-size", "2", "--no-mask-prompt", "--json"])
+    args = _parser().parse_args(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(eval_data),
+            "--max-seq-length",
+            "80",
+            "--batch-size",
+            "2",
+            "--no-mask-prompt",
+            "--json",
+        ]
+    )
     assert args.func(args) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["tokens"] == want["tokens"] and got["skipped"] == 1
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-9)
-    args = _parser().parse_args(["eval", "--model", str(model_dir), "--data", str(eval_data), "--max-seq-length",
-                                 "80"])
+    args = _parser().parse_args(["eval", "--model", str(model_dir), "--data", str(eval_data), "--max-seq-length", "80"])
     assert args.func(args) == 0
     line = capsys.readouterr().out
     assert line.startswith("eval: ") and "perplexity" in line and "1 skipped" in line
 
 
 def test_importing_infer_does_not_load_torch():
-    code = "import sys, bigtune.infer; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    code = "import sys, bigtune.use.generate, bigtune.cli.generate; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["False", "False"]

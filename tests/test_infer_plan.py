@@ -10,11 +10,19 @@ import json
 import pytest
 import torch
 
-from bigtune.gpus import custom_gpu, find_gpu
-from bigtune.infer_plan import (ASSUMED_DECODE_BW_EFFICIENCY, Workload, kv_cache_bytes, measure_cpu,
-                                plan_inference, simulate, simulate_full_depth)
-from bigtune.planner import GIB, CUDA_CONTEXT_BYTES, FIT_MARGIN, RESERVED_OVER_ALLOCATED, Target, \
-    resolve_config_name
+from bigtune.core.gpus import custom_gpu, find_gpu
+from bigtune.models.configs import resolve_config_name
+from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
+from bigtune.plan.serving import (
+    ASSUMED_DECODE_BW_EFFICIENCY,
+    Workload,
+    kv_cache_bytes,
+    measure_cpu,
+    plan_inference,
+    simulate,
+    simulate_full_depth,
+)
+from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from conftest import ROOT, run_cli
 
@@ -123,8 +131,7 @@ def test_decode_estimate_is_bandwidth_bound_and_kv_grows_it():
     assert p.decode_step_s == pytest.approx(read / (gpu.mem_bandwidth_gbs * 1e9 * ASSUMED_DECODE_BW_EFFICIENCY))
     assert p.tokens_per_s == pytest.approx(w.new_tokens / p.batch_s)
     # a bigger batch shares the weight reads: more tokens/s
-    big = plan_inference(r, Target("cuda", gpu), dataclasses.replace(w, batch_size=16), config=cfg,
-                         search_batch=False)
+    big = plan_inference(r, Target("cuda", gpu), dataclasses.replace(w, batch_size=16), config=cfg, search_batch=False)
     assert big.tokens_per_s > 4 * p.tokens_per_s
     assert big.kv_cache == 16 * p.kv_cache
 
@@ -142,8 +149,22 @@ def test_quantized_weights_shrink_by_the_bitsandbytes_sizes():
 
 
 def test_cli_plan_for_generate_text_and_json(tmp_path):
-    r = run_cli("plan", "--for", "generate", "--model", "tiny-llama", "--gpu", "a10g", "--batch-size", "4",
-                "--prompt-tokens", "16", "--max-new-tokens", "8", cwd=tmp_path)
+    r = run_cli(
+        "plan",
+        "--for",
+        "generate",
+        "--model",
+        "tiny-llama",
+        "--gpu",
+        "a10g",
+        "--batch-size",
+        "4",
+        "--prompt-tokens",
+        "16",
+        "--max-new-tokens",
+        "8",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     for words in ("KV cache", "FITS", "largest batch that fits", "tokens/s (estimate)", "host: request"):
         assert words in r.stdout
@@ -159,9 +180,9 @@ def test_cli_plan_for_generate_text_and_json(tmp_path):
 def test_launch_slurm_takes_mem_and_cpus_from_the_host_plan(tmp_path):
     import math
 
-    from bigtune.infer_plan import weight_bytes
-    from bigtune.models import weights_dtype
-    from bigtune.planner import count_parameters
+    from bigtune.models.build import weights_dtype
+    from bigtune.plan.planner import count_parameters
+    from bigtune.plan.serving import weight_bytes
 
     recipe = ROOT / "recipes" / "open-llama-7b-full.yaml"
     r = load_recipe(str(recipe), ["accelerator=cpu"])
@@ -170,8 +191,18 @@ def test_launch_slurm_takes_mem_and_cpus_from_the_host_plan(tmp_path):
     wb = weight_bytes(cfg, "causal-lm", dtype)
     params = count_parameters(cfg) * torch.empty((), dtype=dtype).element_size()
     assert params <= wb < params * 1.0001  # + the rotary buffers
-    res = run_cli("launch", "slurm", str(recipe), "--gpus-per-node", "4", "--set", "data.num_workers=3", "--out",
-                  str(tmp_path / "job.sbatch"), cwd=tmp_path)
+    res = run_cli(
+        "launch",
+        "slurm",
+        str(recipe),
+        "--gpus-per-node",
+        "4",
+        "--set",
+        "data.num_workers=3",
+        "--out",
+        str(tmp_path / "job.sbatch"),
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     text = (tmp_path / "job.sbatch").read_text()
     mem_gib = math.ceil(4 * (int(wb * 1.25) + 2 * GIB) / GIB)
@@ -179,7 +210,17 @@ def test_launch_slurm_takes_mem_and_cpus_from_the_host_plan(tmp_path):
     assert "#SBATCH --cpus-per-task=4" in text  # 1 + 3 workers
     assert "# --mem / --cpus-per-task from bigtune's host plan" in text
     # what the user gives wins
-    res = run_cli("launch", "slurm", str(recipe), "--mem", "500G", "--cpus-per-task", "12", "--out",
-                  str(tmp_path / "own.sbatch"), cwd=tmp_path)
+    res = run_cli(
+        "launch",
+        "slurm",
+        str(recipe),
+        "--mem",
+        "500G",
+        "--cpus-per-task",
+        "12",
+        "--out",
+        str(tmp_path / "own.sbatch"),
+        cwd=tmp_path,
+    )
     own = (tmp_path / "own.sbatch").read_text()
     assert "#SBATCH --mem=500G" in own and "#SBATCH --cpus-per-task=12" in own and "host plan" not in own

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bigtune.metrics import caption_metrics, classification_metrics, length_stats, majority_baseline
+from bigtune.core.metrics import caption_metrics, classification_metrics, length_stats, majority_baseline
 from conftest import ROOT, run_cli
 
 
@@ -46,8 +46,7 @@ def test_caption_bleu_is_sacrebleus_corpus_bleu():
 
     hyps = ["a bowl of soup on the table", "fried eggs on a plate"]
     refs = [["a bowl of soup on a table", "soup in a bowl"], ["two fried eggs on a dark plate", None]]
-    ours = caption_metrics(hyps, [["a bowl of soup on a table", "soup in a bowl"],
-                                  ["two fried eggs on a dark plate"]])
+    ours = caption_metrics(hyps, [["a bowl of soup on a table", "soup in a bowl"], ["two fried eggs on a dark plate"]])
     # sacrebleu's own reference streams (the second image has one reference)
     theirs = sacrebleu.corpus_bleu(hyps, [[refs[0][0], refs[1][0]], [refs[0][1], refs[1][1]]])
     assert ours["bleu"] == pytest.approx(theirs.score)
@@ -55,20 +54,32 @@ def test_caption_bleu_is_sacrebleus_corpus_bleu():
 
 
 def test_eval_cli_scores_an_image_to_text_run(tmp_path):
-    from bigtune.engine import train
+    from bigtune.run.training import train
 
     torch.set_num_threads(1)
     run = tmp_path / "cap"
-    s = train(ROOT / "recipes" / "gourmetgram-demo.yaml",
-              {"output_dir": str(run), "train.max_steps": 1, "train.max_epochs": None, "data.val_fraction": 0.0,
-               "data.num_train_samples": 16, "memory.plan": False, "memory.enabled": False}, quiet_recipe=True)
+    s = train(
+        ROOT / "recipes" / "gourmetgram-demo.yaml",
+        {
+            "output_dir": str(run),
+            "train.max_steps": 1,
+            "train.max_epochs": None,
+            "data.val_fraction": 0.0,
+            "data.num_train_samples": 16,
+            "memory.plan": False,
+            "memory.enabled": False,
+        },
+        quiet_recipe=True,
+    )
     assert s["status"] == "ok"
     images = ROOT / "src" / "bigtune" / "assets" / "gourmetgram_demo" / "images"
     data = tmp_path / "refs.jsonl"
-    rows = [{"image": str(images / "0000.png"), "text": "rice in a bowl"},
-            {"image": str(images / "0000.png"), "text": "a bowl of rice on a wooden table"},
-            {"image": str(images / "0001.png"), "text": "strawberries on a plate"},
-            {"image": str(images / "0002.png"), "text": ""}]
+    rows = [
+        {"image": str(images / "0000.png"), "text": "rice in a bowl"},
+        {"image": str(images / "0000.png"), "text": "a bowl of rice on a wooden table"},
+        {"image": str(images / "0001.png"), "text": "strawberries on a plate"},
+        {"image": str(images / "0002.png"), "text": ""},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     res = run_cli("eval", "--model", str(run), "--data", str(data), "--max-new-tokens", "6", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]

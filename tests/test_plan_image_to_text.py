@@ -8,12 +8,16 @@ import json
 import pytest
 import torch
 
-from bigtune.engine import train
-from bigtune.gpus import find_gpu
-from bigtune.imagedata import DEMO_IMAGES
-from bigtune.planner import GIB, Target, count_parameters, model_stacks, plan, resolve_config, total_blocks
-from bigtune.presets import preset_config, tiny_processor
+from bigtune.core.gpus import find_gpu
+from bigtune.core.presets import preset_config, tiny_processor
+from bigtune.data.images import DEMO_IMAGES
+from bigtune.models.configs import resolve_config
+from bigtune.plan.constants import GIB
+from bigtune.plan.planner import count_parameters, plan
+from bigtune.plan.simulate import model_stacks, total_blocks
+from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
+from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, run_cli
 
 DEMO = ROOT / "recipes" / "gourmetgram-demo.yaml"
@@ -33,8 +37,10 @@ def long_captions(tmp_path_factory):
     """Captions longer than max_seq_length: every caption is cut to full length, no padding."""
     d = tmp_path_factory.mktemp("captions")
     images = sorted((DEMO_IMAGES / "images").glob("*.png"))
-    rows = [{"image": str(images[i % len(images)]), "text": f"a plate {i} of tomato soup with basil and bread " * 6}
-            for i in range(32)]
+    rows = [
+        {"image": str(images[i % len(images)]), "text": f"a plate {i} of tomato soup with basil and bread " * 6}
+        for i in range(32)
+    ]
     path = d / "long.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -69,15 +75,30 @@ MATRIX = [
 
 
 @pytest.mark.parametrize("preset, precision, optim, ckpt, acc, peft, quantize, deep", MATRIX)
-def test_blip2_plan_matches_measurement(tmp_path, long_captions, preset, precision, optim, ckpt, acc, peft, quantize,
-                                        deep):
-    over = {"model.name": _deep_model(tmp_path, preset) if deep else preset, "model.family": "image-to-text",
-            "data.source": str(long_captions), "data.val_fraction": 0.0, "data.max_seq_length": 12,
-            "train.micro_batch_size": 4, "train.accumulate_grad_batches": acc, "train.max_steps": 3,
-            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
-            "precision": precision, "optim.name": optim, "train.activation_checkpointing": ckpt,
-            "peft.method": peft, "model.quantize": quantize, "output_dir": str(tmp_path / "run"),
-            "memory.plan": False}
+def test_blip2_plan_matches_measurement(
+    tmp_path, long_captions, preset, precision, optim, ckpt, acc, peft, quantize, deep
+):
+    over = {
+        "model.name": _deep_model(tmp_path, preset) if deep else preset,
+        "model.family": "image-to-text",
+        "data.source": str(long_captions),
+        "data.val_fraction": 0.0,
+        "data.max_seq_length": 12,
+        "train.micro_batch_size": 4,
+        "train.accumulate_grad_batches": acc,
+        "train.max_steps": 3,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "checkpoint.save_model": False,
+        "accelerator": "cpu",
+        "precision": precision,
+        "optim.name": optim,
+        "train.activation_checkpointing": ckpt,
+        "peft.method": peft,
+        "model.quantize": quantize,
+        "output_dir": str(tmp_path / "run"),
+        "memory.plan": False,
+    }
     if deep:
         over["model.init"] = "random"
     summary = train(str(DEMO), over, quiet_recipe=True)
@@ -88,8 +109,11 @@ def test_blip2_plan_matches_measurement(tmp_path, long_captions, preset, precisi
         assert total_blocks(cfg) >= 10 and len(model_stacks(cfg)) == (4 if preset.endswith("t5") else 3)
     steady = {s["phase"]: s for s in read_jsonl(tmp_path / "run" / "memory.jsonl") if s["step"] == 2}
     assert steady["before_forward"]["batch_shape"] == [4, 12]
-    cats = ("gradients", "optimizer_device", "optimizer_cpu") if quantize != "none" else \
-        ("parameters", "gradients", "optimizer_device", "optimizer_cpu")
+    cats = (
+        ("gradients", "optimizer_device", "optimizer_cpu")
+        if quantize != "none"
+        else ("parameters", "gradients", "optimizer_device", "optimizer_cpu")
+    )
     for phase, s in steady.items():
         for cat in cats:
             assert s[cat] == predicted.phases[phase][cat], (phase, cat, s[cat], predicted.phases[phase][cat])
@@ -109,14 +133,19 @@ def test_plan_cli_on_the_demo_blip2(tmp_path):
 
 # -- real shapes (bundled configs, fake tensors) -------------------------------------------------------
 
+
 def test_bundled_blip2_configs_have_the_published_sizes():
     counts = {}
     for name in ("blip2-opt-2.7b", "blip2-opt-6.7b", "blip2-flan-t5-xl", "blip2-flan-t5-xxl"):
         cfg = resolve_config(load_recipe(ROOT / "recipes" / f"{name}.yaml", {"accelerator": "cpu"}))
         counts[name] = count_parameters(cfg)
     # the checkpoints' published sizes (model cards): 3.74 B, 7.75 B, 3.94 B, 12.2 B
-    published = {"blip2-opt-2.7b": 3.74e9, "blip2-opt-6.7b": 7.75e9, "blip2-flan-t5-xl": 3.94e9,
-                 "blip2-flan-t5-xxl": 12.2e9}
+    published = {
+        "blip2-opt-2.7b": 3.74e9,
+        "blip2-opt-6.7b": 7.75e9,
+        "blip2-flan-t5-xl": 3.94e9,
+        "blip2-flan-t5-xxl": 12.2e9,
+    }
     for name, n in published.items():
         if "t5" in name:
             # transformers 5 builds BLIP-2's Flan-T5 with the encoder and decoder token tables

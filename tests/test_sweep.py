@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bigtune.report import CAT_COLORS, SERIES, ReportError, write_report
-from bigtune.sweep import SweepError, expand_grid, load_sweep, main as sweep_cli, read_sweep, run_sweep
+from bigtune.cli.sweep import main as sweep_cli
+from bigtune.sweep.ladder import SweepError, expand_grid, load_sweep, read_sweep, run_sweep
+from bigtune.sweep.report import CAT_COLORS, SERIES, ReportError, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "ladders" / "llm-single.yaml"
@@ -46,14 +47,20 @@ def swept(tmp_path_factory):
     d = tmp_path_factory.mktemp("sweep")
     bad = d / "broken.jsonl"
     bad.write_text('{"instruction": "Name a fruit.", "output": "Apple."}\n{this is not json\n')
-    path = write_sweep(d, [
-        {"name": "base", "expect": "ok"},
-        {"name": "act-ckpt", "overrides": {"train.activation_checkpointing": True},
-         "note": "recompute activations in backward"},
-        {"name": "capped", "overrides": {"memory.cap_gib": 0.004}, "expect": "oom", "note": "a 4 MiB device"},
-        {"name": "broken-data", "overrides": {"data.source": str(bad)}},
-        {"name": "slow", "timeout_s": 1},
-    ])
+    path = write_sweep(
+        d,
+        [
+            {"name": "base", "expect": "ok"},
+            {
+                "name": "act-ckpt",
+                "overrides": {"train.activation_checkpointing": True},
+                "note": "recompute activations in backward",
+            },
+            {"name": "capped", "overrides": {"memory.cap_gib": 0.004}, "expect": "oom", "note": "a 4 MiB device"},
+            {"name": "broken-data", "overrides": {"data.source": str(bad)}},
+            {"name": "slow", "timeout_s": 1},
+        ],
+    )
     out = d / "out"
     rows = run_sweep(path, out_dir=out, quiet=True)
     return path, out, rows
@@ -147,7 +154,7 @@ def test_report_writes_markdown_csv_and_self_contained_html(swept):
     for c in curves.values():
         assert len(c.get("points").split()) == 3
     # the inline copies carry the same content
-    inline = page[page.index("<svg"):page.index("</svg>")]
+    inline = page[page.index("<svg") : page.index("</svg>")]
     assert inline.count('data-variant="base"') == 1 and "<rect" in inline
 
 
@@ -171,14 +178,19 @@ def test_rerun_skips_finished_variants_and_rerun_runs_them(swept, capsys):
     doc = by_name(json.loads((out / "sweep.json").read_text())["rows"])
     assert doc["base"]["status"] == "ok" and doc["base"]["reused"] is False
     assert doc["capped"]["status"] == "oom"
+    # a variant that failed (bad data: crashed) is the one thing that makes the exit status non-zero
+    assert sweep_cli(["sweep", str(path), "--out", str(out), "--only", "broken-data", "--no-report"]) == 1
     assert "base" in capsys.readouterr().out
 
 
 def test_misspelled_key_is_rejected_before_anything_runs(tmp_path, capsys):
-    path = write_sweep(tmp_path, [
-        {"name": "fine", "overrides": {"precision": "bf16-true"}},
-        {"name": "typo", "overrides": {"train.micro_bach_size": 2}},
-    ])
+    path = write_sweep(
+        tmp_path,
+        [
+            {"name": "fine", "overrides": {"precision": "bf16-true"}},
+            {"name": "typo", "overrides": {"train.micro_bach_size": 2}},
+        ],
+    )
     out = tmp_path / "out"
     with pytest.raises(SweepError) as e:
         run_sweep(path, out_dir=out, quiet=True)
@@ -194,10 +206,16 @@ def test_misspelled_key_is_rejected_before_anything_runs(tmp_path, capsys):
 
 def test_bad_sweep_file_lists_every_problem_at_once(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "bad", "base": "missing-recipe.yaml", "varients": [],
-        "variants": [{"name": "a", "expect": "maybe"}, {"name": "a"}, {"name": "b", "overides": {}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "bad",
+                "base": "missing-recipe.yaml",
+                "varients": [],
+                "variants": [{"name": "a", "expect": "maybe"}, {"name": "a"}, {"name": "b", "overides": {}}],
+            }
+        )
+    )
     with pytest.raises(SweepError) as e:
         read_sweep(path)
     msg = str(e.value)
@@ -214,10 +232,15 @@ def test_bad_sweep_file_lists_every_problem_at_once(tmp_path):
 def test_grid_expands_into_named_variants(tmp_path):
     grid = {"precision": ["32-true", "bf16-true"], "train.micro_batch_size": [1, 2]}
     names = [n for n, _ in expand_grid(grid)]
-    assert names == ["precision-32-true_micro_batch_size-1", "precision-32-true_micro_batch_size-2",
-                     "precision-bf16-true_micro_batch_size-1", "precision-bf16-true_micro_batch_size-2"]
-    path = write_sweep(tmp_path, [{"name": "first"}], grid=grid,
-                       common={"train": {"max_steps": 2}}, tiny={"data.max_seq_length": 32})
+    assert names == [
+        "precision-32-true_micro_batch_size-1",
+        "precision-32-true_micro_batch_size-2",
+        "precision-bf16-true_micro_batch_size-1",
+        "precision-bf16-true_micro_batch_size-2",
+    ]
+    path = write_sweep(
+        tmp_path, [{"name": "first"}], grid=grid, common={"train": {"max_steps": 2}}, tiny={"data.max_seq_length": 32}
+    )
     s = load_sweep(path, tiny=True)
     assert [v.name for v in s.variants] == ["first"] + names
     over = s.overrides_for(s.variants[-1], tiny=True)
@@ -233,8 +256,17 @@ def test_report_on_a_single_run(swept, tmp_path, capsys):
     assert "status ok" in text and "tokens/s" in text and "loss" in text
     assert "memory at step" in text and "after_backward" in text
     assert (dest / "report.html").resolve().as_uri() in text
-    for f in ("report.md", "results.csv", "report.html", "memory.svg", "throughput.svg", "loss.svg", "memory.png",
-              "throughput.png", "loss.png"):
+    for f in (
+        "report.md",
+        "results.csv",
+        "report.html",
+        "memory.svg",
+        "throughput.svg",
+        "loss.svg",
+        "memory.png",
+        "throughput.png",
+        "loss.png",
+    ):
         assert (dest / f).stat().st_size > 0
     assert "## Memory per phase" in (dest / "report.md").read_text()
 
@@ -260,17 +292,34 @@ def test_llm_single_ladder_validates(tiny):
             assert over["model.init"] == "random" and "/" in over.get("model.name", "TinyLlama/")
     header = LADDER.read_text().split("\nname:")[0]
     assert "DeepSpeed" in header  # the rung still missing is named in the header
-    assert {"tinyllama-adamw8bit", "tinyllama-cpu-offload-adamw", "open-llama-7b-lora", "open-llama-13b-qlora"} \
-        <= set(names)
+    assert {"tinyllama-adamw8bit", "tinyllama-cpu-offload-adamw", "open-llama-7b-lora", "open-llama-13b-qlora"} <= set(
+        names
+    )
 
 
 def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Headless Chromium with a throwaway profile, no network chatter, console messages on stderr."""
     with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                               "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                               "--disable-sync", f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-                               *args], capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--enable-logging=stderr",
+                "--v=0",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def _console_messages(stderr: str) -> list[str]:
@@ -292,12 +341,15 @@ def _ink(png: Path, box: tuple[int, int, int, int] | None = None) -> tuple[float
 
 def _has(colours: set, hex_color: str, tol: int = 10) -> bool:
     """``hex_color`` (give or take anti-aliasing) among ``colours``."""
-    want = tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    want = tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return any(all(abs(a - b) <= tol for a, b in zip(c, want)) for c in colours)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine to render report.html "
-                    "(apt-get install chromium; .ci/run installs it when it can)")
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no Chromium on this machine to render report.html "
+    "(apt-get install chromium; .ci/run installs it when it can)",
+)
 def test_report_renders_in_headless_chromium(swept, tmp_path):
     _, out, _ = swept
     res = write_report(out, out_dir=tmp_path / "r")
@@ -324,15 +376,20 @@ def test_report_renders_in_headless_chromium(swept, tmp_path):
     # 3) each plot, rendered on its own from the page's markup, shows its marks in their colours
     page = html_path.read_text()
     style = re.search(r"<style>.*?</style>", page, re.S).group(0)
-    expect = {"memory": [CAT_COLORS["parameters"], CAT_COLORS["activations"], CAT_COLORS["transient"]],
-              "throughput": ["#4e79a7", "#f28e2b"], "loss": [SERIES[0], SERIES[1]]}
+    expect = {
+        "memory": [CAT_COLORS["parameters"], CAT_COLORS["activations"], CAT_COLORS["transient"]],
+        "throughput": ["#4e79a7", "#f28e2b"],
+        "loss": [SERIES[0], SERIES[1]],
+    }
     found = list(re.finditer(r'(<svg class="plot (\w+)" width="([\d.]+)" height="([\d.]+)".*?</svg>)', page, re.S))
     assert [m.group(2) for m in found] == ["memory", "throughput", "loss"]
     for m in found:
         markup, kind, w, h = m.group(1), m.group(2), float(m.group(3)), float(m.group(4))
         one = tmp_path / f"{kind}.html"
-        one.write_text(f"<!DOCTYPE html><html><head><meta charset=utf-8>{style}</head>"
-                       f"<body style='margin:0'>{markup}</body></html>")
+        one.write_text(
+            f"<!DOCTYPE html><html><head><meta charset=utf-8>{style}</head>"
+            f"<body style='margin:0'>{markup}</body></html>"
+        )
         shot = tmp_path / f"{kind}.png"
         run = _chromium(f"--screenshot={shot}", f"--window-size={int(w) + 40},{int(h) + 40}", one.resolve().as_uri())
         assert run.returncode == 0 and not _console_messages(run.stderr), kind

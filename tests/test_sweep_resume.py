@@ -29,8 +29,13 @@ BASE = {
 
 def _start(path: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "bigtune", "sweep", str(path), "--out", str(out), "--no-report"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "bigtune", "sweep", str(path), "--out", str(out), "--no-report"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _rows(out: Path) -> dict:
@@ -46,8 +51,11 @@ def _wait_mid_variant(proc: subprocess.Popen, out: Path, name: str, timeout: flo
     while time.monotonic() - t0 < timeout:
         assert proc.poll() is None, f"sweep ended early: {proc.stdout.read()}"
         row = _rows(out).get(name) or {}
-        if row.get("status") == "running" and (out / name / "metrics.jsonl").is_file() and \
-                (out / name / "metrics.jsonl").read_text().strip():
+        if (
+            row.get("status") == "running"
+            and (out / name / "metrics.jsonl").is_file()
+            and (out / name / "metrics.jsonl").read_text().strip()
+        ):
             return row["pid"]
         time.sleep(0.1)
     raise AssertionError(f"variant {name} did not start training within {timeout} s")
@@ -66,11 +74,20 @@ def _gone(pid: int, timeout: float = 20) -> bool:
 
 def test_stopped_sweep_resumes_from_the_stopped_variant(tmp_path):
     path = tmp_path / "resume.yaml"
-    path.write_text(yaml.safe_dump({"name": "resume", "base": BASE, "variants": [
-        {"name": "first"},
-        {"name": "long", "overrides": {"train.max_steps": 60}},
-        {"name": "last", "overrides": {"train.micro_batch_size": 2}},
-    ]}, sort_keys=False))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "resume",
+                "base": BASE,
+                "variants": [
+                    {"name": "first"},
+                    {"name": "long", "overrides": {"train.max_steps": 60}},
+                    {"name": "last", "overrides": {"train.micro_batch_size": 2}},
+                ],
+            },
+            sort_keys=False,
+        )
+    )
     out = tmp_path / "out"
 
     # 1) SIGTERM while "long" trains: the sweep stops it, records it as interrupted and exits 143

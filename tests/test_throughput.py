@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bigtune.models import build_model, load_tokenizer
+from bigtune.core.stepmath import FlopShape, causal_pairs, flop_shape, model_flops_per_token, training_flops
+from bigtune.models.build import build_model, load_tokenizer
 from bigtune.recipe import load_recipe
-from bigtune.stepmath import FlopShape, causal_pairs, flop_shape, model_flops_per_token, training_flops
 
 
 def tiny_llama():
@@ -18,28 +18,37 @@ def tiny_llama():
 
 # -- FLOPs ----------------------------------------------------------------------------------------------
 
+
 def test_flops_match_a_hand_count_for_the_tiny_llama():
     model, _ = tiny_llama()
     c = model.config
-    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.vocab_size) == (64, 176, 2, 4, 2, 512)
+    assert (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+    ) == (64, 176, 2, 4, 2, 512)
     h, ffn, layers, head_dim, vocab = 64, 176, 2, 16, 512
-    q_width, kv_width = 4 * head_dim, 2 * head_dim           # GQA: 4 query heads, 2 key/value heads
-    per_layer = (h * q_width          # q_proj
-                 + h * kv_width       # k_proj
-                 + h * kv_width       # v_proj
-                 + q_width * h        # o_proj
-                 + h * ffn            # gate_proj
-                 + h * ffn            # up_proj
-                 + ffn * h)           # down_proj
-    matmul_weights = layers * per_layer + h * vocab          # + lm_head (untied); the embedding is a lookup
+    q_width, kv_width = 4 * head_dim, 2 * head_dim  # GQA: 4 query heads, 2 key/value heads
+    per_layer = (
+        h * q_width  # q_proj
+        + h * kv_width  # k_proj
+        + h * kv_width  # v_proj
+        + q_width * h  # o_proj
+        + h * ffn  # gate_proj
+        + h * ffn  # up_proj
+        + ffn * h
+    )  # down_proj
+    matmul_weights = layers * per_layer + h * vocab  # + lm_head (untied); the embedding is a lookup
     assert matmul_weights == 2 * (4096 + 2048 + 2048 + 4096 + 3 * 11264) + 32768
 
     # One causal row of s tokens: token t attends t+1 keys (itself and the earlier ones).
     s = 10
     pairs = s * (s + 1) // 2
     forward = 2 * matmul_weights * s + layers * (2 * q_width + 2 * q_width) * pairs  # q·k and p·v per pair
-    hand = 3 * forward                                         # backward: input and weight gradients, 2× forward
+    hand = 3 * forward  # backward: input and weight gradients, 2× forward
     shape = flop_shape(model)
     assert shape == FlopShape(layers, q_width, matmul_weights, 0)
     assert causal_pairs(torch.ones(1, s, dtype=torch.long)) == pairs
@@ -69,7 +78,6 @@ def test_flops_of_packed_and_padded_rows_and_frozen_weights():
     assert training_flops(shape, tokens=0, causal_pairs=1) == 3 * 4 * 8
 
 
-
 def test_flops_count_zero3_partitioned_weights_at_their_real_size():
     # Under ZeRO-3 a weight is an empty placeholder; DeepSpeed keeps its real size in ds_numel. The
     # MFU must not drop to zero because the weights are partitioned.
@@ -82,20 +90,22 @@ def test_flops_count_zero3_partitioned_weights_at_their_real_size():
             mod.weight.ds_numel = n
     assert flop_shape(model) == full and full.trainable_matmul_params > 0
 
+
 # -- chunked cross-entropy ------------------------------------------------------------------------------
 
+
 def test_chunked_loss_equals_the_plain_loss_with_gradients():
-    from bigtune.stepmath import IGNORE_INDEX, causal_lm_loss_sum, chunked_lm_loss_sum
+    from bigtune.core.stepmath import IGNORE_INDEX, causal_lm_loss_sum, chunked_lm_loss_sum
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 11, 16, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(97, 16, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 97, (3, 11), generator=g)
-    labels[0, 4:] = IGNORE_INDEX                      # padding
-    labels[2, :3] = IGNORE_INDEX                      # a masked prompt
+    labels[0, 4:] = IGNORE_INDEX  # padding
+    labels[2, :3] = IGNORE_INDEX  # a masked prompt
     plain = causal_lm_loss_sum(hidden @ weight.T, labels)
     grads = torch.autograd.grad(plain, (hidden, weight))
-    for chunk in (1, 5, 7, 33, 1000):                  # chunks that do and do not divide the 33 tokens
+    for chunk in (1, 5, 7, 33, 1000):  # chunks that do and do not divide the 33 tokens
         chunked = chunked_lm_loss_sum(hidden, weight, labels, chunk)
         assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)  # both sum in fp32
         for a, b in zip(torch.autograd.grad(chunked, (hidden, weight)), grads):
@@ -110,32 +120,52 @@ def large_vocab_model(tmp_path_factory):
     """A tiny Llama with a 16k vocabulary (the logits dominate its activations, as in real models)."""
     from transformers import LlamaConfig
 
-    from bigtune.presets import tiny_tokenizer
+    from bigtune.core.presets import tiny_tokenizer
 
     d = tmp_path_factory.mktemp("large-vocab")
     tok = tiny_tokenizer()
-    LlamaConfig(vocab_size=16384, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id).save_pretrained(d)
+    LlamaConfig(
+        vocab_size=16384,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    ).save_pretrained(d)
     tok.save_pretrained(d)
     return d
 
 
 @pytest.mark.parametrize("precision, rel", [("32-true", 1e-5), ("bf16-true", 2e-3)])
-def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follows(tmp_path, large_vocab_model,
-                                                                                  precision, rel):
+def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follows(
+    tmp_path, large_vocab_model, precision, rel
+):
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
+    from bigtune.run.training import train
     from conftest import read_jsonl, tiny_overrides
-
-    from bigtune.engine import train
-    from bigtune.planner import Target, plan
 
     runs = {}
     for chunk in (None, 128):
-        over = tiny_overrides(tmp_path / f"run{chunk}", **{
-            "model.name": str(large_vocab_model), "model.init": "random", "data.max_seq_length": 128,
-            "train.micro_batch_size": 4, "train.accumulate_grad_batches": 2, "train.loss_chunk_tokens": chunk,
-            "memory.plan": False, "optim.grad_clip": 1.0, "precision": precision})
+        over = tiny_overrides(
+            tmp_path / f"run{chunk}",
+            **{
+                "model.name": str(large_vocab_model),
+                "model.init": "random",
+                "data.max_seq_length": 128,
+                "train.micro_batch_size": 4,
+                "train.accumulate_grad_batches": 2,
+                "train.loss_chunk_tokens": chunk,
+                "memory.plan": False,
+                "optim.grad_clip": 1.0,
+                "precision": precision,
+            },
+        )
         s = train({}, over, quiet_recipe=True)
         losses = [m["loss"] for m in read_jsonl(tmp_path / f"run{chunk}" / "metrics.jsonl")]
         snaps = read_jsonl(tmp_path / f"run{chunk}" / "memory.jsonl")
@@ -145,8 +175,10 @@ def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follow
         like = load_recipe({}, {**over, "train.micro_batch_size": shape[0], "data.max_seq_length": shape[1]})
         predicted = plan(like, Target("cpu"), padded=padded).peak_allocated
         runs[chunk] = (losses, s["peak_allocated_bytes"], measured, predicted)
-        print(f"loss_chunk_tokens={chunk}: losses {losses}, peak allocated {s['peak_allocated_bytes'] / 2**20:.1f} MiB"
-              f" (step 2: measured {measured / 2**20:.2f} MiB, planned {predicted / 2**20:.2f} MiB)")
+        print(
+            f"loss_chunk_tokens={chunk}: losses {losses}, peak allocated {s['peak_allocated_bytes'] / 2**20:.1f} MiB"
+            f" (step 2: measured {measured / 2**20:.2f} MiB, planned {predicted / 2**20:.2f} MiB)"
+        )
     (plain, plain_peak, *_), (chunked, chunked_peak, measured, predicted) = runs[None], runs[128]
     assert chunked == pytest.approx(plain, rel=rel)
     assert chunked_peak < 0.8 * plain_peak  # the fp32 logits (tokens × 16k × 4 bytes) are never whole
@@ -155,9 +187,10 @@ def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follow
 
 # -- packing and length grouping ------------------------------------------------------------------------
 
+
 def _loss_sum(model, batch):
-    from bigtune.models import forward_inputs
-    from bigtune.stepmath import causal_lm_loss_sum, target_token_count
+    from bigtune.core.stepmath import causal_lm_loss_sum, target_token_count
+    from bigtune.models.build import forward_inputs
 
     logits = model(**forward_inputs(batch, batch["padded"])).logits
     return causal_lm_loss_sum(logits, batch["labels"]).double(), int(target_token_count(batch["labels"]))
@@ -165,10 +198,17 @@ def _loss_sum(model, batch):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_batch_has_the_loss_of_the_same_samples_unpacked(attn):
-    from bigtune.data import Collator, build_examples, pack_examples
+    from bigtune.data.text import Collator, build_examples, pack_examples
 
-    r = load_recipe({}, {"model.name": "tiny-llama", "data.max_seq_length": 200, "model.attn_implementation": attn,
-                         "data.mask_prompt": False})
+    r = load_recipe(
+        {},
+        {
+            "model.name": "tiny-llama",
+            "data.max_seq_length": 200,
+            "model.attn_implementation": attn,
+            "data.mask_prompt": False,
+        },
+    )
     tok = load_tokenizer(r.model)
     examples, _ = build_examples(r.data, tok, r.seed)
     examples = examples[:12]
@@ -198,16 +238,23 @@ def test_packed_batch_has_the_loss_of_the_same_samples_unpacked(attn):
 
 
 def test_packing_and_grouping_train_with_the_engine(tmp_path):
+    from bigtune.data.text import EpochSampler
+    from bigtune.run.training import train
     from conftest import read_jsonl, tiny_overrides
-
-    from bigtune.data import EpochSampler
-    from bigtune.engine import train
 
     sums = {}
     for mode in ("plain", "packing", "group_by_length"):
-        over = tiny_overrides(tmp_path / mode, **{"data.max_seq_length": 128, "train.max_steps": None,
-                                                  "train.max_epochs": 1, "memory.enabled": False,
-                                                  "memory.plan": False, "train.micro_batch_size": 4})
+        over = tiny_overrides(
+            tmp_path / mode,
+            **{
+                "data.max_seq_length": 128,
+                "train.max_steps": None,
+                "train.max_epochs": 1,
+                "memory.enabled": False,
+                "memory.plan": False,
+                "train.micro_batch_size": 4,
+            },
+        )
         if mode != "plain":
             over[f"data.{mode}"] = True
         s = train({}, over, quiet_recipe=True)
@@ -224,4 +271,4 @@ def test_packing_and_grouping_train_with_the_engine(tmp_path):
     order = s.order()
     assert sorted(order) == list(range(8))
     for i in (0, 4):
-        assert [lengths[j] for j in order[i:i + 4]] == sorted((lengths[j] for j in order[i:i + 4]), reverse=True)
+        assert [lengths[j] for j in order[i : i + 4]] == sorted((lengths[j] for j in order[i : i + 4]), reverse=True)

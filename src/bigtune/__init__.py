@@ -22,7 +22,7 @@ _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 def __getattr__(name):
     # Lazy so that `import bigtune` and `bigtune --help` stay fast (Lightning alone takes seconds).
     if name == "train":
-        from bigtune.engine import train
+        from bigtune.run.training import train
 
         return train
     if name in ("load_recipe", "Recipe", "RecipeError"):

@@ -1,5 +1,5 @@
 import sys
 
-from bigtune.cli import main
+from bigtune.cli.main import main
 
 sys.exit(main())

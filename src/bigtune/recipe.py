@@ -1,7 +1,7 @@
 """The recipe: one typed, documented schema for every knob bigtune has.
 
 A recipe is YAML (or a dict) shaped like the dataclasses below. Every field carries its doc in
-``metadata["doc"]``; the CLI help, ``bigtune recipe --docs`` and docs/recipe.md are generated from
+``metadata["doc"]``; the CLI help, ``bigtune recipe --docs`` and docs/reference/recipe.md are generated from
 them, so there is exactly one place to add a knob. Validation collects *every* problem before any
 model is built and names the key, what is wrong and how to fix it.
 
@@ -30,11 +30,14 @@ import yaml
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "assets" / "demo.yaml"
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true")
-OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw",
-              "deepspeed_cpu_adam")
+OPTIMIZERS = ("adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw", "deepspeed_cpu_adam")
 SCHEDULES = ("constant", "cosine", "linear")
-DEEPSPEED_STRATEGIES = ("deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
-                        "deepspeed_stage_3_offload")
+DEEPSPEED_STRATEGIES = (
+    "deepspeed_stage_2",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_offload",
+)
 STRATEGIES = ("auto", "single", "ddp", "fsdp") + DEEPSPEED_STRATEGIES
 LR_SCALINGS = ("none", "linear", "sqrt")
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -52,77 +55,131 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("tiny-llama", "Built-in preset (tiny-llama, tiny-opt; image-to-text: tiny-blip2-opt, "
-                   "tiny-blip2-t5; sequence-classification: tiny-bert), Hugging Face hub id, or local folder holding config.json + safetensors weights. "
-                   "Lab: model_name.")
+    name: str = _f(
+        "tiny-llama",
+        "Built-in preset (tiny-llama, tiny-opt; image-to-text: tiny-blip2-opt, "
+        "tiny-blip2-t5; sequence-classification: tiny-bert), Hugging Face hub id, or local folder holding config.json + safetensors weights. "
+        "Lab: model_name.",
+    )
     family: Literal["causal-lm", "image-to-text", "sequence-classification"] = _f(
-        "causal-lm", "Model family: causal-lm (AutoModelForCausalLM), image-to-text (BLIP-2: "
+        "causal-lm",
+        "Model family: causal-lm (AutoModelForCausalLM), image-to-text (BLIP-2: "
         "Blip2ForConditionalGeneration via AutoModelForImageTextToText, trained on image + caption pairs) or "
         "sequence-classification (AutoModelForSequenceClassification: BERT/DistilBERT/RoBERTa/Llama with a "
-        "classification head, trained on text + label records).")
+        "classification head, trained on text + label records).",
+    )
     init: Literal["pretrained", "random"] = _f(
-        "pretrained", "pretrained: load the weights. random: build the architecture from its config.json with random "
-        "weights (benchmarks and planner validation need no download; bundled configs cover the lab's models).")
+        "pretrained",
+        "pretrained: load the weights. random: build the architecture from its config.json with random "
+        "weights (benchmarks and planner validation need no download; bundled configs cover the lab's models).",
+    )
     revision: Optional[str] = _f(None, "Hub revision (branch, tag or commit) when `name` is a hub id.")
     trust_remote_code: bool = _f(False, "Allow code shipped with a hub model to run. Off unless you trust it.")
     attn_implementation: Literal["sdpa", "eager"] = _f(
-        "sdpa", "Attention kernel: sdpa (PyTorch scaled_dot_product_attention: flash/mem-efficient on CUDA) or eager.")
+        "sdpa", "Attention kernel: sdpa (PyTorch scaled_dot_product_attention: flash/mem-efficient on CUDA) or eager."
+    )
     tokenizer: Optional[str] = _f(None, "Tokenizer folder or hub id when it differs from `name`.")
     quantize: Literal["none", "nf4", "fp4", "int8"] = _f(
-        "none", "Load the base weights quantized with bitsandbytes (nf4/fp4: 4-bit, QLoRA; int8: LLM.int8). Needs "
-        "peft.method lora or dora: quantized weights cannot be trained directly. Lab: use_qlora.")
+        "none",
+        "Load the base weights quantized with bitsandbytes (nf4/fp4: 4-bit, QLoRA; int8: LLM.int8). Needs "
+        "peft.method lora or dora: quantized weights cannot be trained directly. Lab: use_qlora.",
+    )
     double_quant: bool = _f(True, "4-bit: also quantize the quantization constants (saves ~0.4 bit/parameter).")
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
-        "auto", "4-bit: dtype the dequantized matmuls run in (auto: bfloat16 unless precision is 32-true or 16-*).")
+        "auto", "4-bit: dtype the dequantized matmuls run in (auto: bfloat16 unless precision is 32-true or 16-*)."
+    )
     upcast_unquantized: bool = _f(
-        True, "Quantized base: cast the weights bitsandbytes leaves unquantized (embeddings, norms, output head) to "
+        True,
+        "Quantized base: cast the weights bitsandbytes leaves unquantized (embeddings, norms, output head) to "
         "fp32, as peft's prepare_model_for_kbit_training and the QLoRA paper do; hidden states then run in fp32 "
         "between the quantized matmuls. false keeps them in the precision's dtype: with bf16-true the hidden states "
         "stay 16-bit (less activation memory, flash attention), as litgpt and torchtune run QLoRA. No effect when "
-        "the weights are already fp32 (32-true, *-mixed).")
-    freeze_vision: bool = _f(True, "image-to-text: freeze the vision encoder (no gradients, no optimizer state), as "
-                             "BLIP-2 fine-tuning usually does.")
-    freeze_qformer: bool = _f(False, "image-to-text: freeze the Q-Former and its query tokens (the language "
-                              "projection stays trainable).")
-    freeze_language_model: bool = _f(False, "image-to-text: freeze the language model (OPT / Flan-T5). With "
-                                     "peft.method lora the whole base is frozen anyway and only adapters train.")
+        "the weights are already fp32 (32-true, *-mixed).",
+    )
+    freeze_vision: bool = _f(
+        True,
+        "image-to-text: freeze the vision encoder (no gradients, no optimizer state), as "
+        "BLIP-2 fine-tuning usually does.",
+    )
+    freeze_qformer: bool = _f(
+        False, "image-to-text: freeze the Q-Former and its query tokens (the language projection stays trainable)."
+    )
+    freeze_language_model: bool = _f(
+        False,
+        "image-to-text: freeze the language model (OPT / Flan-T5). With "
+        "peft.method lora the whole base is frozen anyway and only adapters train.",
+    )
 
 
 @dataclass
 class DataConfig:
-    source: str = _f("demo", "`demo` (bundled instruction set; for model.family image-to-text the bundled "
-                     "food-photo caption set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
-                     "written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; needs the hub).")
+    source: str = _f(
+        "demo",
+        "`demo` (bundled instruction set; for model.family image-to-text the bundled "
+        "food-photo caption set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
+        "written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; needs the hub).",
+    )
     format: Literal["auto", "alpaca", "text", "jsonl-text", "classification"] = _f(
-        "auto", "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column; "
-        "classification (text_field + label_field per record) for model.family sequence-classification.")
+        "auto",
+        "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column; "
+        "classification (text_field + label_field per record) for model.family sequence-classification.",
+    )
     split: str = _f("train", "Split to train on when the source holds several (DatasetDict).")
     text_field: str = _f("text", "Column holding raw text for the text format (image-to-text: the caption).")
-    label_field: str = _f("label", "classification: column holding each record's label (a name from label_names, "
-                          "or an integer index into them).")
-    label_names: list = _f([], "classification: the class names, in index order ([] infers them from the training "
-                           "data: the sorted distinct labels). A label outside them is an error naming the record.")
-    class_weights: list = _f([], "classification: one loss weight per class, in label_names order ([] = all 1); "
-                             "each sample's cross-entropy is multiplied by its class's weight (mean over samples).")
-    image_field: str = _f("image", "image-to-text: column (save_to_disk / metadata / JSONL key) holding the image "
-                          "(a decoded image, bytes, or a path; metadata.jsonl/.csv image folders use `file_name`).")
+    label_field: str = _f(
+        "label",
+        "classification: column holding each record's label (a name from label_names, or an integer index into them).",
+    )
+    label_names: list = _f(
+        [],
+        "classification: the class names, in index order ([] infers them from the training "
+        "data: the sorted distinct labels). A label outside them is an error naming the record.",
+    )
+    class_weights: list = _f(
+        [],
+        "classification: one loss weight per class, in label_names order ([] = all 1); "
+        "each sample's cross-entropy is multiplied by its class's weight (mean over samples).",
+    )
+    image_field: str = _f(
+        "image",
+        "image-to-text: column (save_to_disk / metadata / JSONL key) holding the image "
+        "(a decoded image, bytes, or a path; metadata.jsonl/.csv image folders use `file_name`).",
+    )
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
-    max_seq_length: int = _f(512, "Truncate every sample to this many tokens. image-to-text: caption tokens "
-                             "(BOS/EOS included); the model's num_query_tokens image tokens come on top.", min=2)
-    num_train_samples: Optional[int] = _f(None, "Keep only this many samples after a seeded shuffle. Lab: "
-                                          "num_train_samples.", min=1)
+    max_seq_length: int = _f(
+        512,
+        "Truncate every sample to this many tokens. image-to-text: caption tokens "
+        "(BOS/EOS included); the model's num_query_tokens image tokens come on top.",
+        min=2,
+    )
+    num_train_samples: Optional[int] = _f(
+        None, "Keep only this many samples after a seeded shuffle. Lab: num_train_samples.", min=1
+    )
     num_workers: int = _f(0, "DataLoader worker processes. Lab: num_workers.", min=0)
-    packing: bool = _f(False, "Concatenate samples into rows of up to max_seq_length tokens (seeded order), "
-                       "position ids restarting per sample so attention and the loss never cross samples; "
-                       "train.micro_batch_size then counts rows. Less padding, more tokens per step. Causal LMs only.")
-    group_by_length: bool = _f(False, "Put samples of similar length in the same micro-batch (sorted within "
-                               "seeded groups of 50 micro-batches): less padding without packing.")
-    val_fraction: float = _f(0.0, "Hold out this fraction of the samples (seeded) for validation; they never "
-                             "appear in training batches.", min=0.0)
-    val_source: Optional[str] = _f(None, "A separate validation source (same formats as `source`); overrides "
-                                   "val_fraction.")
-    skip_bad_records: bool = _f(True, "Skip records with missing/empty fields (each one counted and reported by "
-                                "index). False makes the first bad record an error. Unparseable JSON is always an error.")
+    packing: bool = _f(
+        False,
+        "Concatenate samples into rows of up to max_seq_length tokens (seeded order), "
+        "position ids restarting per sample so attention and the loss never cross samples; "
+        "train.micro_batch_size then counts rows. Less padding, more tokens per step. Causal LMs only.",
+    )
+    group_by_length: bool = _f(
+        False,
+        "Put samples of similar length in the same micro-batch (sorted within "
+        "seeded groups of 50 micro-batches): less padding without packing.",
+    )
+    val_fraction: float = _f(
+        0.0,
+        "Hold out this fraction of the samples (seeded) for validation; they never appear in training batches.",
+        min=0.0,
+    )
+    val_source: Optional[str] = _f(
+        None, "A separate validation source (same formats as `source`); overrides val_fraction."
+    )
+    skip_bad_records: bool = _f(
+        True,
+        "Skip records with missing/empty fields (each one counted and reported by "
+        "index). False makes the first bad record an error. Unparseable JSON is always an error.",
+    )
 
 
 @dataclass
@@ -130,15 +187,25 @@ class TrainConfig:
     micro_batch_size: int = _f(4, "Samples per forward/backward on one device. Lab: batch_size.", min=1)
     accumulate_grad_batches: int = _f(1, "Micro-batches per optimizer step. Lab: accumulate_grad_batches.", min=1)
     global_batch_size: Optional[int] = _f(
-        None, "Samples per optimizer step over all devices; if set, accumulate_grad_batches is derived from it "
-        "(must divide by micro_batch_size × devices).", min=1)
-    max_epochs: Optional[int] = _f(1, "Passes over the data (None: run until max_steps). Lab: max_epochs.", min=1)
+        None,
+        "Samples per optimizer step over all devices; if set, accumulate_grad_batches is derived from it "
+        "(must divide by micro_batch_size × devices).",
+        min=1,
+    )
+    max_epochs: Optional[int] = _f(
+        None,
+        "Passes over the data. null: one pass, or as many as train.max_steps needs when that is set. When both "
+        "are set, training stops at whichever comes first. Lab: max_epochs.",
+        min=1,
+    )
     max_steps: Optional[int] = _f(None, "Stop after this many optimizer steps. Lab: max_steps.", min=1)
     limit_train_batches: Optional[int] = _f(None, "Micro-batches per epoch at most. Lab: limit_train_batches.", min=1)
-    activation_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward "
-                                        "(non-reentrant). Lab: act_ckpt.")
+    activation_checkpointing: bool = _f(
+        False, "Recompute each decoder layer's activations in backward (non-reentrant). Lab: act_ckpt."
+    )
     compile: bool = _f(
-        False, "torch.compile each repeated transformer block (the layers FSDP shards: decoder layers, BLIP-2's "
+        False,
+        "torch.compile each repeated transformer block (the layers FSDP shards: decoder layers, BLIP-2's "
         "vision and Q-Former layers) in place, after activation checkpointing and adapters, before FSDP; "
         "embeddings, masks and the loss stay eager, so graph breaks there cost nothing. Works with activation "
         "checkpointing, LoRA/DoRA/QLoRA, DDP and FSDP; not with DeepSpeed. The first unmeasured step is slow while "
@@ -146,82 +213,110 @@ class TrainConfig:
         "own). Compiled dropout draws other random numbers than eager. Memory: on CUDA the allocator measures the "
         "compiled step. The CPU tracker cannot see inside compiled code, so on the CPU the measured steps (0, 1, "
         "every memory.every_steps) run eager: their table is the eager step's memory, exact, and their step time "
-        "eager (memory.cap_gib, which measures every step, is refused). `bigtune plan` plans the eager step.")
+        "eager (memory.cap_gib, which measures every step, is refused). `bigtune plan` plans the eager step.",
+    )
     log_every_steps: int = _f(1, "Print/write loss and throughput every N optimizer steps.", min=1)
     loss_chunk_tokens: Optional[int] = _f(
-        None, "Compute the cross-entropy from the final hidden states this many tokens at a time, recomputing each "
+        None,
+        "Compute the cross-entropy from the final hidden states this many tokens at a time, recomputing each "
         "chunk's logits in backward: the full tokens × vocab logits (and their fp32 copy) are never held, for one "
         "extra output-layer matmul. Same loss value. Applies to Llama/Mistral/Qwen2/OPT with a plain (no adapter) "
-        "output layer, not under FSDP; elsewhere the plain loss is used. None: off.", min=1)
+        "output layer, not under FSDP; elsewhere the plain loss is used. None: off.",
+        min=1,
+    )
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw",
-                  "deepspeed_cpu_adam"] = _f(
-        "adamw", "Optimizer. 8-bit ones keep state in 1 byte/element (bitsandbytes); paged ones page it to CPU RAM "
+    name: Literal[
+        "adamw", "sgd", "adam8bit", "adamw8bit", "paged_adamw8bit", "cpu_offload_adamw", "deepspeed_cpu_adam"
+    ] = _f(
+        "adamw",
+        "Optimizer. 8-bit ones keep state in 1 byte/element (bitsandbytes); paged ones page it to CPU RAM "
         "under pressure (CUDA); cpu_offload_adamw keeps fp32 master weights and moments in CPU RAM and steps there "
-        "(deepspeed_cpu_adam: the same with DeepSpeed's vectorised CPU Adam). Lab: optim.")
+        "(deepspeed_cpu_adam: the same with DeepSpeed's vectorised CPU Adam). Lab: optim.",
+    )
     lr: float = _f(3e-4, "Peak learning rate. Lab: lr.", min=0.0)
     weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW) or L2 (SGD).", min=0.0)
     betas: list = _f([0.9, 0.999], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
     momentum: float = _f(0.0, "SGD momentum (0 keeps no optimizer state).", min=0.0)
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = _f(
-        "auto", "PyTorch optimizer kernel: auto lets torch choose (foreach on CUDA); foreach costs a temporary "
-        "copy of the parameters; fused needs CUDA.")
+        "auto",
+        "PyTorch optimizer kernel: auto lets torch choose (foreach on CUDA); foreach costs a temporary "
+        "copy of the parameters; fused needs CUDA.",
+    )
     schedule: Literal["constant", "cosine", "linear"] = _f("constant", "LR decay after warmup.")
     warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
     grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
     zero_grad: Literal["after_step", "before_backward"] = _f(
-        "after_step", "When the gradients are freed. after_step: right after the optimizer step, so the next "
+        "after_step",
+        "When the gradients are freed. after_step: right after the optimizer step, so the next "
         "forward runs without them (the lowest peak; Hugging Face Trainer, LitGPT and torchtune do the same). "
         "before_backward: PyTorch Lightning Trainer's order (the lab's scripts): the previous step's gradients stay "
         "alive through the next step's first forward and are freed just before its backward, which adds the "
         "gradient bytes to that forward's memory when accumulate_grad_batches is 1. Use it to compare with a "
         "Lightning Trainer's printouts; `bigtune plan` plans either. Not with DeepSpeed (ZeRO clears its own "
-        "gradient buffers in its step).")
+        "gradient buffers in its step).",
+    )
     in_backward: bool = _f(
-        False, "Step each weight from its own backward hook as soon as its gradient is complete, then free that "
+        False,
+        "Step each weight from its own backward hook as soon as its gradient is complete, then free that "
         "gradient (torchtune's optimizer-in-backward): no full set of gradients ever exists, which saves their bytes "
         "(2 per trained weight in bf16) at the peak. Needs what can work one gradient at a time: one device, "
-        "accumulate_grad_batches 1, no grad_clip, not the CPU-offloaded optimizers, not 16-mixed.")
+        "accumulate_grad_batches 1, no grad_clip, not the CPU-offloaded optimizers, not 16-mixed.",
+    )
     lr_scaling: Literal["none", "linear", "sqrt"] = _f(
-        "none", "Scale optim.lr with the data-parallel size N = devices × num_nodes, for a global batch that grows "
+        "none",
+        "Scale optim.lr with the data-parallel size N = devices × num_nodes, for a global batch that grows "
         "with the GPU count: linear uses lr × N (the lab's 'lr × 4' on 4 GPUs), sqrt lr × √N (often better for "
-        "Adam), none keeps lr. The lr actually used is logged at start and in metrics.jsonl.")
+        "Adam), none keeps lr. The lr actually used is logged at start and in metrics.jsonl.",
+    )
 
 
 @dataclass
 class PeftConfig:
     method: Literal["none", "lora", "dora"] = _f(
-        "none", "Parameter-efficient fine-tuning with the peft library: train low-rank adapters, freeze the base. "
-        "Lab: use_lora.")
+        "none",
+        "Parameter-efficient fine-tuning with the peft library: train low-rank adapters, freeze the base. "
+        "Lab: use_lora.",
+    )
     r: int = _f(8, "Adapter rank. Lab: lora_r.", min=1)
     alpha: float = _f(16.0, "Adapter scaling numerator (scale = alpha / r). Lab: lora_alpha.", min=0.0)
     dropout: float = _f(0.05, "Dropout on the adapter input. Lab: lora_dropout.", min=0.0)
-    target_modules: list = _f(["auto"], "Modules that get adapters: [auto] (q_proj,v_proj for Llama/OPT; q,v for "
-                              "T5; BLIP-2: the language model's q_proj,v_proj (OPT) or q,v (Flan-T5) only), "
-                              "[all-linear], or names.")
+    target_modules: list = _f(
+        ["auto"],
+        "Modules that get adapters: [auto] (q_proj,v_proj for Llama/OPT; q,v for "
+        "T5; BLIP-2: the language model's q_proj,v_proj (OPT) or q,v (Flan-T5) only), "
+        "[all-linear], or names.",
+    )
     adapter_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32", "dtype of the adapter weights, and so of their gradients and AdamW state. float32 (PEFT's "
+        "float32",
+        "dtype of the adapter weights, and so of their gradients and AdamW state. float32 (PEFT's "
         "default) casts each adapted layer's input to fp32 for the adapter path (a copy per layer, kept for "
         "backward); bfloat16 keeps that path in bf16, as the QLoRA paper's script, LitGPT and torchtune do: "
         "less memory and time, but adapter updates smaller than bf16's resolution are lost. bfloat16 needs a "
-        "bf16 precision (or a 4-bit base). Under DeepSpeed the adapters are 16-bit anyway: it casts the module.")
+        "bf16 precision (or a 4-bit base). Under DeepSpeed the adapters are 16-bit anyway: it casts the module.",
+    )
 
 
 @dataclass
 class EvalConfig:
-    every_steps: Optional[int] = _f(None, "Evaluate on the validation split every N optimizer steps (and always "
-                                    "at the end when there is a validation split).", min=1)
+    every_steps: Optional[int] = _f(
+        None,
+        "Evaluate on the validation split every N optimizer steps (and always "
+        "at the end when there is a validation split).",
+        min=1,
+    )
     max_batches: Optional[int] = _f(None, "Evaluate on at most this many batches (None: the whole split).", min=1)
     batch_size: Optional[int] = _f(None, "Eval batch size (default: train.micro_batch_size).", min=1)
     keep_best: bool = _f(True, "Save the model with the best validation `best_metric` to <output_dir>/best.")
     best_metric: Literal["val_loss", "accuracy", "macro_f1"] = _f(
-        "val_loss", "What `keep_best` and summary.json's best step go by: val_loss (lowest) or, for "
-        "sequence-classification, accuracy / macro_f1 on the validation split (highest).")
+        "val_loss",
+        "What `keep_best` and summary.json's best step go by: val_loss (lowest) or, for "
+        "sequence-classification, accuracy / macro_f1 on the validation split (highest).",
+    )
 
 
 @dataclass
@@ -234,18 +329,28 @@ class CheckpointConfig:
 
 @dataclass
 class MemoryConfig:
-    enabled: bool = _f(True, "Take memory snapshots at four phases of a step (before/after forward, after "
-                       "backward, after optimizer step).")
+    enabled: bool = _f(
+        True,
+        "Take memory snapshots at four phases of a step (before/after forward, after backward, after optimizer step).",
+    )
     every_steps: int = _f(50, "Snapshot at optimizer steps 0, 1 and every N.", min=1)
-    plan: bool = _f(True, "Print `bigtune plan`'s prediction for this device before step 0, and measured vs "
-                    "predicted at the end (also in summary.json).")
+    plan: bool = _f(
+        True,
+        "Print `bigtune plan`'s prediction for this device before step 0, and measured vs "
+        "predicted at the end (also in summary.json).",
+    )
     cap_gib: Optional[float] = _f(
-        None, "Treat the device as having only this much memory: on CUDA a per-process limit, on CPU the live-tensor "
-        "tracker raises OOM above it (the tracker then runs every step). For what-if runs and tests.", min=0.0)
+        None,
+        "Treat the device as having only this much memory: on CUDA a per-process limit, on CPU the live-tensor "
+        "tracker raises OOM above it (the tracker then runs every step). For what-if runs and tests.",
+        min=0.0,
+    )
     oom_alternatives: bool = _f(
-        True, "After an out-of-memory, list the variants the planner predicts to fit (planned in this process, "
+        True,
+        "After an out-of-memory, list the variants the planner predicts to fit (planned in this process, "
         "the device still held: seconds for small models, minutes for a 12B BLIP-2 on a few cores). false skips "
-        "it; `bigtune plan RECIPE --gpu NAME --alternatives` gives the same list later.")
+        "it; `bigtune plan RECIPE --gpu NAME --alternatives` gives the same list later.",
+    )
 
 
 @dataclass
@@ -260,43 +365,70 @@ class Recipe:
     checkpoint: CheckpointConfig = _f(None, "Checkpoints and the final model.")
     memory: MemoryConfig = _f(None, "Memory measurement.")
     precision: Literal["32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true"] = _f(
-        "32-true", "Numeric precision (Lightning Fabric names). Lab: precision.")
+        "32-true", "Numeric precision (Lightning Fabric names). Lab: precision."
+    )
     accelerator: Literal["auto", "cpu", "cuda"] = _f("auto", "Device type; auto picks cuda when available.")
-    devices: int = _f(1, "Devices (processes) per node; > 1 spawns one process per device unless already "
-                      "launched by torchrun or Slurm. Lab: devices.", min=1)
+    devices: int = _f(
+        1,
+        "Devices (processes) per node; > 1 spawns one process per device unless already "
+        "launched by torchrun or Slurm. Lab: devices.",
+        min=1,
+    )
     num_nodes: int = _f(1, "Nodes (machines) taking part; launch with torchrun or `bigtune launch slurm`.", min=1)
-    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_2_offload",
-                      "deepspeed_stage_3", "deepspeed_stage_3_offload"] = _f(
-        "auto", "auto: single device, or DDP when devices × num_nodes > 1. ddp: replicated model, gradients "
+    strategy: Literal[
+        "auto",
+        "single",
+        "ddp",
+        "fsdp",
+        "deepspeed_stage_2",
+        "deepspeed_stage_2_offload",
+        "deepspeed_stage_3",
+        "deepspeed_stage_3_offload",
+    ] = _f(
+        "auto",
+        "auto: single device, or DDP when devices × num_nodes > 1. ddp: replicated model, gradients "
         "all-reduced. fsdp: FSDP2 (fully_shard per decoder layer): parameters, gradients and optimizer state "
         "sharded across ranks. deepspeed_stage_2: DeepSpeed ZeRO-2 (optimizer state and gradients sharded); "
         "deepspeed_stage_3: ZeRO-3 (parameters too); *_offload: optimizer state (stage 3: also parameters) in "
         "CPU RAM, stepped by DeepSpeed's CPU Adam. DeepSpeed needs CUDA GPUs and pip install 'bigtune[deepspeed]'. "
-        "Lab: strategy.")
+        "Lab: strategy.",
+    )
     fsdp_sharding: Literal["full", "grad_op", "hybrid"] = _f(
-        "full", "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
-        "backward (less communication); hybrid shards within a node and replicates across nodes.")
+        "full",
+        "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
+        "backward (less communication); hybrid shards within a node and replicates across nodes.",
+    )
     fsdp_cpu_offload: bool = _f(False, "FSDP: keep sharded parameters, gradients and optimizer state in CPU RAM.")
     fsdp_wrap: Literal["block", "none"] = _f(
-        "block", "FSDP units. block: each decoder block is its own unit (gathered for its forward and backward, its "
+        "block",
+        "FSDP units. block: each decoder block is its own unit (gathered for its forward and backward, its "
         "gradients reduced as soon as they are done), then the root (embeddings, head). none: the root only, one "
         "flat unit, as Lightning's FSDPStrategy() without an auto_wrap_policy (the lab's FSDP runs): the whole "
         "model is gathered from the forward through the backward and every gradient exists unsharded before "
         "the one reduce-scatter, so it needs far more memory and hides no communication; `bigtune plan` shows "
-        "how much.")
+        "how much.",
+    )
     fsdp_grad_sync: Literal["micro_batch", "step"] = _f(
-        "micro_batch", "FSDP with gradient accumulation: when gradients are reduce-scattered. micro_batch: after every "
+        "micro_batch",
+        "FSDP with gradient accumulation: when gradients are reduce-scattered. micro_batch: after every "
         "micro-batch's backward, so each rank only ever keeps its shard (least memory). step: only after the "
         "window's last micro-batch, as Fabric's no_backward_sync and FSDP1's no_sync() do (litgpt's multi-GPU "
         "scripts): 1/accumulate of the gradient traffic, but every rank holds every trainable weight's unsharded "
-        "gradient (fp32 under *-mixed) through the window; `bigtune plan` counts it.")
+        "gradient (fp32 under *-mixed) through the window; `bigtune plan` counts it.",
+    )
     ddp_bucket_view: bool = _f(
-        True, "DDP: each gradient is a view into the reducer's communication buckets, so the gradients are not "
+        True,
+        "DDP: each gradient is a view into the reducer's communication buckets, so the gradients are not "
         "held twice. false is PyTorch's and Lightning's default (DDPStrategy()): the buckets then hold a second "
-        "copy of the gradients for the whole run (`bigtune plan` counts it). The lab's BLIP-2 DDP rung sets true.")
-    dist_timeout_s: int = _f(600, "Seconds a rank waits in a collective before giving up (torch.distributed "
-                             "init_process_group timeout), so a crashed or hung rank makes the others exit with an "
-                             "error instead of hanging forever.", min=10)
+        "copy of the gradients for the whole run (`bigtune plan` counts it). The lab's BLIP-2 DDP rung sets true.",
+    )
+    dist_timeout_s: int = _f(
+        600,
+        "Seconds a rank waits in a collective before giving up (torch.distributed "
+        "init_process_group timeout), so a crashed or hung rank makes the others exit with an "
+        "error instead of hanging forever.",
+        min=10,
+    )
     seed: int = _f(42, "Seeds data order, initialisation and dropout.")
     output_dir: Optional[str] = _f(None, "Run directory (default runs/<name>; a suffix is added if it exists).")
 
@@ -322,7 +454,7 @@ class Recipe:
     @property
     def lr(self) -> float:
         """The peak lr actually used: optim.lr scaled by the data-parallel size per optim.lr_scaling."""
-        factor = {"none": 1.0, "linear": float(self.world_size), "sqrt": self.world_size ** 0.5}
+        factor = {"none": 1.0, "linear": float(self.world_size), "sqrt": self.world_size**0.5}
         return self.optim.lr * factor[self.optim.lr_scaling]
 
     @property
@@ -337,8 +469,14 @@ class Recipe:
 
 
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig, "peft": PeftConfig,
-    "eval": EvalConfig, "checkpoint": CheckpointConfig, "memory": MemoryConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "peft": PeftConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+    "memory": MemoryConfig,
 }
 
 
@@ -353,6 +491,7 @@ class RecipeError(ValueError):
 
 
 # -- parsing --------------------------------------------------------------------------------------
+
 
 @functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
@@ -475,8 +614,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_recipe(source: str | Path | dict | Recipe | None = None,
-                overrides: list[str] | dict[str, Any] | None = None, check: bool = True) -> Recipe:
+def load_recipe(
+    source: str | Path | dict | Recipe | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    check: bool = True,
+) -> Recipe:
     """Build and validate a Recipe from a YAML path, a dict or nothing (the built-in demo), plus overrides.
 
     Raises RecipeError listing every problem found. ``check=False`` checks keys, types and values only and
@@ -543,9 +685,15 @@ def resolve_accelerator(recipe: Recipe) -> str:
 
 # check_combinations rules that only say *this machine* cannot run the recipe (no CUDA, no DeepSpeed, no
 # bitsandbytes, CPU-only precision limits): a plan for a CUDA GPU made on a CPU machine skips them.
-HOST_ONLY_RULES = ("precision: 16-mixed needs a CUDA GPU", "precision: 16-true on CPU",
-                   "optim.implementation: fused kernels need CUDA", "optim.name=paged_adamw8bit: paging",
-                   "DeepSpeed needs CUDA GPUs", "needs DeepSpeed: pip install", "needs bitsandbytes")
+HOST_ONLY_RULES = (
+    "precision: 16-mixed needs a CUDA GPU",
+    "precision: 16-true on CPU",
+    "optim.implementation: fused kernels need CUDA",
+    "optim.name=paged_adamw8bit: paging",
+    "DeepSpeed needs CUDA GPUs",
+    "needs DeepSpeed: pip install",
+    "needs bitsandbytes",
+)
 
 
 def gpu_plan_problems(r: Recipe) -> list[str]:
@@ -555,50 +703,68 @@ def gpu_plan_problems(r: Recipe) -> list[str]:
 
 
 def check_combinations(r: Recipe) -> list[str]:
-    """Cross-field rules, each stated with its reason and fix. Runs before any model or data is loaded."""
+    """Cross-field rules, each stated with its reason and fix. Runs before any model or data is loaded.
+
+    Long because it is a flat list of independent rules, each a few lines with its own reason and fix;
+    they are read (and added to) one at a time.
+    """
     p: list[str] = []
     t = r.train
-    if t.max_epochs is None and t.max_steps is None:
-        p.append("train.max_epochs / train.max_steps: both are null, so training would never stop; set one")
     if t.global_batch_size is not None:
         per = t.micro_batch_size * r.world_size
         if t.global_batch_size % per:
-            p.append(f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size × devices "
-                     f"= {per}; pick a multiple, or set train.accumulate_grad_batches instead")
+            p.append(
+                f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size × devices "
+                f"= {per}; pick a multiple, or set train.accumulate_grad_batches instead"
+            )
         if "accumulate_grad_batches" in _explicit(t) and t.accumulate_grad_batches != r.accumulate:
             p.append("train.accumulate_grad_batches and train.global_batch_size disagree; set only one of them")
     if len(r.optim.betas) != 2 or not all(isinstance(b, (int, float)) for b in r.optim.betas):
         p.append(f"optim.betas: {r.optim.betas!r} must be two numbers, e.g. [0.9, 0.999]")
     if r.optim.zero_grad == "before_backward" and r.strategy in DEEPSPEED_STRATEGIES:
-        p.append(f"optim.zero_grad=before_backward with strategy={r.strategy}: ZeRO clears its own gradient buffers "
-                 "in its step; use optim.zero_grad=after_step")
+        p.append(
+            f"optim.zero_grad=before_backward with strategy={r.strategy}: ZeRO clears its own gradient buffers "
+            "in its step; use optim.zero_grad=after_step"
+        )
     if r.optim.in_backward:
         why = "optim.in_backward steps each weight as soon as its gradient is complete"
         if r.world_size > 1 or r.strategy not in ("auto", "single"):
-            p.append(f"{why}, before any gradient sync between devices: use devices=1 with strategy=single (or "
-                     f"auto), or optim.in_backward=false (devices={r.devices}, num_nodes={r.num_nodes}, "
-                     f"strategy={r.strategy})")
+            p.append(
+                f"{why}, before any gradient sync between devices: use devices=1 with strategy=single (or "
+                f"auto), or optim.in_backward=false (devices={r.devices}, num_nodes={r.num_nodes}, "
+                f"strategy={r.strategy})"
+            )
         if r.accumulate > 1:
-            p.append(f"{why}, so every micro-batch would step: set train.accumulate_grad_batches=1 (a larger "
-                     f"train.micro_batch_size keeps the batch) or optim.in_backward=false (accumulate is "
-                     f"{r.accumulate})")
+            p.append(
+                f"{why}, so every micro-batch would step: set train.accumulate_grad_batches=1 (a larger "
+                f"train.micro_batch_size keeps the batch) or optim.in_backward=false (accumulate is "
+                f"{r.accumulate})"
+            )
         if r.optim.grad_clip is not None:
-            p.append(f"{why}: global-norm clipping needs all of them at once; set optim.grad_clip=null or "
-                     "optim.in_backward=false")
+            p.append(
+                f"{why}: global-norm clipping needs all of them at once; set optim.grad_clip=null or "
+                "optim.in_backward=false"
+            )
         if r.optim.name in ("cpu_offload_adamw", "deepspeed_cpu_adam"):
-            p.append(f"{why}, but optim.name={r.optim.name} copies all gradients to the CPU in one step; use "
-                     "adamw, adamw8bit or sgd with optim.in_backward")
+            p.append(
+                f"{why}, but optim.name={r.optim.name} copies all gradients to the CPU in one step; use "
+                "adamw, adamw8bit or sgd with optim.in_backward"
+            )
         if r.precision == "16-mixed":
-            p.append(f"{why}, but 16-mixed's loss scaler must check every gradient for inf before any step; use "
-                     "bf16-mixed or bf16-true")
+            p.append(
+                f"{why}, but 16-mixed's loss scaler must check every gradient for inf before any step; use "
+                "bf16-mixed or bf16-true"
+            )
     if r.optim.momentum and r.optim.name != "sgd":
         p.append("optim.momentum: only SGD uses momentum; remove it or set optim.name=sgd")
     world = r.devices * r.num_nodes
     if r.strategy == "single" and world > 1:
         p.append(f"strategy=single with {world} devices: use strategy=ddp or fsdp, or devices=1")
     if r.strategy == "fsdp" and r.model.quantize != "none":
-        p.append("strategy=fsdp with model.quantize: bitsandbytes weights cannot be sharded by FSDP here; use "
-                 "strategy=ddp (each rank holds the quantized base) or model.quantize=none")
+        p.append(
+            "strategy=fsdp with model.quantize: bitsandbytes weights cannot be sharded by FSDP here; use "
+            "strategy=ddp (each rank holds the quantized base) or model.quantize=none"
+        )
     if r.strategy == "fsdp" and r.optim.name in ("cpu_offload_adamw", "deepspeed_cpu_adam"):
         p.append("strategy=fsdp with an offloaded optimizer: use fsdp_cpu_offload=true with optim.name=adamw")
     if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
@@ -612,43 +778,67 @@ def check_combinations(r: Recipe) -> list[str]:
             p.append("accelerator: cuda was asked for but torch sees no CUDA device; use accelerator=cpu or auto")
     if accel == "cpu":
         if r.precision == "16-mixed":
-            p.append("precision: 16-mixed needs a CUDA GPU (on CPU Lightning silently switches to bf16-mixed); "
-                     "use bf16-mixed on CPU")
+            p.append(
+                "precision: 16-mixed needs a CUDA GPU (on CPU Lightning silently switches to bf16-mixed); "
+                "use bf16-mixed on CPU"
+            )
         if r.precision == "16-true":
             p.append("precision: 16-true on CPU gives NaN losses with fp16 optimizer state; use bf16-true on CPU")
         if r.optim.implementation == "fused":
             p.append("optim.implementation: fused kernels need CUDA; use auto or foreach on CPU")
     if r.model.quantize != "none" and r.peft.method == "none":
-        p.append(f"model.quantize={r.model.quantize}: quantized base weights cannot be trained; set peft.method=lora "
-                 "(QLoRA) or model.quantize=none")
-    if r.peft.adapter_dtype == "bfloat16" and r.peft.method != "none" and not r.precision.startswith("bf16") \
-            and r.model.quantize not in ("nf4", "fp4"):
-        p.append(f"peft.adapter_dtype=bfloat16 with precision={r.precision}: the adapted layers' inputs are not bf16; "
-                 "use precision=bf16-true or bf16-mixed, or peft.adapter_dtype=float32")
+        p.append(
+            f"model.quantize={r.model.quantize}: quantized base weights cannot be trained; set peft.method=lora "
+            "(QLoRA) or model.quantize=none"
+        )
+    if (
+        r.peft.adapter_dtype == "bfloat16"
+        and r.peft.method != "none"
+        and not r.precision.startswith("bf16")
+        and r.model.quantize not in ("nf4", "fp4")
+    ):
+        p.append(
+            f"peft.adapter_dtype=bfloat16 with precision={r.precision}: the adapted layers' inputs are not bf16; "
+            "use precision=bf16-true or bf16-mixed, or peft.adapter_dtype=float32"
+        )
     needs_bnb = r.model.quantize != "none" or r.optim.name in ("adam8bit", "adamw8bit", "paged_adamw8bit")
     if needs_bnb and not _installed("bitsandbytes"):
         what = f"model.quantize={r.model.quantize}" if r.model.quantize != "none" else f"optim.name={r.optim.name}"
-        p.append(f"{what} needs bitsandbytes: pip install 'bigtune[bnb]' (or pip install bitsandbytes); or use "
-                 "optim.name=adamw / model.quantize=none")
+        p.append(
+            f"{what} needs bitsandbytes: pip install 'bigtune[bnb]' (or pip install bitsandbytes); or use "
+            "optim.name=adamw / model.quantize=none"
+        )
     if r.optim.name == "deepspeed_cpu_adam" and not _installed("deepspeed"):
-        p.append("optim.name=deepspeed_cpu_adam needs DeepSpeed: pip install 'bigtune[deepspeed]'; or use "
-                 "optim.name=cpu_offload_adamw (same placement, torch's CPU Adam)")
+        p.append(
+            "optim.name=deepspeed_cpu_adam needs DeepSpeed: pip install 'bigtune[deepspeed]'; or use "
+            "optim.name=cpu_offload_adamw (same placement, torch's CPU Adam)"
+        )
     if accel == "cpu" and r.optim.name == "paged_adamw8bit":
-        p.append("optim.name=paged_adamw8bit: paging moves optimizer state between GPU and CPU memory, so it needs "
-                 "CUDA; use adamw8bit on CPU")
+        p.append(
+            "optim.name=paged_adamw8bit: paging moves optimizer state between GPU and CPU memory, so it needs "
+            "CUDA; use adamw8bit on CPU"
+        )
     if r.memory.cap_gib is not None and r.memory.cap_gib <= 0:
         p.append("memory.cap_gib: must be positive")
     if not _is_preset(r.model.name) and _looks_local(r.model.name):
         path = Path(r.model.name).expanduser()
         if not path.is_dir():
-            p.append(f"model.name: folder {path} does not exist; give a preset ({', '.join(preset_names())}), a hub id "
-                     "(org/name) or an existing folder")
+            p.append(
+                f"model.name: folder {path} does not exist; give a preset ({', '.join(preset_names())}), a hub id "
+                "(org/name) or an existing folder"
+            )
         elif not (path / "config.json").is_file():
-            p.append(f"model.name: folder {path} has no config.json; point at a Hugging Face model folder "
-                     "(save_pretrained output)")
+            p.append(
+                f"model.name: folder {path} has no config.json; point at a Hugging Face model folder "
+                "(save_pretrained output)"
+            )
     if not 0.0 <= r.data.val_fraction < 1.0:
         p.append(f"data.val_fraction: {r.data.val_fraction} must be in [0, 1), e.g. 0.1")
-    if r.data.val_source and not r.data.val_source.startswith("hf:") and not Path(r.data.val_source).expanduser().exists():
+    if (
+        r.data.val_source
+        and not r.data.val_source.startswith("hf:")
+        and not Path(r.data.val_source).expanduser().exists()
+    ):
         p.append(f"data.val_source: {r.data.val_source} does not exist")
     if (r.data.packing or r.data.group_by_length) and r.model.family != "causal-lm":
         p.append("data.packing / data.group_by_length: only causal-lm models pack or group samples; turn them off")
@@ -672,27 +862,39 @@ def check_deepspeed(r: Recipe, accel: str) -> list[str]:
     s = r.strategy
     p: list[str] = []
     if accel == "cpu":
-        p.append(f"strategy={s}: DeepSpeed needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses the CPU), but "
-                 "accelerator resolves to cpu; run on GPUs with accelerator=cuda (or auto), or use strategy=fsdp "
-                 "(with fsdp_cpu_offload=true for ZeRO-Offload-like memory) on CPU")
+        p.append(
+            f"strategy={s}: DeepSpeed needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses the CPU), but "
+            "accelerator resolves to cpu; run on GPUs with accelerator=cuda (or auto), or use strategy=fsdp "
+            "(with fsdp_cpu_offload=true for ZeRO-Offload-like memory) on CPU"
+        )
     if not _installed("deepspeed"):
-        p.append(f"strategy={s} needs DeepSpeed: pip install 'bigtune[deepspeed]' (or pip install deepspeed); or use "
-                 "strategy=fsdp")
+        p.append(
+            f"strategy={s} needs DeepSpeed: pip install 'bigtune[deepspeed]' (or pip install deepspeed); or use "
+            "strategy=fsdp"
+        )
     if r.model.quantize != "none":
-        p.append(f"strategy={s} with model.quantize: bitsandbytes weights cannot be partitioned by ZeRO here; use "
-                 "strategy=ddp or model.quantize=none")
+        p.append(
+            f"strategy={s} with model.quantize: bitsandbytes weights cannot be partitioned by ZeRO here; use "
+            "strategy=ddp or model.quantize=none"
+        )
     if r.optim.name not in ("adamw", "sgd"):
-        p.append(f"strategy={s} with optim.name={r.optim.name}: ZeRO partitions and steps the optimizer itself; use "
-                 "optim.name=adamw (the *_offload strategies step it on the CPU with DeepSpeed's CPU Adam)")
+        p.append(
+            f"strategy={s} with optim.name={r.optim.name}: ZeRO partitions and steps the optimizer itself; use "
+            "optim.name=adamw (the *_offload strategies step it on the CPU with DeepSpeed's CPU Adam)"
+        )
     elif s.endswith("_offload") and r.optim.name != "adamw":
-        p.append(f"strategy={s}: offloaded ZeRO steps with DeepSpeed's CPU Adam; use optim.name=adamw, or "
-                 f"strategy={s.removesuffix('_offload')} for SGD")
+        p.append(
+            f"strategy={s}: offloaded ZeRO steps with DeepSpeed's CPU Adam; use optim.name=adamw, or "
+            f"strategy={s.removesuffix('_offload')} for SGD"
+        )
     if r.optim.implementation == "fused" and s.endswith("_offload"):
         p.append(f"optim.implementation=fused: strategy={s} steps on the CPU; use optim.implementation=auto")
     if r.fsdp_cpu_offload or r.fsdp_sharding != "full" or r.fsdp_wrap != "block" or r.fsdp_grad_sync != "micro_batch":
-        p.append(f"fsdp_cpu_offload / fsdp_sharding / fsdp_wrap / fsdp_grad_sync apply to strategy=fsdp only; with "
-                 f"DeepSpeed pick the offload "
-                 f"through the strategy name (e.g. {s.removesuffix('_offload')}_offload) and remove the fsdp_* keys")
+        p.append(
+            f"fsdp_cpu_offload / fsdp_sharding / fsdp_wrap / fsdp_grad_sync apply to strategy=fsdp only; with "
+            f"DeepSpeed pick the offload "
+            f"through the strategy name (e.g. {s.removesuffix('_offload')}_offload) and remove the fsdp_* keys"
+        )
     return p
 
 
@@ -704,23 +906,33 @@ def _check_image_to_text(r: Recipe) -> list[str]:
         p.append(f"model.family: {m.name} is a {preset_family} preset; set model.family={preset_family}")
     if m.family != "image-to-text":
         if not m.freeze_vision or m.freeze_qformer or m.freeze_language_model:
-            p.append("model.freeze_*: only image-to-text models have vision / Q-Former / language-model parts; remove "
-                     "them or set model.family=image-to-text")
+            p.append(
+                "model.freeze_*: only image-to-text models have vision / Q-Former / language-model parts; remove "
+                "them or set model.family=image-to-text"
+            )
         return p
     if m.freeze_vision and m.freeze_qformer and m.freeze_language_model and r.peft.method == "none":
-        p.append("model.freeze_*: vision, Q-Former and language model are all frozen, so only the language "
-                 "projection would train; unfreeze one, or use peft.method=lora")
+        p.append(
+            "model.freeze_*: vision, Q-Former and language model are all frozen, so only the language "
+            "projection would train; unfreeze one, or use peft.method=lora"
+        )
     if r.data.format not in ("auto", "jsonl-text"):
         p.append(f"data.format={r.data.format}: image-to-text reads image + caption records; use data.format=auto")
     if r.data.source.startswith("hf:"):
-        p.append("data.source: hf:<id> is not supported for image-to-text yet; save it with save_to_disk and give "
-                 "the folder")
+        p.append(
+            "data.source: hf:<id> is not supported for image-to-text yet; save it with save_to_disk and give the folder"
+        )
     src = Path(r.data.source).expanduser()
     if r.data.source != "demo" and src.is_file() and src.suffix.lower() not in (".jsonl", ".json"):
-        p.append(f"data.source: {src} is not an image source; image-to-text needs a save_to_disk folder, an image "
-                 "folder with metadata.jsonl/metadata.csv, a JSONL of {image, text} records, or `demo`")
-    if r.data.val_source and Path(r.data.val_source).expanduser().is_file() and \
-            Path(r.data.val_source).suffix.lower() not in (".jsonl", ".json"):
+        p.append(
+            f"data.source: {src} is not an image source; image-to-text needs a save_to_disk folder, an image "
+            "folder with metadata.jsonl/metadata.csv, a JSONL of {image, text} records, or `demo`"
+        )
+    if (
+        r.data.val_source
+        and Path(r.data.val_source).expanduser().is_file()
+        and Path(r.data.val_source).suffix.lower() not in (".jsonl", ".json")
+    ):
         p.append("data.val_source: image-to-text needs an image source (save_to_disk folder, image folder, JSONL)")
     return p
 
@@ -729,17 +941,22 @@ def _check_classification(r: Recipe) -> list[str]:
     p: list[str] = []
     d, classify = r.data, r.model.family == "sequence-classification"
     if classify and d.format not in ("auto", "classification"):
-        p.append(f"data.format={d.format}: sequence-classification trains on text + label records; use "
-                 "data.format=auto or classification")
+        p.append(
+            f"data.format={d.format}: sequence-classification trains on text + label records; use "
+            "data.format=auto or classification"
+        )
     if not classify:
         if d.format == "classification":
             p.append("data.format=classification needs model.family=sequence-classification")
         if d.label_names or d.class_weights:
-            p.append("data.label_names / data.class_weights: only sequence-classification uses labels; remove them "
-                     "or set model.family=sequence-classification")
+            p.append(
+                "data.label_names / data.class_weights: only sequence-classification uses labels; remove them "
+                "or set model.family=sequence-classification"
+            )
         if r.eval.best_metric != "val_loss":
-            p.append(f"eval.best_metric={r.eval.best_metric}: only sequence-classification runs measure it; use "
-                     "val_loss")
+            p.append(
+                f"eval.best_metric={r.eval.best_metric}: only sequence-classification runs measure it; use val_loss"
+            )
         return p
     names = d.label_names
     if any(not isinstance(n, (str, int)) or isinstance(n, bool) for n in names):
@@ -754,8 +971,9 @@ def _check_classification(r: Recipe) -> list[str]:
         elif not names:
             p.append("data.class_weights: give data.label_names too, so each weight's class is explicit")
         elif len(d.class_weights) != len(names):
-            p.append(f"data.class_weights: {len(d.class_weights)} weights for {len(names)} label_names; give one "
-                     "per class")
+            p.append(
+                f"data.class_weights: {len(d.class_weights)} weights for {len(names)} label_names; give one per class"
+            )
     return p
 
 
@@ -765,29 +983,37 @@ def _check_compile(r: Recipe, accel: str) -> list[str]:
         return []
     p: list[str] = []
     if r.strategy in DEEPSPEED_STRATEGIES:
-        p.append(f"train.compile with strategy={r.strategy}: not supported: ZeRO gathers and releases parameters "
-                 "inside the blocks with its own hooks, untested under torch.compile here (DeepSpeed needs CUDA); "
-                 "set train.compile=false, or use strategy=fsdp (compiled per block, then sharded)")
+        p.append(
+            f"train.compile with strategy={r.strategy}: not supported: ZeRO gathers and releases parameters "
+            "inside the blocks with its own hooks, untested under torch.compile here (DeepSpeed needs CUDA); "
+            "set train.compile=false, or use strategy=fsdp (compiled per block, then sharded)"
+        )
     if accel == "cpu" and r.memory.cap_gib is not None:
-        p.append("train.compile with memory.cap_gib on the CPU: the cap is enforced by tracking every step, and "
-                 "tracked steps run eager, so nothing would be compiled; remove memory.cap_gib or set "
-                 "train.compile=false")
+        p.append(
+            "train.compile with memory.cap_gib on the CPU: the cap is enforced by tracking every step, and "
+            "tracked steps run eager, so nothing would be compiled; remove memory.cap_gib or set "
+            "train.compile=false"
+        )
     if accel == "cpu":
         import shutil
         import sys
 
         cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
         if shutil.which(cxx) is None:
-            p.append(f"train.compile on the CPU: torch.compile builds C++ kernels, but the compiler {cxx!r} is not on "
-                     "PATH; install g++ (or set CXX), or set train.compile=false")
+            p.append(
+                f"train.compile on the CPU: torch.compile builds C++ kernels, but the compiler {cxx!r} is not on "
+                "PATH; install g++ (or set CXX), or set train.compile=false"
+            )
     elif _cuda_available() and not _installed("triton"):  # (no CUDA at all is reported under accelerator)
-        p.append("train.compile on CUDA: torch.compile needs Triton, which is not installed; pip install triton "
-                 "(the version matching your torch), or set train.compile=false")
+        p.append(
+            "train.compile on CUDA: torch.compile needs Triton, which is not installed; pip install triton "
+            "(the version matching your torch), or set train.compile=false"
+        )
     return p
 
 
 def _preset_family(name: str) -> Optional[str]:
-    from bigtune.presets import PRESETS
+    from bigtune.core.presets import PRESETS
 
     return PRESETS[name].family if name in PRESETS else None
 
@@ -815,7 +1041,7 @@ def _explicit(section: Any) -> set[str]:
 
 
 def preset_names() -> list[str]:
-    from bigtune.presets import PRESETS
+    from bigtune.core.presets import PRESETS
 
     return sorted(PRESETS)
 
@@ -836,6 +1062,7 @@ def shipped_recipes() -> list[Path]:
 
 # -- documentation -------------------------------------------------------------------------------
 
+
 def schema_rows() -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) for every leaf of the schema, in order."""
     rows = []
@@ -844,16 +1071,23 @@ def schema_rows() -> list[tuple[str, str, str, str]]:
             sec = _SECTIONS[f.name]
             for g in dataclasses.fields(sec):
                 default = g.default if g.default is not dataclasses.MISSING else g.default_factory()  # type: ignore
-                rows.append((f"{f.name}.{g.name}", _describe(_field_type(sec, g.name)), repr(default), g.metadata["doc"]))
+                rows.append(
+                    (f"{f.name}.{g.name}", _describe(_field_type(sec, g.name)), repr(default), g.metadata["doc"])
+                )
         else:
             rows.append((f.name, _describe(_field_type(Recipe, f.name)), repr(f.default), f.metadata["doc"]))
     return rows
 
 
 def schema_markdown() -> str:
-    lines = ["# Recipe reference", "", "Generated from `src/bigtune/recipe.py` (`bigtune recipe --docs`). "
-             "Override any key with `--set key=value`.", "", "| key | type | default | what it does |",
-             "|---|---|---|---|"]
+    lines = [
+        "# Recipe reference",
+        "",
+        "Generated from `src/bigtune/recipe.py` (`bigtune recipe --docs`). Override any key with `--set key=value`.",
+        "",
+        "| key | type | default | what it does |",
+        "|---|---|---|---|",
+    ]
     for key, tp, default, doc in schema_rows():
         lines.append(f"| `{key}` | {tp} | `{default}` | {doc} |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,178 @@
+"""MkDocs hook: fill the generated reference pages from the code at build time.
+
+A page holds a marker line such as ``<!-- generated: recipe-keys -->``; ``on_page_markdown`` replaces it
+with Markdown built from bigtune itself, so the reference cannot drift from the code:
+
+- ``recipe-keys``: every recipe key, from ``bigtune.recipe.schema_markdown()``;
+- ``cli``: every command and flag, from the argparse parser (``bigtune.cli.build_parser``, or the older
+  ``bigtune.cli._parser``);
+- ``exit-codes``: the exit codes the CLI defines;
+- ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus`` or ``bigtune.gpus``).
+
+The hook imports bigtune, so build the site from an environment where it is installed (``pip install -e
+'.[docs]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+MARKER = re.compile(r"^<!--\s*generated:\s*([a-z0-9-]+)\s*-->\s*$", re.MULTILINE)
+
+
+def _recipe_keys() -> str:
+    from bigtune.recipe import schema_markdown
+
+    text = schema_markdown()
+    # The page has its own title and introduction: drop the generated H1 and keep the table.
+    lines = text.splitlines()
+    while lines and (lines[0].startswith("# ") or not lines[0].strip()):
+        lines.pop(0)
+    return "\n".join(lines) + "\n"
+
+
+def _root_parser() -> argparse.ArgumentParser:
+    import bigtune.cli as cli
+
+    for name in ("build_parser", "_parser"):
+        factory = getattr(cli, name, None)
+        if callable(factory):
+            return factory()
+    raise RuntimeError("bigtune.cli has neither build_parser() nor _parser(); update docs/_hooks/gen.py")
+
+
+def _subcommands(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield name, helps.get(name) or "", sub
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
+    rows = []
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        if action.option_strings:
+            name = ", ".join(f"`{o}`" for o in action.option_strings)
+            if action.nargs != 0:
+                metavar = action.metavar or action.dest.upper()
+                if isinstance(metavar, tuple):
+                    metavar = " ".join(metavar)
+                name += f" `{metavar}`"
+        else:
+            name = f"`{action.metavar or action.dest}`"
+        help_text = action.help if action.help not in (None, argparse.SUPPRESS) else ""
+        if help_text and "%(" in help_text:
+            help_text = help_text % {"default": action.default, "prog": parser.prog}
+        extra = []
+        if action.required and action.option_strings:
+            extra.append("required")
+        if (action.option_strings and action.nargs != 0 and action.default not in (None, [], False, "")
+                and "default" not in (help_text or "")):
+            extra.append(f"default `{action.default}`")
+        if action.choices:
+            extra.append("one of " + ", ".join(f"`{c}`" for c in action.choices))
+        if isinstance(action, argparse._AppendAction) and "repeatable" not in (help_text or ""):
+            extra.append("repeatable")
+        text = _cell(help_text)
+        if extra:
+            text = (text + " " if text else "") + "(" + "; ".join(extra) + ")"
+        rows.append(f"| {name} | {text} |")
+    return rows
+
+
+def _usage(parser: argparse.ArgumentParser) -> str:
+    formatter = argparse.HelpFormatter(parser.prog, width=100)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="usage: ")
+    return formatter.format_help().strip()
+
+
+def _cli() -> str:
+    root = _root_parser()
+    out = [f"```text\n{_usage(root)}\n```", "", _cell(root.description or ""), ""]
+    commands = list(_subcommands(root))
+    out += ["| command | what it does |", "|---|---|"]
+    out += [f"| [`bigtune {name}`](#bigtune-{name}) | {_cell(help_)} |" for name, help_, _ in commands]
+    out += ["", "Options of `bigtune` itself:", "", "| argument | meaning |", "|---|---|", *_flag_rows(root), ""]
+    for name, help_, sub in commands:
+        out += [f"## `bigtune {name}` {{#bigtune-{name}}}", "", _cell(help_) + ("." if help_ and not help_.endswith(".") else ""), ""]
+        if sub.description:
+            out += [_cell(sub.description), ""]
+        out += [f"```text\n{_usage(sub)}\n```", ""]
+        rows = _flag_rows(sub)
+        if rows:
+            out += ["| argument | meaning |", "|---|---|", *rows, ""]
+        for sub_name, sub_help, subsub in _subcommands(sub):  # nested verbs, if any
+            out += [f"### `bigtune {name} {sub_name}`", "", _cell(sub_help), "", f"```text\n{_usage(subsub)}\n```", "",
+                    "| argument | meaning |", "|---|---|", *_flag_rows(subsub), ""]
+    return "\n".join(out) + "\n"
+
+
+def _exit_codes() -> str:
+    import importlib
+
+    modules = [importlib.import_module("bigtune.cli")]
+    try:  # after the package split the constants may live in bigtune.cli.main
+        modules.append(importlib.import_module("bigtune.cli.main"))
+    except ImportError:
+        pass
+
+    names = {
+        "EXIT_OK": "success",
+        "EXIT_ERROR": "unexpected error (a bug, or a failure bigtune did not foresee); the traceback is printed",
+        "EXIT_BAD_INPUT": "bad input: recipe, data, model or arguments; one message, nothing written",
+        "EXIT_OOM": "out of memory; `summary.json` records where",
+        "EXIT_PREEMPTED": "stopped by SIGTERM after writing a checkpoint; resume with `--resume` or `--auto-resume`",
+    }
+    rows = ["| code | constant | meaning |", "|---|---|---|"]
+    for const, meaning in names.items():
+        value = next((getattr(m, const) for m in modules if hasattr(m, const)), None)
+        if value is None:
+            raise RuntimeError(f"bigtune.cli.{const} is missing; update docs/_hooks/gen.py")
+        rows.append(f"| `{value}` | `{const}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def _gpu_catalog() -> str:
+    import importlib
+
+    catalog = None
+    for name in ("bigtune.core.gpus", "bigtune.gpus"):
+        try:
+            catalog = importlib.import_module(name).CATALOG
+            break
+        except (ImportError, AttributeError):
+            continue
+    if catalog is None:
+        raise RuntimeError("no GPU catalog found in bigtune.core.gpus or bigtune.gpus; update docs/_hooks/gen.py")
+
+    def num(v, fmt="{:g}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows = ["| `--gpu` key | GPU | memory (GiB) | bf16 TFLOP/s | fp32 TFLOP/s | memory GB/s | link | also accepted |",
+            "|---|---|---|---|---|---|---|---|"]
+    for key, g in catalog.items():
+        aliases = ", ".join(f"`{a}`" for a in g.aliases if " " not in a and a != key)
+        rows.append(f"| `{key}` | {_cell(g.name)} | {num(g.memory_gib)} | {num(g.bf16_tflops)} | {num(g.fp32_tflops)} "
+                    f"| {num(g.mem_bandwidth_gbs)} | {_cell(g.interconnect)} | {aliases} |")
+    return "\n".join(rows) + "\n"
+
+
+GENERATORS = {"recipe-keys": _recipe_keys, "cli": _cli, "exit-codes": _exit_codes, "gpu-catalog": _gpu_catalog}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    def replace(match: re.Match) -> str:
+        kind = match.group(1)
+        if kind not in GENERATORS:
+            raise KeyError(f"{page.file.src_path}: unknown generated block {kind!r}; known: {sorted(GENERATORS)}")
+        return GENERATORS[kind]()
+
+    return MARKER.sub(replace, markdown)

@@ -1,0 +1,308 @@
+"""The command line: ``bigtune <verb> ...``. Libraries raise; only this module exits.
+
+Exit codes: 0 ok · 1 unexpected error · 2 bad input (recipe, data, model, arguments) · 3 out of memory ·
+130 stopped by Ctrl-C (SIGINT) and 143 by SIGTERM, each after writing a checkpoint (resume with --resume /
+--auto-resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM, EXIT_INTERRUPTED, EXIT_PREEMPTED = 0, 1, 2, 3, 130, 143
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", help="recipe YAML (default: the built-in demo: tiny Llama, bundled data, CPU)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set train.micro_batch_size=8 (repeatable; "
+        "`bigtune recipe --docs` lists every key)",
+    )
+    p.add_argument("--model", help="shortcut for --set model.name=...")
+    p.add_argument("--data", help="shortcut for --set data.source=...")
+
+
+def _overrides(args) -> list[str]:
+    out = list(args.overrides)
+    if getattr(args, "model", None):
+        out.append(f"model.name={args.model}")
+    if getattr(args, "data", None):
+        out.append(f"data.source={args.data}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The root parser of ``bigtune``: every verb with its flags and help.
+
+    Long because it is a declarative list of flags, one call each; splitting it would only scatter the
+    CLI reference (docs/reference/cli.md is generated from it).
+    """
+    ap = argparse.ArgumentParser(
+        prog="bigtune", description="Fine-tune models that do not fit; measure where the memory goes."
+    )
+    ap.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = ap.add_subparsers(dest="verb")
+    t = sub.add_parser("train", help="train a recipe (no recipe: the CPU demo)")
+    _add_recipe_args(t)
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        metavar="RUN_OR_CKPT",
+        help="continue from a run directory's newest checkpoint (or a .ckpt file); without a value, "
+        "the recipe's output_dir",
+    )
+    t.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="resume from output_dir's newest checkpoint if there is one, else start there (for requeued Slurm jobs)",
+    )
+    pl = sub.add_parser("plan", help="predict per-device memory and step time (no GPU, no weights needed)")
+    _add_recipe_args(pl)
+    pl.add_argument(
+        "--gpu",
+        help="GPU model from the catalog, e.g. h100-80gb, a100-80gb, rtx-4090 (default: plan for this machine's CPU)",
+    )
+    pl.add_argument(
+        "--gpus",
+        type=int,
+        help="number of GPUs (several are planned analytically; default: the recipe's devices × num_nodes)",
+    )
+    pl.add_argument(
+        "--strategy",
+        choices=[
+            "ddp",
+            "fsdp",
+            "deepspeed_stage_2",
+            "deepspeed_stage_2_offload",
+            "deepspeed_stage_3",
+            "deepspeed_stage_3_offload",
+        ],
+        help="strategy when --gpus > 1 (deepspeed_*: also on one GPU, for offload; default: the "
+        "recipe's strategy, auto meaning DDP as in training)",
+    )
+    pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
+    pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
+    pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
+    pl.add_argument(
+        "--adapters",
+        action="store_true",
+        help="--alternatives also tries LoRA and QLoRA (nf4) on one GPU, with and without checkpointing: "
+        "they fit where full fine-tuning does not, but train adapters instead of every weight",
+    )
+    pl.add_argument(
+        "--data-lengths",
+        action="store_true",
+        help="plan at the recipe data's own lengths (read and tokenized as train does): the peak at the "
+        "longest sample, the time at the mean padded batch. Default: every row max_seq_length "
+        "tokens, the worst case",
+    )
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument(
+        "--for",
+        dest="for_task",
+        choices=["train", "generate", "caption", "predict"],
+        default="train",
+        help="what to plan: a training step (default), or serving: generate (KV cache, tokens/s), "
+        "caption (image-to-text), predict (one forward, no cache)",
+    )
+    pl.add_argument("--batch-size", type=int, help="serving: prompts/images per batch (default 8)")
+    pl.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help="serving: prompt tokens per row (default: data.max_seq_length; caption: 0, after the image tokens)",
+    )
+    pl.add_argument("--max-new-tokens", type=int, help="serving: tokens generated per row (default 64; caption 30)")
+    pl.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="serving: weights dtype (auto: the recipe precision's compute dtype)",
+    )
+    ex = sub.add_parser("export", help="write a run's result as a Hugging Face folder (--merge folds adapters in)")
+    ex.add_argument("run", help="run directory")
+    ex.add_argument("--merge", action="store_true", help="adapter runs: merge the adapters into the base weights")
+    ex.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype of the written weights (auto: the run's precision)",
+    )
+    ex.add_argument("--out", help="output folder (default: <run>/merged, <run>/export-adapter or <run>/export-<dtype>)")
+    r = sub.add_parser("recipe", help="validate and print the resolved recipe, or the schema reference")
+    _add_recipe_args(r)
+    r.add_argument("--docs", action="store_true", help="print the reference of every recipe key (Markdown)")
+    from bigtune.cli.sweep import add_cli as add_sweep_cli
+
+    add_sweep_cli(sub)  # `sweep` (a ladder of variants, one process each) and `report`
+    from bigtune.cli.generate import add_cli as add_infer_cli
+
+    add_infer_cli(sub)  # `generate` and `eval`
+    from bigtune.cli.launch import add_cli as add_launch_cli
+
+    add_launch_cli(sub)  # `launch slurm`
+    from bigtune.cli.caption import add_cli as add_caption_cli
+
+    add_caption_cli(sub)  # `caption` (alt text with an image-to-text model)
+    from bigtune.cli.predict import add_cli as add_classify_cli
+
+    add_classify_cli(sub)  # `predict` (labels and probabilities with a classifier)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.version:
+        from bigtune import __version__
+
+        print(__version__)
+        return EXIT_OK
+    if args.verb is None:
+        build_parser().print_help()
+        return EXIT_OK
+    try:
+        if args.verb == "recipe":
+            return _cmd_recipe(args)
+        if args.verb == "train":
+            return _cmd_train(args)
+        if args.verb == "plan":
+            return _cmd_plan(args)
+        if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption", "predict"):
+            return args.func(args)
+        if args.verb == "export":
+            from bigtune.use.export import export_run
+
+            print(export_run(args.run, merge=args.merge, dtype=args.dtype, out=args.out))
+            return EXIT_OK
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - map known input errors to exit 2 with one clear message
+        from bigtune.core.gpus import UnknownGPUError
+        from bigtune.data.text import DataError
+        from bigtune.models.configs import ModelError
+        from bigtune.plan.constants import PlanError
+        from bigtune.recipe import RecipeError
+        from bigtune.use.export import ExportError
+        from bigtune.use.loading import InferError
+
+        if isinstance(
+            e,
+            (
+                RecipeError,
+                DataError,
+                ModelError,
+                FileNotFoundError,
+                PlanError,
+                UnknownGPUError,
+                ExportError,
+                InferError,
+            ),
+        ):
+            print(f"bigtune: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+    return EXIT_ERROR
+
+
+def _cmd_recipe(args) -> int:
+    from bigtune.recipe import load_recipe, schema_markdown
+
+    if args.docs:
+        print(schema_markdown(), end="")
+        return EXIT_OK
+    print(load_recipe(args.recipe, _overrides(args)).to_yaml(), end="")
+    return EXIT_OK
+
+
+def _cmd_train(args) -> int:
+    from bigtune.recipe import load_recipe
+    from bigtune.run.training import train
+
+    resume = args.resume
+    if resume == "" or args.auto_resume:
+        r = load_recipe(args.recipe, _overrides(args))
+        out = r.output_dir or str(Path("runs") / r.name)
+        has_ckpt = any((Path(out) / "checkpoints").glob("step-*.ckpt"))
+        resume = out if (resume == "" or has_ckpt) else None
+    summary = train(args.recipe, _overrides(args), resume=resume, reuse_dir=args.auto_resume)
+    codes = {"ok": EXIT_OK, "oom": EXIT_OOM, "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}
+    return codes.get(summary["status"], EXIT_ERROR)
+
+
+def _cmd_plan(args) -> int:
+    import json
+
+    from bigtune.core.gpus import custom_gpu, find_gpu
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.alternatives import alternatives
+    from bigtune.plan.constants import PlanError
+    from bigtune.plan.format import format_alternatives, format_plan
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target, run_strategy
+    from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
+
+    if args.adapters and not args.alternatives:
+        raise SystemExit("bigtune plan: --adapters widens --alternatives; add --alternatives")
+    for_gpu = bool(args.gpu or args.gpu_memory)
+    # The plan simulates on this machine (accelerator=cpu); for a GPU target, rules that only say this
+    # machine could not run the recipe (16-mixed without CUDA, DeepSpeed not installed...) do not apply.
+    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"], check=not for_gpu)
+    if for_gpu and (problems := gpu_plan_problems(r)):
+        raise RecipeError(problems, args.recipe)
+    if args.gpus is not None and args.gpus < 1:
+        raise PlanError("--gpus must be at least 1")
+    if args.gpus is not None and args.gpus > 1 and not for_gpu:
+        raise PlanError("--gpus needs --gpu NAME (which GPU?)")
+    # What the recipe itself would run on, unless the command line says otherwise (a CPU plan of a
+    # several-process recipe plans its CPU ranks, as training does).
+    gpus = args.gpus if args.gpus is not None else r.world_size if args.for_task == "train" else 1
+    strategy = run_strategy(args.strategy or r.strategy, gpus)
+    if for_gpu:
+        gpu = find_gpu(args.gpu) if args.gpu else None
+        if args.gpu_memory:
+            gpu = custom_gpu(args.gpu_memory, gpu)
+        target = Target("cuda", gpu, gpus, strategy)
+    else:
+        target = Target("cpu", None, gpus, strategy)
+    if args.for_task != "train":
+        from bigtune.plan.serving import main_plan_inference
+
+        return main_plan_inference(args, r, target)
+    config = resolve_config(r)
+    workers = min(2, os.cpu_count() or 1)
+    sims: dict = {}  # the plan's own simulation, which --alternatives reuses
+    if args.data_lengths:
+        from bigtune.plan.lengths import plan_at_data_lengths
+
+        p = plan_at_data_lengths(r, target, config=config, workers=workers)
+    else:
+        p = plan(r, target, config=config, workers=workers, sims=sims)
+    alts = (
+        alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters, sims=sims)
+        if args.alternatives
+        else None
+    )
+    if args.json:
+        out = {"plan": p.to_dict()}
+        if alts is not None:
+            out["plan"]["variants_evaluated"] = alts.evaluated
+            out["alternatives"] = [a.to_dict() for a in alts]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(p))
+        if alts is not None:
+            print(
+                f"\n{len(alts)} of {alts.evaluated} variants fit on {target.gpu.key if target.gpu else 'cpu'}, "
+                "fastest first:"
+            )
+            print(format_alternatives(alts))
+    return EXIT_OK

@@ -1,0 +1,1170 @@
+"""The training engine: setup (Fabric), build (model, data, optimizer), fit (the loop).
+
+``train(recipe)`` is the whole thing and returns the run's summary (also written to
+summary.json). Problems found before training (recipe, data, model) raise and write nothing;
+an out-of-memory during training is a *result*: summary.json says ``status: oom`` with the step
+and phase where it happened, the last memory snapshot and what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+
+from bigtune.core.presets import PRESETS
+from bigtune.core.rundir import RunDir, pick_run_dir
+from bigtune.core.stepmath import (
+    GIB,
+    IGNORE_INDEX,
+    causal_lm_loss_sum,
+    chunked_lm_loss_sum,
+    human_bytes,
+    loss_normaliser,
+    target_token_count,
+    throughput,
+)
+from bigtune.data.text import Collator, DataReport, EpochSampler, ListDataset, build_examples, pack_examples
+from bigtune.engine.meter import WindowMeter
+from bigtune.engine.optim import make_optimizer
+from bigtune.memory import monitor as mem
+from bigtune.models.build import (
+    apply_peft,
+    build_model,
+    compile_blocks,
+    count_parameters,
+    enable_activation_checkpointing,
+    forward_inputs,
+    hidden_states_out,
+    load_tokenizer_or_processor,
+    plain_output_head,
+    shifts_labels,
+)
+from bigtune.recipe import Recipe, RecipeError, load_recipe, resolve_accelerator
+
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
+
+
+class TrainingOOM(RuntimeError):
+    """Raised by ``train(..., raise_on_oom=True)``; ``summary`` holds the recorded result."""
+
+    def __init__(self, summary: dict):
+        self.summary = summary
+        oom = summary.get("oom", {})
+        super().__init__(f"out of memory at step {oom.get('step')} during {oom.get('phase')}")
+
+
+def setup_fabric(recipe: Recipe):
+    from lightning.fabric import Fabric
+
+    from bigtune.engine.strategies import is_deepspeed, make_strategy
+
+    accel = resolve_accelerator(recipe)
+    fabric = Fabric(
+        accelerator=accel,
+        devices=recipe.devices,
+        num_nodes=recipe.num_nodes,
+        precision=recipe.precision,
+        strategy=make_strategy(recipe, accel),
+    )
+    # Models are built in the dtype their precision stores weights in, and PEFT / bitsandbytes pick
+    # their own dtypes on purpose (fp32 adapters and norms, uint8 4-bit weights): Fabric's blanket
+    # module.to(dtype) would undo that (and bitsandbytes models refuse .to), so it is skipped.
+    fabric._precision.convert_module = lambda module: module
+    if recipe.world_size > 1 or is_deepspeed(recipe):  # Fabric wants DeepSpeed launched even on one GPU
+        fabric.launch()  # spawns the other ranks (a no-op under torchrun / Slurm, which started them)
+    return fabric
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def lr_factor(step: int, total_steps: int, warmup: int, schedule: str, floor: float) -> float:
+    """Multiplier on the peak lr at optimizer step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total_steps <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if schedule == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * (1 - progress)
+
+
+@dataclass
+class Built:
+    recipe: Recipe
+    fabric: Any
+    tokenizer: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    sampler: EpochSampler
+    data_report: DataReport
+    steps_per_epoch: int
+    total_steps: int
+    micro_batches_per_epoch: int
+    params: dict = field(default_factory=dict)
+    base_dir: Optional[Path] = None  # initial weights of a preset/random model under adapters
+    val_loader: Any = None  # the held-out split, when there is one
+    class_weights: Optional[torch.Tensor] = None  # sequence-classification: per-class loss weights
+
+
+def _image_data(recipe: Recipe, processor):
+    """image-to-text: examples, report, the dataset/collator factories (images processed lazily)."""
+    from bigtune.data.images import ImageCaptionDataset, ImageCollator, TokenLayout, build_image_examples
+    from bigtune.models.configs import resolve_config_name
+
+    layout = TokenLayout.for_model(processor, resolve_config_name(recipe.model))
+    examples, report = build_image_examples(recipe.data, processor, layout, recipe.seed)
+    return (
+        examples,
+        report,
+        (lambda items: ImageCaptionDataset(items, processor.image_processor)),
+        ImageCollator(layout),
+        (lambda cfg: build_image_examples(cfg, processor, layout, recipe.seed)),
+    )
+
+
+def total_steps(max_epochs: Optional[int], max_steps: Optional[int], steps_per_epoch: int) -> int:
+    """Optimizer steps a run takes: max_steps alone sets the length (epochs repeat as needed), max_epochs
+    alone or neither (one pass) counts passes, both stop at whichever comes first."""
+    if max_epochs is None:
+        return max_steps if max_steps is not None else steps_per_epoch
+    by_epochs = steps_per_epoch * max_epochs
+    return by_epochs if max_steps is None else min(by_epochs, max_steps)
+
+
+def _data(recipe: Recipe, tokenizer):
+    """(examples, report, dataset class, collator, builder for another source) for the model's family."""
+    if recipe.model.family == "image-to-text":
+        return _image_data(recipe, tokenizer)
+    if recipe.model.family == "sequence-classification":
+        from bigtune.data.labels import classification_data
+
+        return classification_data(recipe, tokenizer)
+    examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
+    build_more = lambda cfg: build_examples(cfg, tokenizer, recipe.seed)  # noqa: E731
+    return examples, report, ListDataset, Collator(tokenizer.pad_token_id), build_more
+
+
+def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
+    """(model, optimizer, the torch optimizer under it, parameter counts, base weights folder), set up by Fabric."""
+    peft = recipe.peft.method != "none"
+    quantized = recipe.model.quantize != "none"
+    no_folder = recipe.model.name in PRESETS or recipe.model.init == "random"
+    # An adapter run on a model without a folder keeps its initial weights, so export can merge into them.
+    base_dir = (
+        Path(tempfile.mkdtemp(prefix="bigtune-base-")) if peft and no_folder and recipe.checkpoint.save_model else None
+    )
+    from bigtune.engine.strategies import is_deepspeed, make_deepspeed_optimizer
+
+    deepspeed = is_deepspeed(recipe)
+    # ZeRO-3's init context partitions parameters as they are created, which the model builder's
+    # own weight handling does not expect: DeepSpeed models are built on the CPU and partitioned later.
+    if no_folder and not quantized and not deepspeed:
+        # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
+        with fabric.init_module():
+            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names)
+    else:
+        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names)
+    if recipe.train.activation_checkpointing and not quantized:
+        enable_activation_checkpointing(model)
+    if peft:
+        model = apply_peft(
+            model,
+            recipe.peft,
+            quantized,
+            recipe.train.activation_checkpointing,
+            recipe.model.family,
+            upcast=recipe.model.upcast_unquantized,
+        )
+    if recipe.train.compile:
+        # After checkpointing and adapters (the compiled graph includes both), before Fabric's setup: FSDP2
+        # then shards the compiled blocks, the order torchtitan uses.
+        blocks = compile_blocks(model)
+        kinds = ", ".join(sorted({type(x).__name__ for x in blocks}))
+        print(
+            f"train.compile: {len(blocks)} blocks ({kinds}) compile on first use; the first steps are slow", flush=True
+        )
+    params = count_parameters(model)
+    if deepspeed:  # DeepSpeed wraps model and optimizer together, in one engine
+        from bigtune.engine.strategies import deepspeed_config
+
+        fabric.strategy.config.update(deepspeed_config(recipe, numel=params["total"]))  # buckets sized to the model
+        raw_optimizer = make_deepspeed_optimizer(recipe, model)
+        model, optimizer = fabric.setup(model, raw_optimizer)
+    else:
+        model = fabric.setup_module(model)
+        optimizer = raw_optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model, lr=recipe.lr))
+    return model, optimizer, raw_optimizer, params, base_dir
+
+
+def _train_loader(recipe: Recipe, fabric, examples, make_dataset, collator):
+    """(sampler, loader, steps per epoch) for the training examples (packed or grouped as the recipe asks)."""
+    if recipe.data.packing:
+        examples = pack_examples(examples, recipe.data.max_seq_length, recipe.seed)
+    grouping = {}
+    if recipe.data.group_by_length:
+        grouping = {
+            "lengths": [len(e.input_ids) for e in examples],
+            "group_size": 50 * recipe.train.micro_batch_size * fabric.world_size,
+        }
+    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size, **grouping)
+    loader = torch.utils.data.DataLoader(
+        make_dataset(examples),
+        batch_size=recipe.train.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=recipe.data.num_workers,
+        pin_memory=fabric.device.type == "cuda",
+        persistent_workers=False,
+        # Its own generator: each new iterator draws a worker seed, which must not advance the global
+        # RNG that dropout uses (a resumed run creates its iterator at a different point).
+        generator=torch.Generator().manual_seed(recipe.seed),
+    )
+    micro = math.ceil(sampler.per_rank / recipe.train.micro_batch_size)
+    if recipe.train.limit_train_batches is not None:
+        micro = min(micro, recipe.train.limit_train_batches)
+    return sampler, loader, micro, math.ceil(micro / recipe.accumulate)
+
+
+def build(recipe: Recipe, fabric) -> Built:
+    """Data, model, optimizer, loaders and schedule for one run, set up on ``fabric``."""
+    tokenizer = load_tokenizer_or_processor(recipe.model)
+    examples, report, make_dataset, collator, build_more = _data(recipe, tokenizer)
+    seed_everything(recipe.seed)
+    model, optimizer, raw_optimizer, params, base_dir = _model_and_optimizer(
+        recipe, fabric, tokenizer, report.label_names
+    )
+    sampler, loader, micro, steps_per_epoch = _train_loader(recipe, fabric, examples, make_dataset, collator)
+    total = total_steps(recipe.train.max_epochs, recipe.train.max_steps, steps_per_epoch)
+    val_loader = None
+    val_examples = report.val_examples
+    if recipe.data.val_source:
+        vcfg = dataclasses.replace(
+            recipe.data, source=recipe.data.val_source, val_fraction=0.0, val_source=None, num_train_samples=None
+        )
+        val_examples, vrep = build_more(vcfg)
+        report.validation = len(val_examples)
+    if val_examples:
+        val_loader = torch.utils.data.DataLoader(
+            make_dataset(val_examples),
+            batch_size=recipe.eval.batch_size or recipe.train.micro_batch_size,
+            shuffle=False,
+            collate_fn=collator,
+            num_workers=recipe.data.num_workers,
+        )
+    o = recipe.optim
+    # On the torch optimizer itself: DeepSpeed's wrapper is no torch Optimizer but shares its param_groups.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        raw_optimizer, lambda s: lr_factor(s, total, o.warmup_steps, o.schedule, o.min_lr_ratio)
+    )
+    weights = (
+        torch.tensor(recipe.data.class_weights, dtype=torch.float32, device=fabric.device)
+        if recipe.data.class_weights
+        else None
+    )
+    return Built(
+        recipe,
+        fabric,
+        tokenizer,
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        sampler,
+        report,
+        steps_per_epoch,
+        total,
+        micro,
+        params,
+        base_dir,
+        val_loader,
+        weights,
+    )
+
+
+class Progress:
+    """An ETA line on a terminal, plain lines otherwise (logs, notebooks, CI)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.tty = sys.stdout.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, text: str, newline: bool) -> None:
+        done = step / max(1, self.total)
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (1 - done) if done > 0 else float("nan")
+        line = f"step {step}/{self.total} [{done:5.1%}] {text} eta {eta:5.0f}s"
+        if self.tty:
+            print("\r" + line.ljust(110), end="\n" if newline else "", flush=True)
+        elif newline:
+            print(line, flush=True)
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # non-padding tokens trained on
+    samples: int = 0
+    train_seconds: float = 0.0
+    phase: str = "setup"
+    losses: list = field(default_factory=list)
+    epoch_loss_sum: float = 0.0
+    epoch_loss_steps: int = 0
+    best_val_loss: Optional[float] = None
+    best_score: Optional[float] = None  # eval.best_metric's best value so far (what keep_best goes by)
+    last_eval_step: Optional[int] = None
+
+
+def train_step(
+    b: Built,
+    batches: list[dict],
+    monitor: Optional[mem.MemoryMonitor],
+    measure: bool,
+    state: LoopState,
+    token_count: Optional[int] = None,
+) -> tuple[torch.Tensor, list[mem.Snapshot]]:
+    """One optimizer step over ``batches`` (the micro-batches of one accumulation window).
+
+    ``token_count`` is the window's target-token count when the caller knows it (counted across
+    ranks, or outside the planner's fake tensors); otherwise it is counted here.
+    """
+    from bigtune.engine.strategies import backward_kwargs, clips_itself, micro_batch_context
+
+    fabric, model, opt = b.fabric, b.model, b.optimizer
+    shift = shifts_labels(model)
+    if token_count is None and fabric.world_size > 1:
+        from bigtune.engine.strategies import all_sum
+
+        # Every rank divides by the token count of the whole global batch (DDP/FSDP then average).
+        token_count = int(all_sum(fabric, sum(int(target_token_count(x["labels"], shift)) for x in batches)))
+    scale = loss_normaliser(
+        [x["labels"] for x in batches], world_size=fabric.world_size, global_token_count=token_count, shift=shift
+    )
+    snaps: list[mem.Snapshot] = []
+    track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
+    loss_total = torch.zeros((), device=fabric.device)
+    head = chunked_loss_head(b.recipe, model)
+    # Lightning Trainer's order (optim.zero_grad=before_backward): the last step's gradients live through
+    # this window's first forward and are freed just before its backward.
+    late_zero = b.recipe.optim.zero_grad == "before_backward"
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        padded = batch.get("padded", True)
+        batch = {k: v.to(fabric.device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if track and i == 0:
+            monitor.begin_step(model, opt, extra=batch.values())
+        if measure and i == 0:
+            snaps.append(monitor.snapshot(state.step, "before_forward", model, opt))
+        with micro_batch_context(fabric, model, last, b.recipe.fsdp_grad_sync):
+            state.phase = "forward"
+            with hidden_states_out(head):
+                logits = model(**forward_inputs(batch, padded)).logits  # the hidden states when chunking
+            if head is not None:
+                with fabric.autocast():  # the output layer computes as it would inside the forward
+                    loss = (
+                        chunked_lm_loss_sum(
+                            logits, head.weight, batch["labels"], b.recipe.train.loss_chunk_tokens, shift
+                        )
+                        * scale
+                    )
+            else:
+                loss = causal_lm_loss_sum(logits, batch["labels"], shift, getattr(b, "class_weights", None)) * scale
+            # Backward needs the loss's saved tensors, not the logits: holding them through backward
+            # would add tokens × vocab × bytes to the step's peak.
+            del logits
+            if measure and last:
+                snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
+            if late_zero and i == 0:
+                opt.zero_grad(set_to_none=True)
+            state.phase = "backward"
+            fabric.backward(loss, **backward_kwargs(fabric))
+        loss_total += loss.detach()
+        del loss
+    if measure:
+        snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
+    state.phase = "optimizer"
+    if b.recipe.optim.grad_clip is not None and not clips_itself(fabric):
+        # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
+        fabric.clip_gradients(model, opt, max_norm=b.recipe.optim.grad_clip, error_if_nonfinite=False)
+    opt.step()
+    b.scheduler.step()
+    if measure:
+        snaps.append(monitor.snapshot(state.step, "after_optimizer", model, opt))
+    if not late_zero:
+        opt.zero_grad(set_to_none=True)
+    if track:
+        monitor.end_step()
+    return loss_total, snaps
+
+
+def _text_shape(batch: dict) -> list[int]:
+    """[micro batch, text tokens] as the recipe counts them (data.max_seq_length): image-to-text
+    batches of a decoder-only model put the image tokens (labelled -100) ahead of the caption."""
+    if batch["labels"].dim() < 2:  # a classifier: one label per sample
+        return [int(x) for x in batch["input_ids"].shape]
+    b, n = batch["labels"].shape[:2]
+    if "pixel_values" in batch and "decoder_input_ids" not in batch:
+        n -= int((batch["labels"][0] == IGNORE_INDEX).sum()) - int((batch["attention_mask"][0] == 0).sum())
+    return [int(b), int(n)]
+
+
+def chunked_loss_head(r: Recipe, model) -> Optional[torch.nn.Linear]:
+    """The output layer to compute the loss from in chunks, or None for the plain loss (chunking off,
+    or a model/strategy it does not apply to: see train.loss_chunk_tokens)."""
+    if (
+        not r.train.loss_chunk_tokens
+        or r.strategy == "fsdp"
+        or r.strategy.startswith("deepspeed")
+        or r.model.family != "causal-lm"
+    ):
+        return None
+    return plain_output_head(model)
+
+
+def windows(b: Built, epoch: int, first_window: int):
+    """Yield lists of micro-batches (one list per optimizer step) for ``epoch``, from ``first_window``."""
+    k = b.recipe.accumulate
+    b.sampler.set_epoch(epoch, first_window * k * b.recipe.train.micro_batch_size)
+    it = iter(b.loader)
+    for w in range(first_window, b.steps_per_epoch):
+        n = min(k, b.micro_batches_per_epoch - w * k)
+        batches = [batch for _, batch in zip(range(n), it)]
+        if not batches:
+            return
+        yield batches
+
+
+def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMonitor], peak_flops: Optional[float]):
+    """The loop: optimizer steps until ``b.total_steps``, with logging, evaluation, checkpoints and stops."""
+    r = b.recipe
+    progress = Progress(b.total_steps)
+    meter = WindowMeter(b.fabric, b.model, peak_flops)
+    start_epoch, first_window = divmod(state.step, b.steps_per_epoch)
+    for epoch in range(start_epoch, math.ceil(b.total_steps / b.steps_per_epoch)):
+        for batches in windows(b, epoch, first_window if epoch == start_epoch else 0):
+            measure = (
+                monitor is not None
+                and r.memory.enabled
+                and (state.step in (0, 1) or state.step % r.memory.every_steps == 0)
+            )
+            loss, snaps = train_step(b, batches, monitor, measure, state)
+            if snaps:
+                _record_memory(b, run, snaps, batches)
+            meter.add(batches, loss, state)
+            state.step += 1
+            if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
+                rec = meter.close_window(state, epoch, lr=b.scheduler.get_last_lr()[0])
+                run.append_jsonl("metrics.jsonl", rec)
+                run.append_csv("metrics.csv", rec)
+                _tensorboard(run, rec)
+                msg = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
+                progress.update(state.step, msg, newline=True)
+            elif progress.tty:
+                progress.update(state.step, "", newline=False)
+            if b.val_loader is not None and r.eval.every_steps and state.step % r.eval.every_steps == 0:
+                run_eval(b, run, state, monitor, epoch)
+            if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
+                save_checkpoint(b, run, state)
+            stop = _stop_requested(b.fabric)
+            if stop:
+                raise Preempted(state.step, stop)
+            if state.step >= b.total_steps:
+                break
+        if state.epoch_loss_steps:
+            print(f"epoch {epoch}: average train loss {state.epoch_loss_sum / state.epoch_loss_steps:.4f}", flush=True)
+        state.epoch_loss_sum, state.epoch_loss_steps = 0.0, 0
+        if state.step >= b.total_steps:
+            break
+    if r.optim.zero_grad == "before_backward":  # the last step's gradients are still held: not for what follows
+        b.optimizer.zero_grad(set_to_none=True)
+
+
+def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> None:
+    """Every rank's snapshots of a measured step into memory.jsonl, and the table printed."""
+    shape = _text_shape(batches[0])
+    # Packed rows attend through an explicit block mask, as padded batches do (for the planner).
+    padded = any(x.get("padded", True) or x.get("packed", False) for x in batches)
+    per_rank = mem.gather_snapshots(b.fabric, snaps)
+    for rank, rank_snaps in enumerate(per_rank):
+        for s in rank_snaps:
+            run.append_jsonl("memory.jsonl", {**s.to_dict(), "rank": rank, "batch_shape": shape, "padded": padded})
+    print(mem.format_table(snaps, _capacity(b.fabric.device, b.recipe)), flush=True)
+    if len(per_rank) > 1:
+        print(mem.format_rank_spread(per_rank), flush=True)
+
+
+@torch.no_grad()
+def evaluate(b: Built, monitor: Optional[mem.MemoryMonitor]) -> dict:
+    """Token-weighted mean loss over the validation split, under the training precision.
+
+    Its memory peak is measured on its own (not mixed into the training step's figures).
+    """
+    model, fabric = b.model, b.fabric
+    was_training = model.training
+    model.eval()
+    if monitor is not None:
+        monitor.begin_step(model, b.optimizer)
+    loss_sum = torch.zeros((), device=fabric.device, dtype=torch.float64)
+    tokens = 0
+    classify = b.recipe.model.family == "sequence-classification"
+    preds, golds = [], []
+    try:
+        for i, batch in enumerate(b.val_loader):
+            if b.recipe.eval.max_batches is not None and i >= b.recipe.eval.max_batches:
+                break
+            padded = batch.get("padded", True)
+            batch = {k: v.to(fabric.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            shift = shifts_labels(model)
+            logits = model(**forward_inputs(batch, padded)).logits
+            loss_sum += causal_lm_loss_sum(logits, batch["labels"], shift).double()
+            tokens += int(target_token_count(batch["labels"], shift))
+            if classify:
+                preds.append(logits.argmax(-1).cpu())
+                golds.append(batch["labels"].cpu())
+            del logits
+        peak = None
+        if monitor is not None:
+            peak = monitor.snapshot(-1, "eval", model, b.optimizer).peak_allocated
+    finally:
+        if monitor is not None:
+            monitor.end_step()
+        model.train(was_training)
+    loss = float(loss_sum) / max(tokens, 1)
+    out = {
+        "val_loss": loss,
+        "val_perplexity": math.exp(min(loss, 50.0)),
+        "val_tokens": tokens,
+        "eval_peak_allocated": peak,
+    }
+    if classify and golds:
+        from bigtune.core.metrics import classification_metrics
+
+        m = classification_metrics(torch.cat(golds).tolist(), torch.cat(preds).tolist(), b.data_report.label_names)
+        out.update({k: m[k] for k in ("accuracy", "macro_f1", "f1_per_class", "confusion_matrix")})
+    return out
+
+
+def is_better(metric: str, value: float, best: Optional[float]) -> bool:
+    """eval.best_metric: val_loss improves downwards, accuracy / macro_f1 upwards."""
+    if best is None:
+        return True
+    return value < best if metric == "val_loss" else value > best
+
+
+def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int) -> dict:
+    res = evaluate(b, monitor)
+    state.last_eval_step = state.step
+    rec = {"step": state.step, "epoch": epoch, "split": "val", **res}
+    run.append_jsonl("eval.jsonl", rec)
+    _tensorboard(
+        run,
+        {
+            "step": state.step,
+            **{
+                (k if k.startswith("val_") else f"val_{k}"): v
+                for k, v in res.items()
+                if k.startswith("val_") or k in ("accuracy", "macro_f1")
+            },
+        },
+    )
+    metric = b.recipe.eval.best_metric
+    best = is_better(metric, res[metric], state.best_score)
+    if state.best_val_loss is None or res["val_loss"] < state.best_val_loss:
+        state.best_val_loss = res["val_loss"]
+    task = f" accuracy {res['accuracy']:.4f} macro-F1 {res['macro_f1']:.4f}" if "accuracy" in res else ""
+    print(
+        f"eval at step {state.step}: val_loss {res['val_loss']:.4f} perplexity {res['val_perplexity']:.2f}{task}"
+        + (f" (best {metric})" if best else ""),
+        flush=True,
+    )
+    if best:
+        state.best_score = res[metric]
+        if b.recipe.eval.keep_best and b.recipe.checkpoint.save_model:
+            save_hf_model(b, run, dest_name="best", keep_base=False)
+            run.write_json("best.json", {"step": state.step, **res})
+    return res
+
+
+class Preempted(Exception):
+    """SIGTERM (Slurm preemption or time limit) or SIGINT (Ctrl-C) arrived: the loop stops at a step
+    boundary, a checkpoint is written and the run can be resumed."""
+
+    def __init__(self, step: int, signal_name: str = "SIGTERM"):
+        self.step = step
+        self.signal = signal_name
+        super().__init__(f"stopped by {signal_name} after step {step}")
+
+
+_STOP: dict[str, Optional[str]] = {"requested": None}
+
+
+def _on_stop_signal(signum, frame) -> None:
+    # Acted on between steps, where a checkpoint is consistent. A second Ctrl-C stops at once.
+    if _STOP["requested"] == "SIGINT" and signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    _STOP["requested"] = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _stop_signals():
+    """SIGTERM (a scheduler's pre-emption) and SIGINT (Ctrl-C) end the loop at the next step boundary
+    with a checkpoint; outside the main thread signals cannot be caught, so nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _STOP["requested"] = None
+    previous = {sig: signal.signal(sig, _on_stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_requested(fabric) -> Optional[str]:
+    """The stop signal's name when one arrived (on any rank), else None."""
+    flag = _STOP["requested"]
+    if fabric.world_size > 1:
+        from bigtune.engine.strategies import all_sum
+
+        if all_sum(fabric, float(flag is not None)) > 0:  # every rank stops at the same step
+            return flag or "SIGTERM"
+        return None
+    return flag
+
+
+_TB: dict[str, Any] = {}
+
+
+def _tensorboard(run: RunDir, rec: dict) -> None:
+    """Metrics to TensorBoard when it is installed (JSONL/CSV are always written)."""
+    key = str(run.path)
+    if key not in _TB:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            _TB[key] = SummaryWriter(str(run.path / "tensorboard"))
+        except Exception:  # tensorboard not installed: skip silently, JSONL/CSV have everything
+            _TB[key] = None
+    w = _TB[key]
+    if w is not None:
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and k not in ("step", "epoch"):
+                w.add_scalar(f"train/{k}", v, rec["step"])
+        w.flush()
+
+
+def _capacity(device: torch.device, r: Recipe) -> Optional[int]:
+    if r.memory.cap_gib is not None:
+        return int(r.memory.cap_gib * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
+    from bigtune.engine.strategies import is_deepspeed
+
+    path = run.checkpoint_path(state.step)
+    tmp = path.with_name(path.name + ".tmp")
+    payload = {
+        "model": b.model,
+        "optimizer": b.optimizer,
+        "scheduler": b.scheduler,
+        "loop": {
+            "step": state.step,
+            "tokens": state.tokens,
+            "samples": state.samples,
+            "train_seconds": state.train_seconds,
+            "losses": list(state.losses),
+            "best_val_loss": state.best_val_loss,
+            "best_score": state.best_score,
+        },
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        },
+    }
+    trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
+    # Adapter runs checkpoint only what trains: the frozen base is reloaded from its source on resume.
+    only_trainable = {"model": lambda name, _: name in trainable} if b.recipe.peft.method != "none" else None
+    if is_deepspeed(b.recipe):
+        only_trainable = None  # DeepSpeed filters itself (exclude_frozen_parameters) and refuses a filter
+    b.fabric.save(tmp, payload, filter=only_trainable)  # every rank takes part (FSDP writes shards)
+    if b.fabric.global_rank == 0:
+        os.replace(tmp, path)
+    b.fabric.barrier()
+    run.prune_checkpoints(b.recipe.checkpoint.keep_last)
+    return path
+
+
+def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
+    payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
+    rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
+    # Fabric's sharded (FSDP2) load restores only the model and optimizer itself: anything else in
+    # `payload` is replaced by its saved state dict and left for the caller. The scheduler (warmup
+    # position) must then be restored here, or the lr restarts from step 0 one step after resume.
+    if isinstance(payload["scheduler"], dict):
+        b.scheduler.load_state_dict(payload["scheduler"])
+    loop = rest["loop"]
+    state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
+    state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
+    state.best_val_loss = loop.get("best_val_loss")
+    state.best_score = loop.get("best_score", state.best_val_loss)
+    torch.set_rng_state(rest["rng"]["torch"])
+    random.setstate(_as_tuple(rest["rng"]["python"]))
+    if rest["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rest["rng"]["cuda"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def find_resume_checkpoint(resume: str | Path) -> tuple[Path, Path]:
+    """(run dir, checkpoint) from a run dir (its newest checkpoint) or a checkpoint path."""
+    p = Path(resume)
+    if p.is_file() or p.suffix == ".ckpt":
+        if not p.exists():
+            raise FileNotFoundError(f"--resume: checkpoint {p} does not exist")
+        return p.parent.parent, p
+    if not p.is_dir():
+        raise FileNotFoundError(f"--resume: {p} is neither a run directory nor a checkpoint")
+    ckpts = RunDir(p).list_checkpoints()
+    if not ckpts:
+        raise FileNotFoundError(
+            f"--resume: {p} has no checkpoints (train with checkpoint.enabled=true and "
+            "checkpoint.every_steps=N to make some)"
+        )
+    return p, ckpts[-1]
+
+
+# Keys that decide the shapes and meaning of what a checkpoint holds: a resumed run must keep them.
+CHECKPOINT_KEYS = (
+    "model.",
+    "peft.",
+    "precision",
+    "strategy",
+    "optim.name",
+    "seed",
+    "data.source",
+    "data.format",
+    "data.packing",
+    "data.max_seq_length",
+    "data.num_train_samples",
+)
+
+
+def resume_recipe(run_path: Path, ckpt: Path, recipe, overrides) -> Recipe:
+    """The recipe a resumed run continues with: the run's own recipe.yaml, with ``recipe`` (if given) and
+    ``overrides`` on top. Raises RecipeError, naming the keys, when the result cannot continue that
+    checkpoint: a changed model, adapter, precision, strategy, optimizer, seed or data, or a step limit
+    the checkpoint has already reached."""
+    saved_path = run_path / "recipe.yaml"
+    if not saved_path.is_file():
+        raise RecipeError([f"--resume {run_path}: no recipe.yaml in the run directory; it is not a bigtune run"])
+    saved = load_recipe(saved_path)
+    r = load_recipe(recipe if recipe is not None else saved_path, overrides)
+    if recipe is not None:
+        old, new = saved.to_dict(), r.to_dict()
+        flat_old, flat_new = _flatten(old), _flatten(new)
+        changed = sorted(
+            k
+            for k in set(flat_old) | set(flat_new)
+            if k.startswith(CHECKPOINT_KEYS) and flat_old.get(k) != flat_new.get(k)
+        )
+        if changed:
+            diffs = "; ".join(f"{k}: {flat_old.get(k)!r} in the run, {flat_new.get(k)!r} now" for k in changed[:8])
+            raise RecipeError(
+                [
+                    f"--resume {run_path}: the recipe does not match the checkpoint ({diffs}). Resume with the "
+                    f"run's own recipe (bigtune train --resume {run_path}, no recipe), or start a new run"
+                ]
+            )
+    return r
+
+
+def checkpoint_step(ckpt: Path) -> Optional[int]:
+    """The optimizer step a checkpoint was written at, from its name (step-NNNNNN.ckpt)."""
+    tail = ckpt.stem.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _resume_point(r: Recipe, b: Built, run_path: Path, ckpt: Path) -> Optional[dict]:
+    """None to go on training; the run's saved summary when its checkpoint is already the last step.
+    Raises RecipeError when the recipe's length ends before the checkpoint."""
+    step = checkpoint_step(ckpt)
+    if step is None or step < b.total_steps:
+        return None
+    more = f"--set train.max_steps=N with N > {step}"
+    if step > b.total_steps:
+        raise RecipeError(
+            [
+                f"--resume {run_path}: the recipe trains {b.total_steps} steps (train.max_steps="
+                f"{r.train.max_steps}, train.max_epochs={r.train.max_epochs}) but the checkpoint {ckpt.name} is "
+                f"at step {step}: nothing is left to train. To train longer: {more}"
+            ]
+        )
+    print(f"{run_path}: finished at step {step} of {b.total_steps}; nothing to resume. To train longer: {more}")
+    saved = run_path / "summary.json"
+    return json.loads(saved.read_text()) if saved.is_file() else {"status": "ok", "run_dir": str(run_path)}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("transformers", "lightning", "peft", "datasets"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:
+            out[mod] = "not installed"
+    return out
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": props.name, "memory_bytes": props.total_memory, "count": 1}
+    return {
+        "type": "cpu",
+        "name": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "count": 1,
+    }
+
+
+def gpu_peak_flops(device: torch.device, precision: str) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    try:
+        from bigtune.core.gpus import detect_gpu, peak_flops
+    except ImportError:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    gpu = detect_gpu(props.name, props.total_memory)
+    if gpu is None:
+        return None
+    return peak_flops(gpu, precision, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+
+
+class RunHooks(Protocol):
+    """What the layer that orchestrates a run (``bigtune.run``) adds around the engine: the plan printed
+    before step 0, the advice and fitting variants after an out-of-memory, and plan vs measured at the end.
+    The engine knows nothing of the planner; the planner runs the engine's step. Only rank 0 calls these."""
+
+    def before_run(self, recipe: Recipe, device: torch.device, world: int) -> None: ...
+
+    def on_oom(self, recipe: Recipe, device: torch.device, cap_bytes: Optional[int], oom: dict) -> None: ...
+
+    def after_run(self, recipe: Recipe, device: torch.device, world: int, snaps: list[dict], summary: dict) -> None: ...
+
+
+def train(
+    recipe: Recipe | dict | str | Path | None = None,
+    overrides: list[str] | dict | None = None,
+    resume: str | Path | None = None,
+    raise_on_oom: bool = False,
+    quiet_recipe: bool = False,
+    reuse_dir: bool = False,
+    hooks: Optional[RunHooks] = None,
+) -> dict:
+    """Train one recipe; return the summary dict (also in <run>/summary.json).
+
+    ``recipe`` is a Recipe, a dict, a YAML path or None (the built-in demo). ``resume`` is a run
+    directory or checkpoint; with no recipe given, the run's own recipe.yaml is used, and a recipe that
+    does not match the checkpoint is a RecipeError. Bad input raises (RecipeError, DataError, ModelError)
+    before anything is written; an out-of-memory returns a summary with status "oom" (or raises
+    TrainingOOM). Use ``bigtune.train`` for the same with the plan beside the measurement.
+    """
+    t_start = time.perf_counter()
+    resume_ckpt = None
+    if resume is not None:
+        run_path, resume_ckpt = find_resume_checkpoint(resume)
+        r = resume_recipe(run_path, resume_ckpt, recipe, overrides)
+    else:
+        r = load_recipe(recipe, overrides)
+        if reuse_dir and r.output_dir:
+            run_path = Path(r.output_dir)  # a requeued job starts over in its own folder
+        else:
+            run_path = pick_run_dir(r.output_dir, r.name)
+    fabric = setup_fabric(r)
+    if fabric.world_size > 1:
+        run_path = Path(fabric.broadcast(str(run_path), src=0))  # every rank uses rank 0's choice
+    # Only rank 0 talks; the other ranks' prints would repeat it.
+    quiet = contextlib.redirect_stdout(io.StringIO()) if fabric.global_rank != 0 else contextlib.nullcontext()
+    with quiet:
+        hooks = hooks if fabric.global_rank == 0 else None
+        return _train(r, fabric, run_path, resume_ckpt, t_start, raise_on_oom, quiet_recipe, hooks)
+
+
+def _announce(r: Recipe, b: Built, fabric) -> None:
+    """What the run is about to do, before anything is written."""
+    for line in b.data_report.lines():
+        print(line, flush=True)
+    if r.data.packing:
+        print(
+            f"data.packing: {b.data_report.used} samples in {b.sampler.n} rows of up to {r.data.max_seq_length} "
+            "tokens (train.micro_batch_size counts rows)",
+            flush=True,
+        )
+    print(
+        f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable), "
+        f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
+        f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)",
+        flush=True,
+    )
+    if r.optim.lr_scaling != "none":
+        print(
+            f"lr: {r.lr:.3g} = optim.lr {r.optim.lr:.3g} scaled {r.optim.lr_scaling} with {r.world_size} "
+            f"data-parallel ranks (optim.lr_scaling)",
+            flush=True,
+        )
+    from bigtune.engine.strategies import MEMORY_NOTE_DEEPSPEED, is_deepspeed
+
+    if is_deepspeed(r) and r.memory.enabled:
+        print(MEMORY_NOTE_DEEPSPEED, flush=True)
+    if r.train.compile and r.memory.enabled and fabric.device.type == "cpu":
+        print(
+            "memory: measured steps (0, 1, every memory.every_steps) run the compiled blocks eager, since the CPU "
+            "tracker cannot see inside compiled code: their table is the eager step's memory, exact, and their "
+            "step time is eager too",
+            flush=True,
+        )
+
+
+def _open_run(
+    r: Recipe, b: Built, run_path: Path, resume_ckpt: Optional[Path], writer: bool
+) -> tuple[RunDir, LoopState]:
+    run = RunDir(run_path, writer=writer)
+    run.create()
+    state = LoopState()
+    if resume_ckpt is not None:
+        load_checkpoint(b, resume_ckpt, state)
+        # Records past the checkpoint belong to the interrupted attempt; this run writes them again.
+        run.truncate_jsonl("metrics.jsonl", lambda rec: rec["step"] <= state.step)
+        run.truncate_jsonl("memory.jsonl", lambda rec: rec["step"] < state.step)
+        run.truncate_jsonl("eval.jsonl", lambda rec: rec["step"] <= state.step)
+        print(f"resumed from {resume_ckpt} at step {state.step}", flush=True)
+    run.write_text("recipe.yaml", r.to_yaml())  # after a resume's checks passed: never over a good one
+    print(f"run dir: {run.path}", flush=True)
+    return run, state
+
+
+def _train(
+    r: Recipe,
+    fabric,
+    run_path: Path,
+    resume_ckpt: Optional[Path],
+    t_start: float,
+    raise_on_oom: bool,
+    quiet_recipe: bool,
+    hooks: Optional[RunHooks],
+) -> dict:
+    if not quiet_recipe:
+        print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
+    b = build(r, fabric)  # raises on bad data/model before the run dir exists
+    if resume_ckpt is not None and (finished := _resume_point(r, b, run_path, resume_ckpt)) is not None:
+        return finished
+    _announce(r, b, fabric)
+    if hooks is not None:
+        hooks.before_run(r, fabric.device, fabric.world_size)
+    run, state = _open_run(r, b, run_path, resume_ckpt, writer=fabric.global_rank == 0)
+    cap = int(r.memory.cap_gib * GIB) if r.memory.cap_gib is not None else None
+    monitor = mem.MemoryMonitor(fabric.device, cap) if (r.memory.enabled or cap is not None) else None
+    summary: dict[str, Any] = {
+        **{"name": r.name, "run_dir": str(run.path), "recipe": r.to_dict(), "device": device_info(fabric.device)},
+        **{"versions": versions(), "parameters": b.params, "data": b.data_report.summary()},
+        "total_steps": b.total_steps,
+    }
+    status, error = "ok", None
+    try:
+        with _stop_signals():
+            fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision))
+        if b.val_loader is not None and state.last_eval_step != state.step:
+            run_eval(b, run, state, monitor, -1)
+        _save_at_end(b, run, state)
+    except Preempted as e:
+        status = "preempted" if e.signal == "SIGTERM" else "interrupted"
+        save_checkpoint(b, run, state)
+        summary["preempted_at_step"] = e.step
+        summary["stopped_by"] = e.signal
+        print(f"{e.signal}: checkpoint written at step {e.step}; continue with --resume {run.path}", flush=True)
+    except Exception as e:  # noqa: BLE001 - every failure becomes a recorded result
+        if monitor is not None:
+            monitor.end_step()
+        if not mem.is_oom(e):
+            status, error = "error", e
+            _record_error(e, r, fabric.world_size, summary)
+        else:
+            status = "oom"
+            summary["oom"] = {
+                "step": state.step,
+                "phase": state.phase,
+                "message": str(e).splitlines()[0][:500],
+                "last_snapshot": monitor.last.to_dict() if monitor and monitor.last else None,
+            }
+            print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
+            if hooks is not None:
+                hooks.on_oom(r, fabric.device, cap, summary["oom"])
+            if fabric.device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        _close_tensorboard(run)
+    summary.update(_results(run, state, status, time.perf_counter() - t_start))
+    summary.update(_eval_summary(r, run, state))
+    if hooks is not None:
+        hooks.after_run(r, fabric.device, fabric.world_size, run.read_jsonl("memory.jsonl"), summary)
+    run.write_json("summary.json", summary)
+    print(
+        f"status {status}; final loss {summary['final_loss']}; peak allocated "
+        f"{human_bytes(summary['peak_allocated_bytes'])}; {summary['tokens_per_s'] or 0:,.0f} tok/s; "
+        f"summary: {run.path / 'summary.json'}",
+        flush=True,
+    )
+    if error is not None:
+        raise error
+    if status == "oom" and raise_on_oom:
+        raise TrainingOOM(summary)
+    return summary
+
+
+def _save_at_end(b: Built, run: RunDir, state: LoopState) -> None:
+    """The last checkpoint (unless the last step already wrote one) and the Hugging Face folder."""
+    r = b.recipe
+    if r.checkpoint.enabled and (
+        not run.list_checkpoints() or run.list_checkpoints()[-1] != run.checkpoint_path(state.step)
+    ):
+        save_checkpoint(b, run, state)
+    if r.checkpoint.save_model:
+        save_hf_model(b, run)
+
+
+def _record_error(e: BaseException, r: Recipe, world: int, summary: dict) -> None:
+    from bigtune.engine.strategies import collective_failure_hint
+
+    summary["error"] = f"{type(e).__name__}: {e}"
+    hint = collective_failure_hint(e, r, world)
+    if hint:
+        summary["error_hint"] = hint
+        print(hint, file=sys.stderr, flush=True)  # every rank: the others' stdout is silenced
+
+
+def _eval_summary(r: Recipe, run: RunDir, state: LoopState) -> dict:
+    evals = run.read_jsonl("eval.jsonl")
+    if not evals:
+        return {}
+    metric = r.eval.best_metric
+    best_rec = min(evals, key=lambda e: e[metric] if metric == "val_loss" else -e[metric])
+    return {
+        "eval": {
+            "final": evals[-1],
+            "best_val_loss": state.best_val_loss,
+            "best_metric": metric,
+            "best_value": best_rec[metric],
+            "best_step": best_rec["step"],
+            "eval_peak_allocated_bytes": max((e["eval_peak_allocated"] or 0) for e in evals) or None,
+        }
+    }
+
+
+def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
+    snaps = run.read_jsonl("memory.jsonl")
+    peaks = [s["peak_allocated"] for s in snaps]
+    reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
+    used = [s["device_used"] for s in snaps if s.get("device_used") is not None]
+    metrics = run.read_jsonl("metrics.jsonl")
+    tp = (
+        throughput(state.tokens, state.samples, state.train_seconds)
+        if state.train_seconds
+        else {"tokens_per_s": None, "samples_per_s": None}
+    )
+    return {
+        "status": status,
+        "steps": state.step,
+        "tokens": state.tokens,
+        "samples": state.samples,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "first_loss": metrics[0]["loss"] if metrics else None,
+        "peak_allocated_bytes": max(peaks) if peaks else None,
+        "peak_reserved_bytes": max(reserved) if reserved else None,
+        # the most in use on the whole device at a snapshot (CUDA; what nvidia-smi shows)
+        "peak_device_used_bytes": max(used) if used else None,
+        "wall_seconds": wall,
+        "train_seconds": state.train_seconds,
+        "step_time_s": state.train_seconds / state.step if state.step else None,
+        **tp,
+        "mfu": metrics[-1].get("mfu") if metrics else None,
+    }
+
+
+def _close_tensorboard(run: RunDir) -> None:
+    w = _TB.pop(str(run.path), None)
+    if w is not None:
+        w.close()
+
+
+def save_hf_model(b: Built, run: RunDir, dest_name: Optional[str] = None, keep_base: bool = True) -> Path:
+    """The trained model in Hugging Face format (safetensors), written atomically.
+
+    Full fine-tuning: <run>/model. Adapters: <run>/adapter (peft format), plus <run>/base with the
+    initial weights when the base has no folder of its own (presets, random init);
+    `bigtune export --merge` folds them into one model.
+    """
+    from bigtune.engine.strategies import full_state_dict
+
+    model = b.model.module if hasattr(b.model, "module") else b.model
+    dest = run.path / (dest_name or ("adapter" if b.recipe.peft.method != "none" else "model"))
+    state = full_state_dict(b.fabric, model)  # FSDP: every rank joins the gather; rank 0 gets it
+    if b.fabric.global_rank != 0:
+        return dest
+    tmp = run.path / f".{dest.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if state is not None:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+    b.tokenizer.save_pretrained(tmp)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    if keep_base and b.base_dir is not None and b.base_dir.exists():
+        if (run.path / "base").exists():
+            shutil.rmtree(run.path / "base")
+        shutil.move(str(b.base_dir), run.path / "base")
+    return dest

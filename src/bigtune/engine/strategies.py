@@ -1,0 +1,305 @@
+"""Several devices and nodes: Fabric strategies (DDP, FSDP2, DeepSpeed ZeRO), rank helpers, full-state export.
+
+One process per device. `bigtune train` with devices > 1 spawns them (Fabric's launcher re-runs the
+command); under torchrun or Slurm the processes already exist and Fabric reads their environment.
+Everything else in the engine is written once and asks this module how many ranks there are.
+
+DeepSpeed (optional extra, CUDA only) differs from the torch strategies in four ways the engine
+asks about here: the model and optimizer are set up together, gradient accumulation and clipping
+are the DeepSpeed engine's (told where each window ends), the optimizer of the *_offload
+strategies is DeepSpeed's CPU Adam, and the whole configuration is one dict (`deepspeed_config`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from bigtune.models.build import decoder_blocks
+from bigtune.recipe import DEEPSPEED_STRATEGIES, Recipe
+
+DEEPSPEED_INSTALL = "pip install 'bigtune[deepspeed]' (or pip install deepspeed)"
+
+
+def make_parallelize_fn(recipe: Recipe):
+    """fully_shard every decoder block (fsdp_wrap=block), then the root (embeddings, head) — FSDP2."""
+
+    def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {"mesh": device_mesh["data_parallel"]}
+        if recipe.precision in ("bf16-mixed", "16-mixed"):
+            low = torch.bfloat16 if recipe.precision.startswith("bf16") else torch.float16
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        if recipe.fsdp_cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # full: FSDP2's default, every unit resharded after its forward except the root (embeddings,
+        # head), which the backward needs at once. An explicit True would reshard the root too (torch
+        # >= 2.8) and gather it again for the backward; the planner counts the root gathered throughout.
+        if recipe.fsdp_sharding == "grad_op":
+            kwargs["reshard_after_forward"] = False
+        # fsdp_wrap=none leaves the blocks to the root: one unit, the whole model gathered at once.
+        for block in decoder_blocks(model) if recipe.fsdp_wrap == "block" else ():
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    return parallelize
+
+
+def is_deepspeed(recipe: Recipe) -> bool:
+    return recipe.strategy in DEEPSPEED_STRATEGIES
+
+
+def zero_layout(strategy: str) -> tuple[int, bool, bool]:
+    """(ZeRO stage, optimizer state offloaded to CPU, parameters offloaded to CPU) of a deepspeed_* name."""
+    if strategy not in DEEPSPEED_STRATEGIES:
+        raise ValueError(f"strategy: {strategy!r} is not a DeepSpeed strategy ({', '.join(DEEPSPEED_STRATEGIES)})")
+    stage = int(strategy.split("_")[2])
+    offload = strategy.endswith("_offload")
+    return stage, offload, offload and stage == 3
+
+
+# Parameters below this many elements stay whole on every rank under ZeRO-3 (norms, biases): gathering
+# thousands of tiny tensors costs more in latency than the memory they would save.
+PARAM_PERSISTENCE_THRESHOLD = 100_000
+
+# Communication buckets (elements): big enough to keep NCCL busy, small enough not to dominate memory.
+BUCKET_ELEMENTS = 200_000_000
+
+
+def deepspeed_config(recipe: Recipe, numel: Optional[int] = None) -> dict[str, Any]:
+    """The complete DeepSpeed config for a recipe (pure: no DeepSpeed import, no GPU).
+
+    Batch sizes match the engine's loop (micro-batch per GPU, accumulation, global batch), clipping
+    is DeepSpeed's (Fabric cannot clip under DeepSpeed), precision comes from the recipe, and the
+    ZeRO section from the strategy name. Offloaded tensors are pinned for fast host-device copies.
+    ``numel`` (the model's parameter count, when known) caps the communication buckets: DeepSpeed
+    allocates them whole, and a bucket larger than the model is only wasted memory.
+    """
+    stage, offload_optimizer, offload_params = zero_layout(recipe.strategy)
+    bucket = min(BUCKET_ELEMENTS, numel) if numel else BUCKET_ELEMENTS
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "contiguous_gradients": True,  # gradients copied into one flat buffer as they are reduced: no fragmentation
+        "overlap_comm": True,  # reduce gradients while backward still runs
+        "reduce_scatter": True,
+        "reduce_bucket_size": bucket,
+    }
+    if stage == 2:
+        zero["allgather_partitions"] = True
+        zero["allgather_bucket_size"] = bucket
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = PARAM_PERSISTENCE_THRESHOLD
+        zero["stage3_prefetch_bucket_size"] = max(1, bucket // 4)
+        zero["stage3_max_live_parameters"] = 1_000_000_000
+        zero["stage3_max_reuse_distance"] = 1_000_000_000
+        # `bigtune` exports through save_pretrained on rank 0: gather the full 16-bit weights for it.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
+        "gradient_accumulation_steps": recipe.accumulate,
+        "train_batch_size": recipe.global_batch_size,
+        "zero_optimization": zero,
+        # The engine's optimizers are torch's (or DeepSpeed's CPU Adam for offload): allow them.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,  # bigtune logs; DeepSpeed's own prints would interleave
+        "wall_clock_breakdown": False,
+    }
+    if recipe.optim.grad_clip is not None:
+        cfg["gradient_clipping"] = recipe.optim.grad_clip
+    if recipe.precision.startswith("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    elif recipe.precision.startswith("16"):
+        # Dynamic loss scaling (loss_scale 0), starting at 2^16 and halving on overflow.
+        cfg["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    return cfg
+
+
+def require_deepspeed():
+    """Import DeepSpeed or raise one clear error naming the install."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(
+            f"DeepSpeed strategies need DeepSpeed: {DEEPSPEED_INSTALL}; or use strategy=fsdp ({type(e).__name__}: {e})"
+        ) from None
+    return deepspeed
+
+
+def make_deepspeed_optimizer(recipe: Recipe, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer handed to DeepSpeed: the recipe's, except that offloaded ZeRO steps on the CPU
+    with DeepSpeed's vectorised CPU Adam (DeepSpeed refuses other optimizers with offload)."""
+    from bigtune.engine.optim import make_optimizer
+
+    _, offload_optimizer, _ = zero_layout(recipe.strategy)
+    if not offload_optimizer:
+        return make_optimizer(recipe.optim, model, lr=recipe.lr)
+    require_deepspeed()
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    o = recipe.optim
+    return DeepSpeedCPUAdam(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=recipe.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        adamw_mode=True,
+    )
+
+
+def micro_batch_context(fabric, model, last: bool, fsdp_grad_sync: str = "micro_batch"):
+    """Around one micro-batch's forward/backward: no gradient sync before the window's last one.
+
+    DDP: Fabric's no_backward_sync. FSDP reduce-scatters every micro-batch (fsdp_grad_sync=micro_batch):
+    without the sync each rank would hold every weight's unsharded gradient through the window, as
+    much as DDP, which is what sharding is for avoiding; fsdp_grad_sync=step asks for exactly that
+    trade (less traffic). DeepSpeed: its engine reduces gradients itself and is told whether this
+    micro-batch ends the accumulation window (a short last window then still steps).
+    """
+    if is_sharded(fabric):
+        if fsdp_grad_sync == "step":
+            return fabric.no_backward_sync(model, enabled=not last)
+        return contextlib.nullcontext()
+    engine = _deepspeed_engine(fabric)
+    if engine is None:
+        return fabric.no_backward_sync(model, enabled=not last)
+    engine.set_gradient_accumulation_boundary(last)
+    return contextlib.nullcontext()
+
+
+def backward_kwargs(fabric) -> dict[str, Any]:
+    """Extra arguments for fabric.backward: the engine's loss is already normalised over the whole
+    window (stepmath.loss_normaliser), so DeepSpeed must not divide it by the accumulation steps again."""
+    return {"scale_wrt_gas": False} if _deepspeed_engine(fabric) is not None else {}
+
+
+def clips_itself(fabric) -> bool:
+    """DeepSpeed clips inside its step (config gradient_clipping); Fabric refuses to clip there."""
+    return _deepspeed_engine(fabric) is not None
+
+
+def _deepspeed_engine(fabric):
+    strategy = getattr(fabric, "strategy", None)
+    if type(strategy).__name__ != "DeepSpeedStrategy":
+        return None
+    return strategy.model
+
+
+MEMORY_NOTE_DEEPSPEED = (
+    "memory: under DeepSpeed ZeRO parameters count their own partition and optimizer state includes the fp32 "
+    "master partitions, but gradients live in DeepSpeed's flat reduce buffers, which the per-category tracker "
+    "does not see: they appear under 'activations' (= allocated - the rest). allocated, peak and reserved come "
+    "from the CUDA allocator and stay exact."
+)
+
+
+def make_strategy(recipe: Recipe, accelerator: str):
+    """The Fabric strategy object for the recipe (or "auto" for one device)."""
+    world = recipe.world_size
+    strategy = recipe.strategy
+    if strategy == "auto":
+        strategy = "ddp" if world > 1 else "single"
+    timeout = timedelta(seconds=recipe.dist_timeout_s)
+    backend = "gloo" if accelerator == "cpu" else None
+    if strategy == "single":
+        return "auto"
+    if strategy == "ddp":
+        from lightning.fabric.strategies import DDPStrategy
+
+        # ddp_bucket_view: gradients live in DDP's communication buckets instead of beside them, one copy fewer.
+        return DDPStrategy(
+            gradient_as_bucket_view=recipe.ddp_bucket_view, timeout=timeout, process_group_backend=backend
+        )
+    if strategy == "fsdp":
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(
+            parallelize_fn=make_parallelize_fn(recipe),
+            data_parallel_size=world,
+            tensor_parallel_size=1,
+            timeout=timeout,
+            process_group_backend=backend,
+        )
+    if strategy in DEEPSPEED_STRATEGIES:
+        require_deepspeed()
+        from lightning.fabric.strategies import DeepSpeedStrategy
+
+        # Adapter runs checkpoint only what trains, as with the other strategies.
+        return DeepSpeedStrategy(
+            config=deepspeed_config(recipe),
+            timeout=timeout,
+            process_group_backend=backend,
+            exclude_frozen_parameters=recipe.peft.method != "none",
+        )
+    raise ValueError(f"strategy: unknown {strategy!r}")
+
+
+def is_sharded(fabric) -> bool:
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    return isinstance(fabric.strategy, ModelParallelStrategy)
+
+
+def full_state_dict(fabric, module: torch.nn.Module) -> dict | None:
+    """The unsharded state dict on CPU, on every rank's call, returned on rank 0 only (FSDP and
+    ZeRO-3 export); None when every rank already holds the whole model."""
+    engine = _deepspeed_engine(fabric)
+    if engine is not None:
+        if engine.zero_optimization_stage() != 3:
+            return None
+        # A collective: every rank gathers its partitions (config stage3_gather_16bit_weights_on_model_save).
+        sd = engine._zero3_consolidated_16bit_state_dict()
+        return {k: v.cpu() for k, v in sd.items()} if fabric.global_rank == 0 else {}
+    if not is_sharded(fabric):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if fabric.global_rank == 0 else {}
+
+
+_PEER_FAILURE_SIGNS = (
+    "timed out",
+    "timeout",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "nccl error",
+    "nccl communicator was aborted",
+)
+
+
+def collective_failure_hint(error: BaseException, recipe: Recipe, world_size: int) -> Optional[str]:
+    """One line explaining a failed collective (another rank died or hung), naming dist_timeout_s."""
+    text = str(error).lower()
+    if world_size <= 1 or not any(sign in text for sign in _PEER_FAILURE_SIGNS):
+        return None
+    return (
+        f"distributed: a collective failed ({str(error).splitlines()[0][:160]}): another rank crashed, was "
+        f"killed or hung, and this rank gave up after dist_timeout_s={recipe.dist_timeout_s} s; see the other "
+        "ranks' logs for the first failure. If ranks legitimately wait longer (a slow checkpoint write, data "
+        "loading on one rank), raise dist_timeout_s."
+    )
+
+
+def all_sum(fabric, value: float | int) -> float:
+    if fabric.world_size == 1:
+        return value
+    t = torch.tensor(float(value), dtype=torch.float64, device=fabric.device)
+    return float(fabric.all_reduce(t, reduce_op="sum"))

@@ -1,0 +1,561 @@
+"""Loading models and tokenizers: built-in presets, local Hugging Face folders, hub ids.
+
+Weights load from safetensors only (a folder with just pickle ``.bin`` files is refused with the
+conversion to run), and remote code runs only when the recipe says ``trust_remote_code: true``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from bigtune.core.hub import hub_kwargs, hub_reachable
+from bigtune.core.presets import PRESETS, preset_config, tiny_processor, tiny_tokenizer
+from bigtune.models.configs import ModelError
+from bigtune.recipe import ModelConfig, PeftConfig
+
+DTYPES = {
+    "32-true": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "bf16-mixed": torch.float32,
+    "16-mixed": torch.float32,
+    "16-true": torch.float16,
+}
+
+
+def weights_dtype(precision: str) -> torch.dtype:
+    """Dtype the weights are stored in: *-true precisions keep them low, mixed keeps fp32 masters."""
+    return DTYPES[precision]
+
+
+def load_tokenizer(cfg: ModelConfig):
+    if cfg.name in PRESETS and cfg.tokenizer is None:
+        return tiny_tokenizer()
+    if cfg.init == "random" and cfg.tokenizer is None and not Path(cfg.name).expanduser().is_dir():
+        # Random weights are for memory/speed work: any token ids below the vocabulary size do, so the
+        # bundled tokenizer stands in rather than a hub download (set model.tokenizer to use another).
+        print(f"model: random init of {cfg.name}; tokenizing with bigtune's tiny tokenizer (ids < 512)", flush=True)
+        return tiny_tokenizer()
+    from transformers import AutoTokenizer
+
+    src = cfg.tokenizer or cfg.name
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            _local_or_id(src), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src)
+        )
+    except Exception as e:  # transformers raises OSError/ValueError/HF hub errors
+        raise ModelError(_load_hint("tokenizer", src, e)) from e
+    if tok.pad_token is None:
+        # Llama-family tokenizers ship without a pad token; padding positions are masked out of the
+        # loss and attention anyway, so reusing EOS is safe.
+        tok.pad_token = tok.eos_token or tok.unk_token
+    tok.padding_side = "right"
+    return tok
+
+
+def load_processor(cfg: ModelConfig):
+    """image-to-text: the Blip2Processor (image processor + tokenizer with the image token)."""
+    if cfg.name in PRESETS and cfg.tokenizer is None:
+        return tiny_processor()
+    if cfg.init == "random" and cfg.tokenizer is None and not Path(cfg.name).expanduser().is_dir():
+        # As load_tokenizer: random weights need no hub download; the images keep the model's real size.
+        from bigtune.core.presets import random_init_processor
+        from bigtune.models.configs import resolve_config_name
+
+        print(
+            f"model: random init of {cfg.name}; bigtune's tiny tokenizer (ids < 512) and BLIP's image processor "
+            "at the model's image size",
+            flush=True,
+        )
+        return random_init_processor(resolve_config_name(cfg))
+    from transformers import AutoProcessor
+
+    src = cfg.tokenizer or cfg.name
+    try:
+        proc = AutoProcessor.from_pretrained(
+            _local_or_id(src), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src)
+        )
+    except Exception as e:
+        raise ModelError(_load_hint("processor", src, e)) from e
+    tok = getattr(proc, "tokenizer", None)
+    if tok is None or not hasattr(proc, "image_processor"):
+        raise ModelError(
+            f"{src}: the processor has no tokenizer and image processor; an image-to-text model needs "
+            "both (save them with Blip2Processor.save_pretrained)"
+        )
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    tok.padding_side = "right"
+    return proc
+
+
+def load_tokenizer_or_processor(cfg: ModelConfig):
+    return load_processor(cfg) if cfg.family == "image-to-text" else load_tokenizer(cfg)
+
+
+def _local_or_id(name: str) -> str:
+    p = Path(name).expanduser()
+    return str(p) if p.exists() else name
+
+
+def _load_hint(what: str, name: str, e: Exception) -> str:
+    local = Path(name).expanduser().exists()
+    if local:
+        return f"could not load the {what} from folder {name}: {e}"
+    if not hub_reachable():
+        return (
+            f"could not load the {what} {name!r}: the Hugging Face hub does not answer from this machine "
+            "(no connection within 3 s, or HF_HUB_OFFLINE is set) and it is not in the local cache. Download it "
+            "where there is internet (`huggingface-cli download ...`), copy it here and set model.name to that "
+            "local folder, or fill the cache (HF_HOME) there and copy that."
+        )
+    return (
+        f"could not load the {what} {name!r} from the Hugging Face hub ({type(e).__name__}: {str(e)[:300]}). "
+        "Without internet, download it elsewhere (`huggingface-cli download ...`) and set model.name to the "
+        "local folder; for a gated model, log in with `huggingface-cli login`."
+    )
+
+
+def compute_dtype(cfg: ModelConfig, precision: str) -> torch.dtype:
+    if cfg.compute_dtype != "auto":
+        return getattr(torch, cfg.compute_dtype)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
+
+
+# Classification heads by attribute name (BERT/RoBERTa: classifier; DistilBERT: pre_classifier + classifier;
+# Llama and other decoders: score).
+CLASSIFIER_HEADS = ("classifier", "pre_classifier", "score")
+
+
+def quantization_config(cfg: ModelConfig, precision: str):
+    """The bitsandbytes loading config for model.quantize (None when not quantized)."""
+    if cfg.quantize == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    # A classifier's new head trains in full (peft SEQ_CLS modules_to_save): it must stay unquantized.
+    skip = {"llm_int8_skip_modules": list(CLASSIFIER_HEADS)} if cfg.family == "sequence-classification" else {}
+    if cfg.quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quantize,
+        bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype(cfg, precision),
+        **skip,
+    )
+
+
+def auto_class(family: str):
+    if family == "sequence-classification":
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification
+    if family == "image-to-text":
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def label_config(label_names: Optional[list]) -> dict:
+    """Config keys that give a classification head its classes (empty for other families)."""
+    if not label_names:
+        return {}
+    names = [str(n) for n in label_names]
+    return {
+        "num_labels": len(names),
+        "id2label": dict(enumerate(names)),
+        "label2id": {n: i for i, n in enumerate(names)},
+    }
+
+
+def _from_pretrained(
+    name: str, cfg: ModelConfig, dtype: torch.dtype, quant, label_names: Optional[list] = None
+) -> torch.nn.Module:
+    AutoModelForCausalLM = auto_class(cfg.family)
+
+    kwargs: dict = label_config(label_names)
+    if quant is not None and torch.cuda.is_available():
+        kwargs["device_map"] = {"": torch.cuda.current_device()}  # bitsandbytes quantizes while placing
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            name,
+            dtype=dtype,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=True,
+            attn_implementation=cfg.attn_implementation,
+            quantization_config=quant,
+            **hub_kwargs(name),
+            **kwargs,
+        )
+    except Exception as e:
+        raise ModelError(_load_hint("model", cfg.name, e)) from e
+
+
+def build_model(
+    cfg: ModelConfig,
+    tokenizer,
+    precision: str,
+    seed: int,
+    base_dir: Optional[Path] = None,
+    label_names: Optional[list] = None,
+) -> torch.nn.Module:
+    """The model in the dtype its precision stores weights in (quantized if asked), in train mode.
+
+    sequence-classification: ``label_names`` size the head and name its classes (config id2label).
+
+    Presets and random-init models have no folder to come back to: with ``base_dir`` their initial
+    weights are written there (a LoRA run's export merges into them), and a quantized one is loaded
+    back from there so bitsandbytes quantizes it exactly as it would a downloaded model.
+    """
+    AutoModelForCausalLM = auto_class(cfg.family)
+
+    dtype = weights_dtype(precision)
+    quant = quantization_config(cfg, precision)
+    if cfg.name in PRESETS or cfg.init == "random":
+        if cfg.name in PRESETS:
+            config = preset_config(cfg.name, tokenizer)
+        else:
+            from bigtune.models.configs import resolve_config_name
+
+            config = resolve_config_name(cfg)
+        config._attn_implementation = cfg.attn_implementation
+        for key, value in label_config(label_names).items():
+            setattr(config, key, value)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if quant is not None and base_dir is None:
+            base_dir = Path(tempfile.mkdtemp(prefix="bigtune-base-"))
+        if base_dir is not None:
+            model.save_pretrained(base_dir, safe_serialization=True)
+            tokenizer.save_pretrained(base_dir)
+        if quant is not None:
+            del model
+            model = _from_pretrained(str(base_dir), cfg, dtype, quant, label_names)
+    else:
+        name = _local_or_id(cfg.name)
+        local = Path(name).is_dir()
+        if local:
+            files = {p.suffix for p in Path(name).iterdir()}
+            if ".safetensors" not in files and (".bin" in files or ".pt" in files):
+                raise ModelError(
+                    f"model folder {name} has only pickle weights (.bin/.pt); bigtune loads safetensors only, because "
+                    'unpickling can run code. Convert once: `python -c "from transformers import '
+                    + auto_class(cfg.family).__name__
+                    + " as M; M.from_pretrained('"
+                    + name
+                    + "').save_pretrained('"
+                    + name
+                    + "-st')\"` and point model.name at the new folder."
+                )
+        model = _from_pretrained(name, cfg, dtype, quant, label_names)
+    model.config.use_cache = False
+    if cfg.family == "sequence-classification" and model.config.pad_token_id is None:
+        # Llama-style heads pool the last non-pad token, found by comparing ids with pad_token_id.
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        model.config.pad_token_id = tok.pad_token_id  # the KV cache is useless in training and costs memory
+    if cfg.family == "image-to-text":
+        text_cfg = getattr(model.config, "text_config", None)
+        if text_cfg is not None:
+            text_cfg.use_cache = False
+        freeze_parts(model, cfg)
+    model.train()
+    return model
+
+
+# BLIP-2 parts by attribute name; query_tokens are the Q-Former's learned queries.
+IMAGE_TO_TEXT_PARTS = {
+    "vision": ("vision_model",),
+    "qformer": ("qformer", "query_tokens"),
+    "language_model": ("language_model",),
+}
+
+
+def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
+    """requires_grad=False on the parts the recipe freezes: no gradients and (make_optimizer takes
+    trainable parameters only) no optimizer state for them. Returns frozen element counts per part."""
+    out = {}
+    for part, flag in (
+        ("vision", cfg.freeze_vision),
+        ("qformer", cfg.freeze_qformer),
+        ("language_model", cfg.freeze_language_model),
+    ):
+        n = 0
+        for attr in IMAGE_TO_TEXT_PARTS[part]:
+            obj = getattr(model, attr, None)
+            if obj is None:
+                continue
+            params = [obj] if isinstance(obj, torch.nn.Parameter) else list(obj.parameters())
+            for p in params:
+                if flag:
+                    p.requires_grad_(False)
+                    n += p.numel()
+        out[part] = n
+    return out
+
+
+DEFAULT_TARGETS = {
+    "llama": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "opt": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "gemma": ["q_proj", "v_proj"],
+    "phi": ["q_proj", "v_proj"],
+    "t5": ["q", "v"],
+    "bert": ["query", "value"],
+    "roberta": ["query", "value"],
+    "distilbert": ["q_lin", "v_lin"],
+    "gpt2": ["c_attn"],
+    "gpt_neox": ["query_key_value"],
+    # BLIP-2: adapters on the language model's attention queries/values only (the usual BLIP-2
+    # LoRA); a regex, so the Q-Former's query/value and the ViT's qkv are left alone.
+    "blip-2": r".*language_model\..*\.(q_proj|v_proj|q|v)$",
+}
+
+
+def lora_targets(model: torch.nn.Module, wanted: list) -> list[str] | str:
+    if wanted == ["all-linear"]:
+        return "all-linear"
+    if wanted != ["auto"]:
+        return list(wanted)
+    kind = getattr(model.config, "model_type", "")
+    if kind not in DEFAULT_TARGETS:
+        raise ModelError(
+            f"peft.target_modules: no default for model type {kind!r}; name the modules, e.g. "
+            "peft.target_modules=[q_proj,v_proj], or use [all-linear]"
+        )
+    return DEFAULT_TARGETS[kind]
+
+
+@contextlib.contextmanager
+def peft_renames_quiet():
+    """Silence transformers' FutureWarnings about the *gradient_checkpointing* names it renamed in 5.23, which
+    peft still calls: they are peft's to fix, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
+        yield
+
+
+def apply_peft(
+    model: torch.nn.Module,
+    peft_cfg: PeftConfig,
+    quantized: bool,
+    checkpointing: bool,
+    family: str = "causal-lm",
+    upcast: bool = True,
+):
+    """Freeze the base, add LoRA/DoRA adapters (QLoRA: after peft's k-bit preparation when ``upcast``,
+    model.upcast_unquantized; without it the unquantized weights keep their dtype)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized and upcast:
+        # Casts the remaining (non-quantized) weights to fp32 for stability, as QLoRA does, and turns
+        # on checkpointing itself when asked.
+        with peft_renames_quiet():
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    elif quantized and checkpointing:  # (get_peft_model freezes the base either way)
+        enable_activation_checkpointing(model)
+    config = LoraConfig(
+        r=peft_cfg.r,
+        lora_alpha=peft_cfg.alpha,
+        lora_dropout=peft_cfg.dropout,
+        target_modules=lora_targets(model, peft_cfg.target_modules),
+        use_dora=peft_cfg.method == "dora",
+        # image-to-text: the plain PeftModel passes pixel_values / decoder_input_ids through as is;
+        # SEQ_CLS also trains (and saves) the new classification head in full.
+        task_type={"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(family),
+    )
+    with peft_renames_quiet():
+        model = get_peft_model(model, config)
+    if peft_cfg.adapter_dtype == "bfloat16":
+        recast_parameters(model, torch.bfloat16, lambda name, p: p.requires_grad and "lora_" in name)
+    return model
+
+
+def recast_parameters(model: torch.nn.Module, dtype: torch.dtype, which=lambda name, p: True) -> None:
+    """Give the floating-point parameters ``which(name, p)`` selects the dtype ``dtype``, each as a new
+    Parameter (tied parameters stay tied). Done before the optimizer exists. ``Module.to`` would do it for
+    real tensors, but cannot swap the planner's fake ones, and the two must take the same path."""
+    new: dict[int, torch.nn.Parameter] = {}
+    for mod_name, mod in model.named_modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in new:
+                if not which(f"{mod_name}.{name}" if mod_name else name, p):
+                    continue
+                new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """HF per-layer checkpointing, non-reentrant (works with frozen inputs and keeps autograd hooks)."""
+    kwargs = {"use_reentrant": False}
+    # transformers >= 5.23 renamed the method (and its argument); 5.17 has only the old name.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def compile_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """torch.compile every repeated transformer block in place (``Module.compile``), as torchtitan and
+    torchtune do: one small graph reused by all blocks of a kind, the outer code (embeddings, masks,
+    loss) left eager so its graph breaks cost nothing. In place keeps parameter names and the state
+    dict unchanged (checkpoints, export), and keeps the block a block for FSDP to shard afterwards.
+    Returns the compiled blocks."""
+    from bigtune.models.build import decoder_blocks
+
+    try:
+        blocks = decoder_blocks(model)
+    except ValueError:
+        raise ModelError(
+            f"train.compile: found no repeated transformer blocks in {type(model).__name__} to compile; "
+            "set train.compile=false"
+        ) from None
+    # Every compiled block enters dynamo through the same code (Module._call_impl, or HF's checkpointing
+    # wrapper around forward), so all block kinds share one recompile limit (8 graphs by default); each kind
+    # needs a static and a shape-generic graph, plus variants (T5's first block, train vs eval). Without
+    # headroom a BLIP-2 model would silently fall back to eager for its last kinds.
+    kinds = len({type(b) for b in blocks})
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * kinds)
+    for block in blocks:
+        block.compile()
+    return blocks
+
+
+def count_parameters(model: torch.nn.Module) -> dict[str, int]:
+    seen: set[int] = set()
+    total = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return {"total": total, "trainable": trainable}
+
+
+def is_classifier(model: torch.nn.Module) -> bool:
+    """True for a sequence-classification model, whatever wraps it (Fabric, DDP/FSDP, peft)."""
+    m = model
+    while True:
+        if type(m).__name__.endswith("ForSequenceClassification"):
+            return True
+        inner = getattr(m, "module", None) or getattr(m, "_forward_module", None)
+        if inner is None and hasattr(m, "get_base_model"):
+            inner = m.get_base_model()
+        if inner is None or inner is m:
+            return False
+        m = inner
+
+
+def shifts_labels(model: torch.nn.Module) -> bool:
+    """True when the loss compares position t's logits with label t+1 (decoder-only models).
+
+    Encoder-decoder models (T5, BLIP-2 with a Flan-T5 language model) produce decoder logits already
+    aligned with their labels.
+    """
+    if is_classifier(model):
+        return False  # one label per sample, nothing to shift
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "config"):
+        m = m.module
+    cfg = getattr(m, "config", None)
+    if cfg is None:
+        return True
+    if getattr(cfg, "is_encoder_decoder", False):
+        return False
+    if hasattr(cfg, "use_decoder_only_language_model"):
+        return bool(cfg.use_decoder_only_language_model)
+    return True
+
+
+def forward_inputs(batch: dict, padded: bool) -> dict:
+    """The model's keyword arguments from a collated batch: everything but the labels; the attention
+    mask only when some row is padded (then HF can call SDPA with is_causal and no mask tensor)."""
+    return {
+        k: v
+        for k, v in batch.items()
+        if k != "labels" and (k != "attention_mask" or padded) and isinstance(v, torch.Tensor)
+    }
+
+
+# Model types whose forward returns exactly lm_head(final hidden states) as logits (no soft-capping or
+# scaling after it): for them the loss can be computed from the hidden states in chunks.
+PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
+
+
+def plain_output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
+    """The output layer when it is a plain bias-free Linear at the end of a plain-head model (else None:
+    adapters or quantized layers on the head, or a model type that post-processes its logits)."""
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "config"):
+        m = m.module  # Fabric / DDP wrappers
+    if getattr(getattr(m, "config", None), "model_type", None) not in PLAIN_HEAD_TYPES:
+        return None
+    get = getattr(m, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:  # noqa: E721 - subclasses (bnb) differ
+        return None
+    return head
+
+
+def _pass_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+class hidden_states_out:
+    """Within this context the output layer passes its input through, so the model's ``logits`` are the
+    final hidden states (for a chunked loss). The weights and state dict are untouched."""
+
+    def __init__(self, head: Optional[torch.nn.Module]):
+        self.head = head
+
+    def __enter__(self):
+        if self.head is not None:
+            self.head.forward = _pass_hidden  # an instance attribute shadows the class's forward
+        return self
+
+    def __exit__(self, *exc):
+        if self.head is not None:
+            del self.head.forward
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks FSDP wraps one by one: the items of the model's block lists
+    (``nn.ModuleList`` of one class: LlamaDecoderLayer, OPTDecoderLayer, T5Block, BLIP-2's vision
+    encoder and Q-Former layers), outermost only, since a block sharded inside another sharded block
+    is an overlapping mesh. HF's ``_no_split_modules`` is the fallback for models without such lists."""
+    blocks = [
+        m
+        for lst in model.modules()
+        if isinstance(lst, torch.nn.ModuleList) and len(lst) > 0 and len({type(x) for x in lst}) == 1
+        for m in lst
+    ]
+    if not blocks:
+        names: set[str] = set()
+        for m in model.modules():
+            names.update(getattr(m, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+    inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+    blocks = [b for b in blocks if id(b) not in inner]
+    if not blocks:
+        raise ValueError(
+            f"FSDP: found no transformer blocks to shard in {type(model).__name__} "
+            "(no block lists, no _no_split_modules); use strategy=ddp for this model"
+        )
+    return blocks

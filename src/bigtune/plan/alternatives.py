@@ -1,0 +1,399 @@
+"""plan.alternatives."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+from bigtune.models.configs import resolve_config
+from bigtune.plan.constants import CATEGORIES, ZERO_ALTERNATIVE
+from bigtune.plan.planner import count_parameters, plan, state_bytes_lower_bound
+from bigtune.plan.sharding import simulation_recipe
+from bigtune.plan.simulate import Sim, sim_key, simulate_full_depth
+from bigtune.plan.target import Plan, Target, target_arch
+from bigtune.recipe import Recipe, RecipeError, load_recipe
+
+
+def _strategy_refused(recipe: Recipe, strategy: str, gpus: int) -> bool:
+    """Whether training would refuse ``recipe`` under ``strategy`` on ``gpus`` GPUs (this machine's installs
+    aside), judged as it is planned there (simulation_recipe: ZeRO's own optimizer and gradient order)."""
+    from bigtune.recipe import gpu_plan_problems
+
+    r = copy.deepcopy(simulation_recipe(recipe, strategy))
+    r.strategy, r.devices, r.num_nodes = strategy, gpus, 1
+    return bool(gpu_plan_problems(r))
+
+
+def _variant_recipe(recipe: Recipe, over: dict, check: bool = True, cuda: bool = False) -> Recipe:
+    """``recipe`` with ``over`` applied; ``check``: refuse what the engine would refuse (RecipeError), on a
+    GPU target only what concerns the GPU run (not this machine's installs: recipe.gpu_plan_problems)."""
+    from bigtune.recipe import gpu_plan_problems
+
+    r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"}, check=check and not cuda)
+    if check and cuda and (problems := gpu_plan_problems(r)):
+        raise RecipeError(problems)
+    r.accelerator = recipe.accelerator
+    return r
+
+
+def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
+    """Memory at micro batch m from exact simulations at m_lo and m_hi (linear in the batch size).
+
+    Peak memory is a maximum of lines in the batch size, hence convex: the interpolation is exact
+    at both ends and errs on the safe (high) side in between.
+    """
+    t = (m - m_lo) / (m_hi - m_lo)
+
+    def f(a: int, b: int) -> int:
+        if a is None or b is None:
+            return None
+        return int(round(a + (b - a) * t))
+
+    phases = {ph: {c: f(lo.phases[ph][c], hi.phases[ph][c]) for c in CATEGORIES} for ph in lo.phases}
+    # Time per sample interpolates between the two exact ends: a micro-batch of m costs m × the blend
+    # of their per-sample rows (the optimizer's rows do not depend on the batch).
+    ops = {k: list(v) for k, v in hi.ops.items() if k[1] == "optimizer"}
+    for sim, weight in ((lo, m * (1 - t) / m_lo), (hi, m * t / m_hi)):
+        for k, v in sim.ops.items():
+            if k[1] != "optimizer":
+                row = ops.setdefault(k, [0, 0.0, 0.0])
+                for i in range(3):
+                    row[i] += v[i] * weight
+    return Sim(
+        phases,
+        f(lo.peak_allocated, hi.peak_allocated),
+        lo.numel,
+        lo.matmul_numel,
+        lo.block_numel,
+        lo.attention,
+        f(lo.reserved, hi.reserved),
+        f(lo.in_use, hi.in_use),
+        ops,
+        lo.fsdp_upcast,
+        lo.fsdp_upcast_optimizer,
+    )
+
+
+def _run_sims(
+    jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int, arch: Optional[tuple[int, int]] = None
+) -> dict[str, Sim]:
+    """Simulate every (recipe, micro batch) job, in parallel worker processes when there are several cores."""
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+
+        # fork: the children inherit the imported libraries instead of importing them again (seconds).
+        # Adapter jobs need peft, which this process may not have imported (≈2 s with bitsandbytes
+        # installed): they go to one worker as one task, submitted first, so only one child pays for it.
+        import sys
+        from concurrent.futures import ProcessPoolExecutor
+
+        grouped = [k for k, (r, _) in jobs.items() if r.peft.method != "none"] if "peft" not in sys.modules else []
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
+            group = ex.submit(_sim_group, [(k, *jobs[k]) for k in grouped], config, cuda, arch) if grouped else None
+            futs = {k: ex.submit(_sim_job, r, config, cuda, m, arch) for k, (r, m) in jobs.items() if k not in grouped}
+            out = {k: f.result() for k, f in futs.items()}
+            return {**out, **(group.result() if group is not None else {})}
+    return {k: _sim_job(r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
+
+
+def _sim_group(items: list, config, cuda: bool, arch: Optional[tuple[int, int]]) -> dict[str, Sim]:
+    return {k: _sim_job(r, config, cuda, m, arch) for k, r, m in items}
+
+
+def _sim_job(recipe: Recipe, config, cuda: bool, micro: int, arch: Optional[tuple[int, int]] = None) -> Sim:
+    r = copy.deepcopy(recipe)
+    r.train.micro_batch_size = micro
+    return simulate_full_depth(r, config, cuda, arch=arch)
+
+
+class Alternatives(list):
+    """The fitting plans, fastest first; ``evaluated`` counts every variant considered."""
+
+    def __init__(self, plans, evaluated: int):
+        super().__init__(plans)
+        self.evaluated = evaluated
+
+
+def alternatives(
+    recipe: Recipe,
+    target: Target,
+    max_gpus: int = 64,
+    config=None,
+    workers: Optional[int] = None,
+    adapters: bool = False,
+    sims: Optional[dict[str, Sim]] = None,
+) -> list[Plan]:
+    """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
+
+    Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
+    optimizer (AdamW, 8-bit AdamW, SGD) × micro batch, plus one GPU with ZeRO-2 and the optimizer
+    offloaded, and with ``adapters`` LoRA and QLoRA (with and without checkpointing: they train
+    adapters instead of every weight, a different result, so only on request); multi-GPU variants
+    (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision; one that runs out of memory though its
+    share of the model states fits is tried again with activation checkpointing. Micro batches
+    between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
+    "interpolated"); everything else is simulated, except what ``sims`` (plan()'s, same target) holds.
+    """
+    import os
+
+    config = config if config is not None else resolve_config(recipe)
+    cuda = target.device == "cuda"
+    workers = workers if workers is not None else min(4, os.cpu_count() or 1)
+    g, m0 = recipe.global_batch_size, recipe.train.micro_batch_size
+    micro = [m for m in (1, 2, 4, 8, 16, 32, 64) if m < m0 and m0 % m == 0 and g % m == 0]
+    jobs: dict[str, tuple[Recipe, int]] = {}
+    todo: list[tuple[str, dict, int, str, Any]] = []
+    for precision in ("bf16-true", "bf16-mixed", "32-true"):
+        for ckpt in (False, True):
+            for optim in ("adamw", "adamw8bit", "sgd"):
+                over = {
+                    "precision": precision,
+                    "train.activation_checkpointing": ckpt,
+                    "optim.name": optim,
+                    "optim.momentum": 0.0,
+                }
+                base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
+                try:
+                    r_hi = simulation_recipe(_variant_recipe(recipe, over, cuda=cuda), "single")
+                except RecipeError:
+                    continue  # a combination training refuses (bf16 adapters in 32-true...) is no alternative
+                key_hi, key_lo = sim_key(r_hi, m0), sim_key(r_hi, 1)
+                jobs[key_hi] = (r_hi, m0)
+                todo.append((f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", key_hi))
+                # The recipe's own accumulation regime must hold at both ends for interpolation.
+                if micro and (g // m0 >= 2):
+                    jobs[key_lo] = (r_hi, 1)
+                    for m in micro:
+                        mo = {
+                            **over,
+                            "train.micro_batch_size": m,
+                            "train.accumulate_grad_batches": g // m,
+                            "train.global_batch_size": None,
+                        }
+                        how = key_lo if m == 1 else (key_lo, key_hi, m)
+                        tag = "" if m == 1 else " (interpolated)"
+                        todo.append((f"{base}, micro {m} × acc {g // m}{tag}", mo, 1, "single", how))
+    gpus = 2
+    several: dict[tuple[int, str], tuple[dict, int, str]] = {}  # (GPUs, strategy): (overrides, micro, label)
+    while gpus <= max_gpus:
+        if g % gpus == 0:
+            per = g // gpus
+            m = max(d for d in range(1, min(m0, per) + 1) if per % d == 0)
+            over = {
+                "train.micro_batch_size": m,
+                "train.accumulate_grad_batches": per // m,
+                "train.global_batch_size": None,
+            }
+            if recipe.optim.in_backward:  # several GPUs sync the gradients: the usual step
+                over["optim.in_backward"] = False
+            r_g = _variant_recipe(recipe, over, cuda=cuda)
+            key = sim_key(r_g, m)
+            jobs[key] = (r_g, m)
+            for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
+                if _strategy_refused(r_g, strategy, gpus):
+                    continue  # e.g. a bitsandbytes base under FSDP or ZeRO: training would refuse it
+                # FSDP alternatives take the per-block units and per-micro-batch sync (the least memory),
+                # named where the recipe asked otherwise.
+                o, label = over, ""
+                if strategy == "fsdp" and (r_g.fsdp_wrap, r_g.fsdp_grad_sync) != ("block", "micro_batch"):
+                    o = {**over, "fsdp_wrap": "block", "fsdp_grad_sync": "micro_batch"}
+                    label = " (fsdp_wrap=block, fsdp_grad_sync=micro_batch)"
+                # DeepSpeed's step may differ from the recipe's (true 16-bit, CPU Adam): its own simulation.
+                r_s = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda) if label else r_g, strategy)
+                k_s = sim_key(r_s, m)
+                jobs[k_s] = (r_s, m)
+                todo.append(
+                    (
+                        f"{recipe.precision}, {gpus} GPUs {strategy}{label}, micro {m} × acc {per // m}",
+                        o,
+                        gpus,
+                        strategy,
+                        k_s,
+                    )
+                )
+                several[(gpus, strategy)] = (o, m, label)
+        gpus *= 2
+    # The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
+    # QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
+    # QLoRA form. Labelled by what changes: adapters train fewer weights, which is a choice about the result.
+    if adapters and recipe.model.quantize == "none" and recipe.model.family != "sequence-classification":
+        adapters = [("QLoRA nf4", {"peft.method": "lora", "model.quantize": "nf4"})]
+        if recipe.peft.method == "none":
+            adapters.insert(0, ("LoRA", {"peft.method": "lora"}))
+        half = recipe.precision if recipe.precision != "32-true" else "bf16-true"
+        for name, extra in adapters:
+            for ckpt in (False, True):
+                over = {"precision": half, "train.activation_checkpointing": ckpt, "optim.name": "adamw", **extra}
+                # (check=False: a QLoRA plan needs no bitsandbytes here)
+                r_a = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+                key = sim_key(r_a, m0)
+                jobs[key] = (r_a, m0)
+                todo.append(
+                    (
+                        f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × "
+                        f"acc {g // m0}",
+                        over,
+                        1,
+                        "single",
+                        key,
+                    )
+                )
+    # One GPU with ZeRO-2 and the optimizer in CPU RAM (the lab's DeepSpeed rung), the recipe's micro batch.
+    if not _strategy_refused(recipe, "deepspeed_stage_2_offload", 1):
+        r_1 = simulation_recipe(recipe, "deepspeed_stage_2_offload")
+        k_1 = sim_key(r_1, m0)
+        jobs[k_1] = (r_1, m0)
+        todo.append(
+            (
+                f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}",
+                {},
+                1,
+                "deepspeed_stage_2_offload",
+                k_1,
+            )
+        )
+    if recipe.optim.zero_grad == "before_backward":
+        # Lightning's order holds the last step's gradients through the next forward; the default frees them.
+        over = {"optim.zero_grad": "after_step"}
+        r_z = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+        k_z = sim_key(r_z, m0)
+        jobs[k_z] = (r_z, m0)
+        todo.append(
+            (
+                f"{recipe.precision}, gradients freed after the step (optim.zero_grad=after_step), micro {m0} × "
+                f"acc {g // m0}",
+                over,
+                1,
+                "single",
+                k_z,
+            )
+        )
+    if not recipe.optim.in_backward:
+        # Each weight stepped inside the backward, its gradient freed at once (no full set of gradients). It needs
+        # one GPU, accumulation 1 (the global batch becomes the micro batch) and no global-norm clipping.
+        for ckpt in (False, True):
+            over = {
+                "optim.in_backward": True,
+                "optim.grad_clip": None,
+                "train.activation_checkpointing": ckpt,
+                "train.micro_batch_size": g,
+                "train.accumulate_grad_batches": 1,
+                "train.global_batch_size": None,
+                "devices": 1,
+                "num_nodes": 1,
+                "strategy": "single",
+            }
+            try:
+                r_b = simulation_recipe(_variant_recipe(recipe, over, cuda=cuda), "single")
+            except RecipeError:
+                break  # the recipe's optimizer or precision cannot step in the backward
+            key = sim_key(r_b, g)
+            jobs[key] = (r_b, g)
+            todo.append(
+                (
+                    f"{recipe.precision}, optimizer in backward (optim.in_backward, no clipping), "
+                    f"{'ckpt' if ckpt else 'no ckpt'}, micro {g} × acc 1",
+                    over,
+                    1,
+                    "single",
+                    key,
+                )
+            )
+    if (
+        recipe.model.quantize != "none"
+        and recipe.model.upcast_unquantized
+        and recipe.precision.endswith("-true")
+        and recipe.precision != "32-true"
+    ):
+        # peft's k-bit preparation runs the hidden states in fp32; keeping them 16-bit is litgpt's/torchtune's QLoRA.
+        over = {"model.upcast_unquantized": False}
+        r_u = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+        k_u = sim_key(r_u, m0)
+        jobs[k_u] = (r_u, m0)
+        todo.append(
+            (
+                f"{recipe.precision}, 16-bit hidden states (model.upcast_unquantized=false), micro {m0} × "
+                f"acc {g // m0}",
+                over,
+                1,
+                "single",
+                k_u,
+            )
+        )
+    # Model states alone are a lower bound on the peak: variants whose states cannot fit are
+    # dropped before any simulation (for a 70B model that is most single-GPU variants).
+    n_evaluated = len(todo)
+    numel = count_parameters(config, recipe.model.family)
+    cap = target.capacity_bytes
+    if cap is not None:
+
+        def hopeless(r: Recipe, gpus: int, strategy: str) -> bool:
+            if strategy.endswith("_offload"):  # only the 16-bit weights must stay (ZeRO-3: a shard of them)
+                es = 4 if r.precision == "32-true" else 2
+                return numel * es / (gpus if "stage_3" in strategy else 1) > cap
+            sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
+            return state_bytes_lower_bound(r, numel) / (gpus if sharded else 1) > cap
+
+        todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1], check=False), t[2], t[3])]
+        needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
+        jobs = {k: v for k, v in jobs.items() if k in needed}
+    known = sims or {}
+    sims = {
+        **_run_sims({k: v for k, v in jobs.items() if k not in known}, config, cuda, workers, target_arch(target)),
+        **{k: known[k] for k in jobs if k in known},
+    }
+    plans, oom_several = [], []
+    for label, over, gpus, strategy, how in todo:
+        if isinstance(how, tuple):
+            key_lo, key_hi, m = how
+            sim = _interpolate(sims[key_lo], sims[key_hi], 1, m0, m)
+        else:
+            sim = sims[how]
+        r = _variant_recipe(recipe, over, check=False)
+        p = plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
+        if p.fits is None or p.fits:
+            plans.append(p)
+        elif (gpus, strategy) in several:
+            oom_several.append((gpus, strategy))
+    # Where several GPUs were not enough though their share of the model states would fit (those were
+    # simulated), the activations are what is left: the same GPUs and strategy with activation
+    # checkpointing. Only there, so a model that already fits costs no more simulations.
+    if oom_several and not recipe.train.activation_checkpointing:
+        extra = []
+        for gpus, strategy in oom_several:
+            o, m, label = several[(gpus, strategy)]
+            o = {**o, "train.activation_checkpointing": True}
+            try:
+                r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda), strategy)
+            except RecipeError:
+                continue  # a combination training refuses is no alternative
+            extra.append(
+                (
+                    f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {g // gpus // m}",
+                    o,
+                    gpus,
+                    strategy,
+                    sim_key(r_c, m),
+                    r_c,
+                    m,
+                )
+            )
+        sims.update(
+            _run_sims(
+                {k: (r_c, m) for *_, k, r_c, m in extra if k not in sims}, config, cuda, workers, target_arch(target)
+            )
+        )
+        n_evaluated += len(extra)
+        for label, o, gpus, strategy, k, _, _ in extra:
+            p = plan(
+                _variant_recipe(recipe, o, check=False),
+                Target(target.device, target.gpu, gpus, strategy),
+                label,
+                o,
+                config,
+                sim=sims[k],
+            )
+            if p.fits is None or p.fits:
+                plans.append(p)
+    plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
+    return Alternatives(plans, evaluated=n_evaluated)

@@ -1,0 +1,253 @@
+"""bigtune plan: predict per-device memory and step time before training, without a GPU or weights.
+
+Method. The engine's own ``train_step`` runs two optimizer steps on *fake* tensors
+(``FakeTensorMode``: shapes and dtypes, no data, no memory) with the same model class, the same
+Fabric precision plugin, the same loss and the same optimizer, under the same ``MemoryMonitor``
+that measures real CPU runs. Only a model's first one and two decoder layers are simulated; every
+number is then extrapolated linearly to the real depth (exact for homogeneous stacks). So on a CPU
+the plan equals the measurement by construction, and any change to the engine changes the plan.
+
+For a CUDA target the simulation emulates what CUDA would do differently: the caching allocator
+rounds each block up to 512 bytes, and ``optim.implementation: auto`` becomes foreach (PyTorch's
+CUDA default, which needs a temporary the size of the parameters). What simulation cannot see is
+added analytically and labelled as such: the CUDA context, allocator fragmentation (reserved vs
+allocated) and, for several GPUs, sharding and communication buffers. Those terms are *assumptions*
+until calibrated against GPU measurements (bench/plan_accuracy.py); the plan says so.
+
+Step time comes from the same simulated step: every operator it issues is recorded (roofline.py)
+and priced on the target GPU, matmuls by their FLOPs and tile occupancy, everything else by its
+bytes, the host's eager dispatch as a second queue; to that come what the simulation cannot see:
+CPU-side optimizer updates and PCIe for offloading, and the communication between GPUs that compute
+does not hide. Its efficiencies are assumptions too.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Optional
+
+import torch
+
+from bigtune.models.configs import resolve_config
+from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
+from bigtune.plan.quantized import EIGHT_BIT
+from bigtune.plan.sharding import shard_states, simulation_recipe
+from bigtune.plan.simulate import (
+    Sim,
+    config_family,
+    estimate_reserved,
+    get_depth,
+    model_stacks,
+    no_init,
+    set_depth,
+    sim_key,
+    simulate_full_depth,
+    total_blocks,
+)
+from bigtune.plan.target import Plan, Target, target_arch
+from bigtune.plan.time import step_time
+from bigtune.recipe import Recipe
+
+
+def plan(
+    recipe: Recipe,
+    target: Target,
+    variant: str = "recipe",
+    overrides: Optional[dict] = None,
+    config=None,
+    sim: Optional[Sim] = None,
+    padded: bool = False,
+    workers: int = 1,
+    replay: bool = True,
+    sims: Optional[dict[str, Sim]] = None,
+) -> Plan:
+    """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
+
+    ``sim`` reuses a simulation of the same single-device step (reserved then comes from a fixed
+    ratio instead of an allocator replay); ``padded`` plans batches that hold padding (the attention
+    then gets an explicit mask, which can cost more on some kernels). ``workers`` > 1 runs the
+    replay's two simulations in forked processes (never after CUDA is initialised); ``replay=False``
+    skips the allocator replay (reserved then from the fixed ratio: for callers that need only the
+    allocated categories). ``sims``: the simulation made here is added under its sim_key, for
+    alternatives() of the same recipe and target to reuse.
+    """
+    t0 = time.perf_counter()
+    config = config if config is not None else resolve_config(recipe)
+    cuda = target.device == "cuda"
+    sim_recipe = simulation_recipe(recipe, target.strategy)
+    own_sim = sim is None
+    if own_sim:
+        sim = simulate_full_depth(sim_recipe, config, cuda, padded=padded, arch=target_arch(target))
+        if sims is not None and not padded:
+            sims[sim_key(sim_recipe, sim_recipe.train.micro_batch_size)] = sim
+    phases, peak, notes = shard_states(sim, recipe, target, total_blocks(config))
+    if "math" in sim.attention:
+        notes.append(
+            "attention: no fused CUDA kernel takes these inputs on this GPU (cuda_kernels.sdpa_backend), "
+            "so SDPA runs its math path: fp32 scores of seq × seq per head saved in every layer"
+        )
+    if sim_recipe.optim.name != recipe.optim.name:
+        notes.append(
+            f"{target.strategy} steps with DeepSpeed's CPU Adam, not optim.name={recipe.optim.name}: "
+            "planned with Adam state"
+        )
+    simulated_host = max((ph.get("optimizer_cpu", 0) for ph in sim.phases.values()), default=0)
+    if cuda and simulated_host:
+        # The simulation runs on one (fake) CPU, where an offloading optimizer's state shares the
+        # memory counters; on a GPU it lives in host RAM, so it leaves the device's allocated and peak.
+        # (State that shard_states moves off the device for ZeRO offload was never counted there.)
+        phases = copy.deepcopy(phases)
+        for name, ph in phases.items():
+            for c in ("allocated", "peak_allocated", "phase_peak"):
+                if ph.get(c) is not None:
+                    ph[c] -= sim.phases[name].get("optimizer_cpu", 0)
+        peak -= simulated_host
+    host = max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
+    if cuda and host:
+        notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
+    if recipe.model.quantize != "none":
+        from bigtune.models.build import weights_dtype
+
+        fp32_hidden = recipe.model.upcast_unquantized or weights_dtype(recipe.precision) == torch.float32
+        if recipe.model.quantize != "int8":
+            how = (
+                f"; 4-bit matmuls emulated ({'fp32' if fp32_hidden else '16-bit'} hidden states, dequantized "
+                "weight in backward)"
+            )
+        elif fp32_hidden:
+            how = "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
+        else:
+            how = ""
+        notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic{how}")
+    if recipe.optim.in_backward:
+        notes.append(
+            "optim.in_backward: each weight steps inside the backward and its gradient is freed at once "
+            "(no full set of gradients; its optimizer kernels are timed in the backward)"
+        )
+    if sim_recipe.optim.zero_grad == "before_backward":
+        held = phases["before_forward"]["gradients"]
+        notes.append(
+            f"optim.zero_grad=before_backward (Lightning Trainer's order): the last step's gradients, "
+            f"{held / GIB:.2f} GiB per device, live through the next forward; after_step frees them first"
+        )
+    if recipe.train.compile:
+        notes.append(
+            "train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
+            "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)"
+        )
+    if cuda:
+        # Forward runs on the main thread and backward on autograd's device thread: two cuBLAS handles
+        # on one stream, each with its own workspace from the caching allocator, alive from step 0 on.
+        from bigtune.core.gpus import cublas_workspace_bytes
+
+        workspaces = CUBLAS_HANDLES * cublas_workspace_bytes(target.gpu)
+        phases = copy.deepcopy(phases)
+        for ph in phases.values():
+            for c in ("activations", "allocated", "peak_allocated"):
+                ph[c] += workspaces
+        peak += workspaces
+        notes.append(
+            f"cuBLAS workspaces {workspaces / 2**20:.0f} MiB ({CUBLAS_HANDLES} handles: forward and "
+            "autograd threads) included under activations"
+        )
+        cap = target.capacity_bytes
+        if replay and own_sim and not simulated_host and not (cap is not None and peak > cap):
+            # The single-device step replayed through the caching allocator; several devices keep its
+            # reserved/allocated ratio (their sharded peak is analytic).
+            replayed, in_use, how = estimate_reserved(
+                sim_recipe, config, sim, target_arch(target), padded, workers=workers
+            )
+            if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+                reserved, needed = replayed + workspaces, in_use + workspaces
+            else:
+                ratio = replayed / max(1, sim.peak_allocated)
+                reserved, needed = int(peak * ratio), int(peak * in_use / max(1, sim.peak_allocated))
+                how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
+            notes.extend(how)
+            notes.append(
+                f"FITS/OOM by the {needed / GIB:.2f} GiB of segments in use at the peak: near the capacity "
+                "PyTorch frees its wholly cached segments and retries, so the rest of reserved need not fit"
+            )
+            if not recipe.data.packing:
+                notes.append(
+                    "reserved replays full-length batches only; batches padded to their longest sample "
+                    "change shape each step and reserved creeps above this over a run (not what must "
+                    "fit: bench/varlen_reserved.py)"
+                )
+        else:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
+            reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
+            notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed)")
+        overhead = CUDA_CONTEXT_BYTES
+        notes.append(
+            f"CUDA context {CUDA_CONTEXT_BYTES / GIB:.1f} GiB is an assumption until calibrated on GPU "
+            "runs; the allocator replay has not been checked against a GPU yet"
+        )
+    else:
+        reserved, overhead = None, 0
+        needed = peak
+    total = (reserved if reserved is not None else peak) + overhead
+    cap = target.capacity_bytes
+    fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
+    step, tps, tnotes = step_time(recipe, sim, target)
+    out = Plan(
+        recipe_name=recipe.name,
+        target=target.label(),
+        variant=variant,
+        phases=phases,
+        peak_allocated=peak,
+        peak_reserved=reserved,
+        overhead=overhead,
+        peak_total=total,
+        capacity=cap,
+        fits=fits,
+        needed_total=needed + overhead,
+        parameters_total=sim.numel,
+        step_time_s=step,
+        tokens_per_s=tps,
+        tokens_per_step=recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate * target.gpus,
+        notes=notes + tnotes,
+        overrides=overrides or {},
+        plan_seconds=time.perf_counter() - t0,
+    )
+    return out
+
+
+def count_parameters(config, family: Optional[str] = None) -> int:
+    """Parameter count from the config alone (fake shallow models, extrapolated per stack)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bigtune.models.build import auto_class
+
+    stacks = model_stacks(config)
+    full = {st: get_depth(config, st) for st in stacks}
+    unit = {st: min(st.period, full[st]) for st in stacks}
+
+    def count(depths: dict) -> int:
+        cfg = copy.deepcopy(config)
+        for st, n in depths.items():
+            set_depth(cfg, st, n)
+        with FakeTensorMode(), no_init():
+            return sum(p.numel() for p in auto_class(family or config_family(cfg)).from_config(cfg).parameters())
+
+    base = count(unit)
+    total = base
+    for st in stacks:
+        if full[st] > unit[st]:
+            total += (count({**unit, st: unit[st] + st.period}) - base) * (full[st] - unit[st]) // st.period
+    return total
+
+
+def state_bytes_lower_bound(r: Recipe, numel: int) -> int:
+    """Parameters + gradients + optimizer state bytes: memory no step can go below."""
+    from bigtune.models.build import weights_dtype
+
+    es = torch.empty((), dtype=weights_dtype(r.precision)).element_size()
+    if r.model.quantize != "none":
+        return numel // 2 if r.model.quantize != "int8" else numel
+    if r.peft.method != "none" or r.model.family == "image-to-text":
+        return numel * es  # adapters / frozen parts: only the weights are certain
+    opt = {"adamw": 2.0, "sgd": 1.0 if r.optim.momentum else 0.0}.get(r.optim.name, 0.0)
+    if r.optim.name in EIGHT_BIT:
+        opt = 2.0 / es  # two 1-byte moments per element
+    return int(numel * es * (1 + (not r.optim.in_backward) + opt))  # in_backward: no full set of gradients

@@ -1,0 +1,885 @@
+"""bigtune plan --for generate|caption|predict: memory, the largest batch and tokens/s for serving.
+
+Method (the training planner's, applied to inference). The model's own forward code runs on *fake*
+tensors (shapes and dtypes, no data, no memory) under the ``LiveTensorTracker`` that measures real
+CPU runs, inside a greedy decoding loop that mirrors transformers' ``generate`` step by step:
+
+* prefill: the prompt through the model with an empty ``DynamicCache`` (only the last position's
+  logits are computed, ``logits_to_keep=1``, where the model supports it), then the float32 copy of
+  those logits that ``generate`` takes before picking the token;
+* decode: one token per step through the growing cache (each layer's cache grows by ``torch.cat``,
+  so the old and the new copy of one layer's cache briefly coexist), ``max_new_tokens - 1`` steps.
+
+``caption`` runs BLIP-2's own ``generate`` (vision tower, Q-Former, projection, the image tokens
+put in the prompt) with the language model's ``generate`` replaced by that loop; ``predict`` is one
+forward without a cache (a classification head's, or a causal LM's full logits). Only the language
+model's first two and three layers are simulated;
+every byte count is then extrapolated linearly to the real depth, per phase, so a phase that peaks
+only on a deep model is still seen. On a CPU the plan therefore matches a measurement (tests:
+within 5 %); the KV-cache term is also given in closed form, 2·layers·kv_heads·head_dim·tokens·
+batch·bytes, and the two agree exactly.
+
+For a CUDA target the tracker rounds blocks to 512 bytes like the caching allocator; reserved
+memory and the CUDA context are the training planner's assumptions (``planner.py``). Times are
+roofline *estimates*, stated with their assumptions: decode is bandwidth bound (each step reads
+every weight and the whole cache once), prefill is compute bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+from unittest import mock
+
+import torch
+
+from bigtune.models.configs import resolve_config_name
+from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED, PlanError
+from bigtune.plan.target import Target, target_arch
+from bigtune.recipe import Recipe
+
+TASKS = ("generate", "caption", "predict")
+
+# --- assumptions for time estimates (uncalibrated until GPU measurements are committed) ---
+ASSUMED_PREFILL_MFU = 0.45  # prefill is a large batched forward: as the training planner's MFU
+
+ASSUMED_DECODE_BW_EFFICIENCY = 0.7  # decode streams weights + cache: the training planner's bandwidth fraction
+
+# --- host resources (rules, stated in the plan) ---
+LOAD_HEADROOM = 1.25  # host RAM while loading: the weights once in the load dtype, + 25 %
+
+HOST_BASE_BYTES = 2 * GIB  # interpreter, torch, tokenizer/processor, data
+
+IMAGES_PER_CORE_S = 50.0  # assumed images/s one core decodes and resizes (JPEG, 224 px)
+
+
+@dataclass
+class Workload:
+    """One batch of one inference task."""
+
+    task: str  # generate | caption | predict
+    batch_size: int
+    prompt_tokens: int  # text tokens of the prompt (caption: after the image tokens; 0 = none)
+    new_tokens: int  # max_new_tokens (predict: 0)
+    dtype: torch.dtype  # weights / compute dtype
+    quantize: str = "none"  # none | nf4 | fp4 | int8 (linear weights of the base)
+    double_quant: bool = True
+
+
+def inference_dtype(recipe: Recipe, dtype: str = "auto") -> torch.dtype:
+    """``auto``: the recipe's compute dtype (bf16-* → bfloat16, 16-* → float16, 32-true → float32)."""
+    if dtype != "auto":
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        except KeyError:
+            raise PlanError(f"--dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
+    p = recipe.precision
+    if p.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if p.startswith("16") else torch.float32
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def _is_t5_like(text_cfg) -> bool:
+    return bool(getattr(text_cfg, "is_encoder_decoder", False))
+
+
+def _depth_attr(text_cfg) -> str:
+    return "num_decoder_layers" if _is_t5_like(text_cfg) else "num_hidden_layers"
+
+
+def lm_layers(config) -> int:
+    t = _text_config(config)
+    return int(getattr(t, _depth_attr(t)))
+
+
+def _with_depth(config, n: int):
+    cfg = copy.deepcopy(config)
+    t = _text_config(cfg)
+    setattr(t, _depth_attr(t), n)
+    return cfg
+
+
+def lm_prompt_length(config, w: Workload) -> int:
+    """Tokens the language model's cache starts from: the prompt (caption: the image tokens, BOS, prompt)."""
+    if w.task == "caption":
+        nq = int(getattr(config, "num_query_tokens", 0))
+        if _is_t5_like(_text_config(config)):
+            return nq + w.prompt_tokens + 1  # encoder input: image tokens, prompt, EOS
+        return nq + 1 + w.prompt_tokens  # image tokens, BOS, prompt
+    return w.prompt_tokens
+
+
+def kv_cache_bytes(config, w: Workload) -> int:
+    """The KV cache at its fullest, in closed form.
+
+    Decoder-only: 2 (K and V) · layers · kv_heads · head_dim · tokens · batch · bytes, with tokens =
+    prompt + max_new_tokens − 1 (the last token is returned, never fed back). GQA models keep
+    ``num_key_value_heads`` heads. T5 (encoder-decoder): the decoder's self-attention cache over its
+    start token and new tokens (max_new_tokens) plus the cross-attention cache over the encoder length.
+    """
+    if w.task == "predict" or w.new_tokens < 1:
+        return 0
+    t = _text_config(config)
+    es = torch.empty((), dtype=w.dtype).element_size()
+    b = w.batch_size
+    if _is_t5_like(t):
+        layers, heads, hd = int(t.num_decoder_layers), int(t.num_heads), int(t.d_kv)
+        self_tokens = w.new_tokens  # decoder start token + max_new_tokens − 1 fed back
+        cross_tokens = lm_prompt_length(config, w)
+        return 2 * layers * heads * hd * (self_tokens + cross_tokens) * b * es
+    layers = int(t.num_hidden_layers)
+    heads = int(t.num_attention_heads)
+    kv_heads = int(getattr(t, "num_key_value_heads", None) or heads)
+    hd = int(getattr(t, "head_dim", None) or (int(t.hidden_size) // heads))
+    tokens = lm_prompt_length(config, w) + w.new_tokens - 1
+    return 2 * layers * kv_heads * hd * tokens * b * es
+
+
+@dataclass
+class InferSim:
+    """Byte counts of one simulated batch: peak per phase, and what is held at the end."""
+
+    phases: dict[str, int]  # peak allocated per phase (vision, prefill, decode | forward)
+    weights: int  # parameters + buffers (+ quantization state)
+    cache: int  # KV cache held at the end of decoding (simulated tensors)
+    numel: int  # parameters
+    lm_matmul_numel: int  # language model's nn.Linear weights (FLOPs and bytes per token)
+    vision_matmul_numel: int  # vision tower + Q-Former nn.Linear weights
+    largest_linear: int  # elements of the largest quantized nn.Linear weight (dequant temporary)
+
+    def scalars(self) -> dict[str, int]:
+        d = {f"phase:{k}": v for k, v in self.phases.items()}
+        d.update(
+            weights=self.weights,
+            cache=self.cache,
+            numel=self.numel,
+            lm_matmul_numel=self.lm_matmul_numel,
+            vision_matmul_numel=self.vision_matmul_numel,
+            largest_linear=self.largest_linear,
+        )
+        return d
+
+    @classmethod
+    def from_scalars(cls, d: dict[str, int]) -> "InferSim":
+        phases = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("phase:")}
+        return cls(
+            phases,
+            d["weights"],
+            d["cache"],
+            d["numel"],
+            d["lm_matmul_numel"],
+            d["vision_matmul_numel"],
+            d["largest_linear"],
+        )
+
+
+def _auto_class(family: str, task: str):
+    if family == "image-to-text":
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    if family == "sequence-classification":
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def build_inference_model(config, family: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """The model as inference uses it: from its config, in ``dtype``, eval mode, cache on.
+
+    The CPU measurement in the tests builds the model with this same function on real tensors.
+    """
+    cfg = copy.deepcopy(config)
+    cfg._attn_implementation = attn_implementation
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is not None:
+            c.use_cache = True
+    model = _auto_class(family, "").from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def greedy_config(new_tokens: int, pad_id: int):
+    """The generation settings planned and measured: greedy, all ``new_tokens`` produced (no early EOS)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        use_cache=True,
+        pad_token_id=pad_id,
+        eos_token_id=None,
+        min_new_tokens=None,
+    )
+
+
+def decode_loop(lm, input_ids, attention_mask, new_tokens: int, tracker, phases: dict, inputs_embeds=None) -> Any:
+    """Greedy decoding as ``transformers.GenerationMixin._sample`` does it, on any tensors.
+
+    Mirrors generate's per-step allocations: the previous step's outputs stay alive until the next
+    forward returns, the float32 copy of the last position's logits, the argmax and the growing
+    ``input_ids``. Phase peaks are written to ``phases`` (prefill, decode). Returns the cache.
+    """
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    enc_dec = bool(getattr(lm.config, "is_encoder_decoder", False))
+    kw: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
+    if enc_dec:
+        # generate runs the encoder once, then decodes from the decoder start token.
+        enc_kw = {"attention_mask": attention_mask, "return_dict": True}
+        enc_kw["inputs_embeds" if inputs_embeds is not None else "input_ids"] = (
+            inputs_embeds if inputs_embeds is not None else input_ids
+        )
+        kw["encoder_outputs"] = lm.get_encoder()(**enc_kw)
+        start = lm.config.decoder_start_token_id
+        b = attention_mask.shape[0]
+        input_ids = torch.full((b, 1), int(start if start is not None else 0), dtype=torch.long)
+        kw["past_key_values"] = EncoderDecoderCache(DynamicCache(config=lm.config), DynamicCache(config=lm.config))
+    else:
+        kw["past_key_values"] = DynamicCache(config=lm.config)
+        if inputs_embeds is not None:
+            kw["inputs_embeds"] = inputs_embeds
+    if lm._supports_logits_to_keep():
+        kw["logits_to_keep"] = 1
+    length = input_ids.shape[1] if inputs_embeds is None or enc_dec else inputs_embeds.shape[1]
+    kw["cache_position"] = torch.arange(length)
+    inputs = lm.prepare_inputs_for_generation(input_ids, next_sequence_length=length, is_first_iteration=True, **kw)
+    out = lm(**inputs, return_dict=True)
+    for step in range(new_tokens):
+        if step == 1:  # the prefill forward and its token are done
+            phases["prefill"] = tracker.peak_bytes
+            tracker.reset_peak()
+        if step:
+            inputs = lm.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **kw)
+            out = lm(**inputs, return_dict=True)
+        kw = lm._update_model_kwargs_for_generation(out, kw, is_encoder_decoder=enc_dec)
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        next_tokens = torch.argmax(logits, dim=-1)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+    if new_tokens == 1:
+        phases["prefill"] = tracker.peak_bytes
+    else:
+        phases["decode"] = tracker.peak_bytes
+    return kw["past_key_values"]
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of every key/value tensor a transformers cache holds."""
+    from bigtune.core.stepmath import storage_bytes
+
+    caches = (
+        [cache.self_attention_cache, cache.cross_attention_cache]
+        if hasattr(cache, "cross_attention_cache")
+        else [cache]
+    )
+    tensors = []
+    for c in caches:
+        for layer in getattr(c, "layers", []):
+            tensors += [
+                t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)
+            ]
+    return storage_bytes(tensors)
+
+
+def make_inputs(config, w: Workload):
+    """Token ids (and pixels for caption) of one full batch: every prompt exactly ``prompt_tokens`` long."""
+    t = _text_config(config)
+    vocab = int(t.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    if w.task == "caption":
+        vc = config.vision_config
+        pixels = torch.randn(
+            w.batch_size, int(getattr(vc, "num_channels", 3)), int(vc.image_size), int(vc.image_size), generator=g
+        ).to(w.dtype)
+        nq = int(config.num_query_tokens)
+        image = [int(config.image_token_index)] * nq
+        rng = random.Random(0)  # plain Python: under fake tensors a tensor's values cannot be read
+        text = [rng.randrange(3, min(vocab, 500)) for _ in range(w.prompt_tokens)]
+        eos, bos = getattr(t, "eos_token_id", None), getattr(t, "bos_token_id", None)
+        if _is_t5_like(t):
+            row = image + text + ([int(eos)] if eos is not None else [])
+        else:
+            row = image + ([int(bos)] if bos is not None else []) + text
+        ids = torch.tensor([row] * w.batch_size, dtype=torch.long)
+        return {"pixel_values": pixels, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ids = torch.randint(3, vocab, (w.batch_size, w.prompt_tokens), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict):
+    """Run the workload on ``model`` (real or fake tensors) under ``tracker``; returns the KV cache (or None)."""
+    if w.task == "predict":
+        out = model(**inputs, use_cache=False, return_dict=True)
+        phases["forward"] = tracker.peak_bytes
+        del out
+        return None
+    if w.task == "caption":
+        holder: dict[str, Any] = {}
+
+        def lm_generate(inputs_embeds=None, attention_mask=None, input_ids=None, **_ignored):
+            phases["vision"] = tracker.peak_bytes  # vision tower + Q-Former + projection, before the LM starts
+            tracker.reset_peak()
+            holder["cache"] = decode_loop(
+                model.language_model,
+                input_ids,
+                attention_mask,
+                w.new_tokens,
+                tracker,
+                phases,
+                inputs_embeds=inputs_embeds,
+            )
+            return None
+
+        with mock.patch.object(model.language_model, "generate", lm_generate, create=True):
+            model.generate(**inputs, max_new_tokens=w.new_tokens)
+        return holder["cache"]
+    return decode_loop(model, inputs["input_ids"], inputs["attention_mask"], w.new_tokens, tracker, phases)
+
+
+def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
+    """(LM linear numel, vision+Q-Former linear numel, largest quantizable linear, quantizable linears)."""
+    from bigtune.plan.quantized import quantized_linears
+
+    lm = vision = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        n = mod.weight.numel()
+        if "vision_model" in name or "qformer" in name or "language_projection" in name:
+            vision += n
+        else:
+            lm += n
+    # the same rule as training plans: what transformers' bitsandbytes loading quantizes
+    quant = [mod.weight for _, mod in quantized_linears(model)]
+    largest = max((w.numel() for w in quant), default=0)
+    return lm, vision, largest, quant
+
+
+def quantized_weight_delta(weights: list, quantize: str, double_quant: bool) -> int:
+    """Bytes bitsandbytes loading saves on the given linear weights (negative); the byte rule is the
+    training planner's ``packed_weight_bytes``."""
+    from bigtune.plan.quantized import packed_weight_bytes
+
+    return sum(packed_weight_bytes(w, quantize, double_quant) - w.numel() * w.element_size() for w in weights)
+
+
+def simulate(
+    config,
+    family: str,
+    w: Workload,
+    cuda: bool,
+    attn_implementation: str = "sdpa",
+    arch: Optional[tuple[int, int]] = None,
+) -> InferSim:
+    """Run one batch of ``w`` on fake tensors with ``config`` as given (no depth change); on a CUDA
+    target of compute capability ``arch`` attention takes the math path wherever CUDA would."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bigtune.core.stepmath import storage_bytes
+    from bigtune.memory.tracker import LiveTensorTracker
+    from bigtune.plan.kernels import cuda_attention
+
+    # Fake tensors look like tracing to transformers, which would then keep an explicit mask for packed
+    # sequences that a real (unpadded) batch drops; the training planner patches the same function.
+    no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+    # Truncated-normal init (BLIP-2's vision tower) draws data-dependent samples: skip it on fake weights.
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+    no_trunc_init = mock.patch.dict(TORCH_INIT_FUNCTIONS, {"trunc_normal_": lambda tensor, **_: tensor})
+    phases: dict[str, int] = {}
+    kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
+    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad(), kernels:
+        model = build_inference_model(config, family, w.dtype, attn_implementation)
+        inputs = make_inputs(config, w)
+        tracker = LiveTensorTracker(round_to=512 if cuda else 1)
+        held = list(model.parameters()) + list(model.buffers())
+        weights = storage_bytes(held)
+        tracker.track(held + list(inputs.values()))
+        tracker.reset_peak()
+        with tracker:
+            cache = run_workload(model, inputs, w, tracker, phases)
+        kv = cache_bytes(cache) if cache is not None else 0
+        numel = sum(p.numel() for p in model.parameters())
+        lm_mm, vis_mm, largest, quant = _linear_stats(model, w.quantize != "none")
+        if w.quantize != "none":
+            delta = quantized_weight_delta(quant, w.quantize, w.double_quant)
+            weights += delta
+            phases = {k: v + delta for k, v in phases.items()}
+    return InferSim(phases, weights, kv, numel, lm_mm, vis_mm, largest if w.quantize != "none" else 0)
+
+
+def simulate_full_depth(
+    config,
+    family: str,
+    w: Workload,
+    cuda: bool,
+    attn_implementation: str = "sdpa",
+    arch: Optional[tuple[int, int]] = None,
+) -> InferSim:
+    """Simulate shallow language models and extrapolate every byte count linearly to the real depth.
+
+    Values at depths 2 and 3 give the per-layer increment: from the second layer on, layers are
+    identical (T5's first decoder layer holds the relative position bias) and each phase peaks at the
+    same point of the last layer (a 1-layer Llama peaks elsewhere in prefill: its increment from 1 to 2
+    layers is 17 % larger than every later one). Vision tower and Q-Former run at full depth (once).
+    """
+    n = lm_layers(config)
+    d = 2
+    if n <= d + 1:
+        return simulate(config, family, w, cuda, attn_implementation, arch)
+    a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation, arch).scalars()
+    b = simulate(_with_depth(config, d + 1), family, w, cuda, attn_implementation, arch).scalars()
+    full = {k: int(a[k] + (b[k] - a[k]) * (n - d)) for k in a}
+    full["largest_linear"] = max(a["largest_linear"], b["largest_linear"])
+    return InferSim.from_scalars(full)
+
+
+@dataclass
+class InferencePlan:
+    recipe_name: str
+    model: str
+    target: str
+    task: str
+    batch_size: int
+    prompt_tokens: int  # text prompt tokens as given
+    lm_prompt_tokens: int  # what the language model's cache starts from (caption: + image tokens, BOS)
+    new_tokens: int
+    dtype: str
+    quantize: str
+    parameters_total: int
+    weights: int  # bytes on the device
+    kv_cache: int  # bytes at its fullest (analytic; equals the simulated cache)
+    activations: int  # peak − weights − the cache held at the peak's phase
+    peak_phase: str
+    phases: dict[str, int]
+    peak_allocated: int
+    peak_reserved: Optional[int]
+    overhead: int
+    peak_total: int
+    capacity: Optional[int]
+    fits: Optional[bool]
+    max_batch_size: Optional[int] = None
+    prefill_s: Optional[float] = None
+    decode_step_s: Optional[float] = None
+    batch_s: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    host_ram_bytes: int = 0
+    host_cpus: int = 1
+    notes: list[str] = field(default_factory=list)
+    plan_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _phase_cache(phase: str, config, w: Workload) -> int:
+    """KV cache alive at a phase's peak: decode's peak comes on the last step, with the full cache."""
+    if phase == "decode":
+        return kv_cache_bytes(config, w)
+    if phase == "prefill" and w.task != "predict":
+        return kv_cache_bytes(config, dataclasses.replace(w, new_tokens=1))
+    return 0
+
+
+def _totals(sim: InferSim, cuda: bool) -> tuple[int, Optional[int], int, int]:
+    peak = max(sim.phases.values())
+    if sim.largest_linear and cuda:
+        # bitsandbytes dequantizes one weight to the compute dtype per matmul on a GPU (assumed 2 bytes)
+        peak += sim.largest_linear * 2
+    if cuda:
+        reserved = int(peak * RESERVED_OVER_ALLOCATED)
+        return peak, reserved, CUDA_CONTEXT_BYTES, reserved + CUDA_CONTEXT_BYTES
+    return peak, None, 0, peak
+
+
+def _time(
+    sim: InferSim, config, w: Workload, target: Target
+) -> tuple[Optional[float], Optional[float], Optional[float], Optional[float], list[str]]:
+    """Roofline estimates: (prefill s, last decode step s, whole batch s, generated tokens/s)."""
+    from bigtune.core.gpus import peak_flops
+
+    if target.gpu is None:
+        return None, None, None, None, []
+    precision = {torch.float32: "32-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}[w.dtype]
+    flops = peak_flops(target.gpu, precision)
+    bw = target.gpu.mem_bandwidth_gbs
+    if not flops or not bw:
+        return None, None, None, None, [f"{target.gpu.key}: no {precision} rate or bandwidth in the catalog"]
+    t = _text_config(config)
+    b, p = w.batch_size, lm_prompt_length(config, w)
+    layers = lm_layers(config)
+    hidden = int(getattr(t, "hidden_size", None) or getattr(t, "d_model"))
+    # Forward FLOPs: 2 per weight per token in every matmul, + 4·layers·hidden per token per attended
+    # position (QK^T and AV); the vision tower and Q-Former once per image (their tokens: patches).
+    prompt_flops = b * p * (2 * sim.lm_matmul_numel + 4 * layers * hidden * p / 2)
+    if w.task == "caption":
+        vc = config.vision_config
+        patches = (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
+        prompt_flops += b * patches * 2 * sim.vision_matmul_numel
+    prefill = prompt_flops / (flops * ASSUMED_PREFILL_MFU)
+    notes = [
+        f"time: estimates. prefill compute bound at {ASSUMED_PREFILL_MFU:.0%} of the dense {precision} peak; "
+        f"decode bandwidth bound: each step reads all weights and the cache once at "
+        f"{ASSUMED_DECODE_BW_EFFICIENCY:.0%} of {bw:.0f} GB/s (assumed, uncalibrated)"
+    ]
+    if w.task == "predict":
+        return prefill, None, prefill, b * w.prompt_tokens / prefill, notes
+    full_kv = kv_cache_bytes(config, w)
+    first_kv = kv_cache_bytes(config, dataclasses.replace(w, new_tokens=1))
+    steps = w.new_tokens - 1
+
+    def step_s(kv: float) -> float:
+        mem = (sim.weights + kv) / (bw * 1e9 * ASSUMED_DECODE_BW_EFFICIENCY)
+        comp = b * 2 * sim.lm_matmul_numel / (flops * ASSUMED_PREFILL_MFU)
+        return max(mem, comp)  # a large enough batch makes decode compute bound
+
+    last = step_s(full_kv)
+    decode = steps * step_s((first_kv + full_kv) / 2)  # the cache grows linearly: the mean step
+    total = prefill + decode
+    return prefill, last, total, b * w.new_tokens / total, notes
+
+
+def host_resources(
+    config, w: Workload, sim: InferSim, target: Target, images_per_s: Optional[float]
+) -> tuple[int, int, list[str]]:
+    """(host RAM bytes, CPU cores) to request for serving this plan, with the rules as notes.
+
+    RAM: bigtune loads weights on the CPU and then moves them to the device (infer.py, caption.py),
+    so host RAM holds the whole model once in the load dtype, + 25 % (safetensors page cache,
+    allocator slack), + 2 GiB (interpreter, torch, tokenizer, data); on a CPU target the plan's peak
+    replaces the weights. Cores: one for the main process, plus for caption the image decoding
+    (assumed 50 images/s per core, 224 px JPEG decode + resize), at the predicted images/s.
+    """
+    if target.gpu is None:
+        ram = int(max(sim.phases.values()) * LOAD_HEADROOM) + HOST_BASE_BYTES
+    else:
+        ram = int(sim.weights * LOAD_HEADROOM) + HOST_BASE_BYTES
+    ram = int(math.ceil(ram / GIB)) * GIB
+    cpus = 2
+    if w.task == "caption" and images_per_s:
+        cpus = 1 + max(1, math.ceil(images_per_s / IMAGES_PER_CORE_S))
+    cpus = min(cpus, 32)
+    notes = [
+        f"host: RAM = weights in the load dtype × {LOAD_HEADROOM} + {HOST_BASE_BYTES // GIB} GiB (loaded on "
+        f"the CPU, then moved), rounded up to GiB; cores = 1 + data loading"
+        + (f" (assumed {IMAGES_PER_CORE_S:.0f} images/s per core)" if w.task == "caption" else " (tokenizing: 1)")
+    ]
+    return ram, cpus, notes
+
+
+def plan_inference(
+    recipe: Recipe,
+    target: Target,
+    w: Workload,
+    config=None,
+    search_batch: bool = True,
+    attn_implementation: Optional[str] = None,
+) -> InferencePlan:
+    """Predict one inference workload of the recipe's model on one target device.
+
+    Long because it assembles one plan from its parts (simulation, cache, time, host) in the order a
+    reader checks them; each part is a call to its own function.
+    """
+    t0 = time.perf_counter()
+    if w.task not in TASKS:
+        raise PlanError(f"--for {w.task!r}: use one of train, {', '.join(TASKS)}")
+    family = recipe.model.family
+    if w.task == "caption" and family != "image-to-text":
+        raise PlanError(
+            f"--for caption needs an image-to-text model (model.family: image-to-text); "
+            f"{recipe.model.name} is {family}. Use --for generate"
+        )
+    notes: list[str] = []
+    if w.task == "generate" and family == "image-to-text":
+        w = dataclasses.replace(w, task="caption")  # an image-to-text model generates from an image: captioning
+        notes.append("an image-to-text model generates from images: planned as --for caption")
+    if w.task != "predict" and family == "sequence-classification":
+        raise PlanError(f"{recipe.model.name} is a classifier: plan it with --for predict")
+    if w.batch_size < 1 or w.prompt_tokens < 0 or (w.task != "caption" and w.prompt_tokens < 1):
+        raise PlanError("--batch-size must be >= 1 and --prompt-tokens >= 1 (>= 0 for caption)")
+    if w.task != "predict" and w.new_tokens < 1:
+        raise PlanError("--max-new-tokens must be >= 1")
+    if target.gpus > 1:
+        raise PlanError("inference plans are for one device (--gpus 1): bigtune generates on one GPU")
+    config = config if config is not None else resolve_config_name(recipe.model)
+    attn = attn_implementation or recipe.model.attn_implementation
+    cuda = target.device == "cuda"
+    sim = simulate_full_depth(config, family, w, cuda, attn, target_arch(target))
+    peak, reserved, overhead, total = _totals(sim, cuda)
+    phase = max(sim.phases, key=sim.phases.get)
+    kv = kv_cache_bytes(config, w)
+    acts = peak - sim.weights - _phase_cache(phase, config, w)
+    cap = target.capacity_bytes
+    fits = None if cap is None else total <= cap * (1 - FIT_MARGIN)
+    if cuda:
+        notes.append(
+            f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated and CUDA context "
+            f"{CUDA_CONTEXT_BYTES / GIB:.1f} GiB are the training planner's assumptions (uncalibrated)"
+        )
+    if w.quantize != "none":
+        notes.append(
+            f"{w.quantize}: linear weights (not the output head, not _keep_in_fp32_modules) at "
+            "bitsandbytes sizes; + one dequantized weight as a temporary on a GPU"
+        )
+    max_b = largest_batch(config, family, w, target, attn, sim) if (search_batch and cap is not None) else None
+    prefill, last, batch_s, tps, tnotes = _time(sim, config, w, target)
+    images_s = w.batch_size / batch_s if (batch_s and w.task == "caption") else None
+    ram, cpus, hnotes = host_resources(config, w, sim, target, images_s)
+    return InferencePlan(
+        recipe_name=recipe.name,
+        model=recipe.model.name,
+        target=target.label(),
+        task=w.task,
+        batch_size=w.batch_size,
+        prompt_tokens=w.prompt_tokens,
+        lm_prompt_tokens=lm_prompt_length(config, w),
+        new_tokens=w.new_tokens,
+        dtype=str(w.dtype).replace("torch.", ""),
+        quantize=w.quantize,
+        parameters_total=sim.numel,
+        weights=sim.weights,
+        kv_cache=kv,
+        activations=acts,
+        peak_phase=phase,
+        phases=sim.phases,
+        peak_allocated=peak,
+        peak_reserved=reserved,
+        overhead=overhead,
+        peak_total=total,
+        capacity=cap,
+        fits=fits,
+        max_batch_size=max_b,
+        prefill_s=prefill,
+        decode_step_s=last,
+        batch_s=batch_s,
+        tokens_per_s=tps,
+        host_ram_bytes=ram,
+        host_cpus=cpus,
+        notes=notes + tnotes + hnotes,
+        plan_seconds=time.perf_counter() - t0,
+    )
+
+
+def largest_batch(
+    config, family: str, w: Workload, target: Target, attn: str, sim_at_w: InferSim, limit: int = 1 << 16
+) -> int:
+    """The largest batch size whose planned total fits the target (0: not even one).
+
+    Each phase's peak is affine in the batch size (weights are fixed; cache, activations and inputs
+    grow with it), so two simulations give a candidate; it is then confirmed by simulating it, and
+    stepped down until it fits.
+    """
+    cuda = target.device == "cuda"
+    cap = target.capacity_bytes * (1 - FIT_MARGIN)
+
+    def sim_at(b: int) -> InferSim:
+        return (
+            sim_at_w
+            if b == w.batch_size
+            else simulate_full_depth(
+                config, family, dataclasses.replace(w, batch_size=b), cuda, attn, target_arch(target)
+            )
+        )
+
+    def fits(s: InferSim) -> bool:
+        return _totals(s, cuda)[3] <= cap
+
+    b1, b2 = 1, max(2, w.batch_size)
+    s1, s2 = sim_at(b1), sim_at(b2)
+    if not fits(s1):
+        return 0
+    # total(b) = overhead + R·(peak(b) + dequant), with peak(b) = max over phases of affine lines.
+    r = RESERVED_OVER_ALLOCATED if cuda else 1.0
+    extra = s1.largest_linear * 2 if cuda else 0
+    budget = (cap - (CUDA_CONTEXT_BYTES if cuda else 0)) / r - extra
+    cand = limit
+    for ph in s1.phases:
+        slope = (s2.phases[ph] - s1.phases[ph]) / (b2 - b1)
+        if slope > 0:
+            cand = min(cand, int(1 + (budget - s1.phases[ph]) / slope))
+    cand = max(1, min(cand, limit))
+    for _ in range(8):  # the affine model is exact up to rounding; confirm and step down if needed
+        if cand <= 1 or fits(sim_at(cand)):
+            return cand
+        cand = max(1, int(cand * 0.98))
+    return cand
+
+
+def _size(n: Optional[float]) -> str:
+    from bigtune.core.stepmath import human_bytes
+
+    return human_bytes(n)
+
+
+def format_inference_plan(p: InferencePlan) -> str:
+    count = f"{p.parameters_total / 1e9:.2f} B" if p.parameters_total >= 1e8 else f"{p.parameters_total / 1e6:.2f} M"
+    quant = f", {p.quantize} linear weights" if p.quantize != "none" else ""
+    shape = f"batch {p.batch_size} × {p.lm_prompt_tokens} prompt tokens"
+    if p.task == "caption":
+        shape = (
+            f"batch {p.batch_size} images × {p.lm_prompt_tokens} LM prompt tokens "
+            f"(image tokens + BOS + {p.prompt_tokens} text)"
+        )
+    if p.task != "predict":
+        shape += f" + {p.new_tokens} new tokens"
+    lines = [
+        f"plan --for {p.task}: {p.model} ({count} parameters, {p.dtype}{quant}) on {p.target}",
+        f"  {shape}",
+        f"  {'weights':<22}{_size(p.weights):>12}",
+        f"  {'KV cache (full)':<22}{_size(p.kv_cache):>12}",
+        f"  {'activations/temps':<22}{_size(p.activations):>12}   at the {p.peak_phase} peak",
+        f"  {'peak allocated':<22}{_size(p.peak_allocated):>12}   per phase: "
+        + ", ".join(f"{k} {_size(v)}" for k, v in p.phases.items()),
+    ]
+    if p.peak_reserved is not None:
+        lines.append(
+            f"  {'reserved + context':<22}{_size(p.peak_total):>12}   ({_size(p.peak_reserved)} + {_size(p.overhead)})"
+        )
+    if p.capacity is not None:
+        verdict = "FITS" if p.fits else "OOM"
+        lines.append(
+            f"{verdict}: {p.peak_total / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
+            f"({100 * p.peak_total / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})"
+        )
+    if p.max_batch_size is not None:
+        lines.append(
+            f"largest batch that fits: {p.max_batch_size}"
+            if p.max_batch_size
+            else "largest batch that fits: none (the weights alone do not fit)"
+        )
+    if p.batch_s:
+        what = "images" if p.task == "caption" else ("samples" if p.task == "predict" else "prompts")
+        if p.task == "predict":
+            lines.append(f"≈ {p.batch_s * 1e3:.1f} ms per batch, ≈ {p.tokens_per_s:,.0f} tokens/s (estimate)")
+        else:
+            lines.append(
+                f"≈ {p.tokens_per_s:,.0f} generated tokens/s (estimate): prefill {p.prefill_s * 1e3:.1f} ms, "
+                f"last decode step {p.decode_step_s * 1e3:.2f} ms, {p.batch_s:.2f} s per batch of "
+                f"{p.batch_size} {what}"
+            )
+    lines.append(
+        f"host: request {p.host_ram_bytes // GIB} GiB RAM and {p.host_cpus} CPU cores "
+        f"(Slurm: --mem={p.host_ram_bytes // GIB}G --cpus-per-task={p.host_cpus})"
+    )
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def weight_bytes(config, family: str, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters and buffers in ``dtype`` (fake 2- and 3-layer models, extrapolated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+
+    from bigtune.core.stepmath import storage_bytes
+
+    n = lm_layers(config)
+    depths = (2, 3) if n > 3 else (n,)
+    sizes = []
+    for d in depths:
+        with FakeTensorMode(), mock.patch.dict(TORCH_INIT_FUNCTIONS, {"trunc_normal_": lambda tensor, **_: tensor}):
+            model = build_inference_model(_with_depth(config, d), family, dtype)
+            sizes.append(storage_bytes(list(model.parameters()) + list(model.buffers())))
+    return sizes[0] if len(sizes) == 1 else sizes[0] + (sizes[1] - sizes[0]) * (n - 2)
+
+
+def training_host_request(recipe: Recipe, tasks_per_node: int) -> tuple[int, int, str]:
+    """(host RAM per node in bytes, CPU cores per task, the rule) for ``bigtune train`` under Slurm.
+
+    Every task (one per GPU) loads the model on its CPU in the recipe's weights dtype before Fabric moves
+    or shards it: RAM per node = tasks × (weights × 1.25 + 2 GiB), rounded up to GiB. Cores per task: the
+    main process + data.num_workers DataLoader workers (at least 2).
+    """
+    from bigtune.models.build import weights_dtype
+
+    config = resolve_config_name(recipe.model)
+    wb = weight_bytes(config, recipe.model.family, weights_dtype(recipe.precision))
+    per_task = int(wb * LOAD_HEADROOM) + HOST_BASE_BYTES
+    mem = int(math.ceil(tasks_per_node * per_task / GIB)) * GIB
+    cpus = max(2, 1 + recipe.data.num_workers)
+    rule = (
+        f"{tasks_per_node} task(s) x (weights {wb / GIB:.2f} GiB x {LOAD_HEADROOM} + {HOST_BASE_BYTES // GIB} GiB); "
+        f"cpus = 1 + data.num_workers ({recipe.data.num_workers}), at least 2"
+    )
+    return mem, cpus, rule
+
+
+def measure_cpu(config, family: str, w: Workload, attn_implementation: str = "sdpa", seed: int = 0) -> dict[str, int]:
+    """Run the workload for real on the CPU with transformers' own ``generate`` (BLIP-2: the model's
+    ``generate``; predict: one forward) under the live tensor tracker: the peak to compare a plan with.
+
+    Random weights: greedy decoding with no EOS, so every row produces ``new_tokens`` tokens, as planned.
+    """
+    from bigtune.core.stepmath import storage_bytes
+    from bigtune.memory.tracker import LiveTensorTracker
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model = build_inference_model(config, family, w.dtype, attn_implementation)
+        inputs = make_inputs(config, w)
+        tracker = LiveTensorTracker()
+        held = list(model.parameters()) + list(model.buffers())
+        tracker.track(held + list(inputs.values()))
+        tracker.reset_peak()
+        with tracker:
+            if w.task == "predict":
+                out = model(**inputs, use_cache=False, return_dict=True)
+                del out
+            else:
+                pad = _text_config(config).pad_token_id
+                model.generate(**inputs, generation_config=greedy_config(w.new_tokens, int(pad or 0)))
+    return {"weights": storage_bytes(held), "peak": tracker.peak_bytes}
+
+
+DEFAULTS = {  # the matching verbs' defaults: bigtune generate / caption (batch 8; 64 / 30 new tokens)
+    "generate": {"batch_size": 8, "max_new_tokens": 64},
+    "caption": {"batch_size": 8, "max_new_tokens": 30},
+    "predict": {"batch_size": 8, "max_new_tokens": 0},
+}
+
+
+def workload_from_args(args, recipe: Recipe) -> Workload:
+    """The workload ``bigtune plan --for TASK`` asks for; unset sizes take the verbs' defaults and, for the
+    prompt length, the recipe's data.max_seq_length (caption: no text prompt)."""
+    task = args.for_task
+    if task == "generate" and recipe.model.family == "image-to-text":
+        task = "caption"
+    d = DEFAULTS[task]
+    prompt = (
+        args.prompt_tokens
+        if args.prompt_tokens is not None
+        else (0 if task == "caption" else recipe.data.max_seq_length)
+    )
+    return Workload(
+        task=task,
+        batch_size=args.batch_size or d["batch_size"],
+        prompt_tokens=prompt,
+        new_tokens=d["max_new_tokens"] if args.max_new_tokens is None else args.max_new_tokens,
+        dtype=inference_dtype(recipe, args.dtype),
+        quantize=recipe.model.quantize,
+        double_quant=recipe.model.double_quant,
+    )
+
+
+def main_plan_inference(args, recipe: Recipe, target: Target) -> int:
+    import json
+
+    w = workload_from_args(args, recipe)
+    p = plan_inference(recipe, target, w)
+    if args.json:
+        print(json.dumps({"plan": p.to_dict()}, indent=2))
+    else:
+        print(format_inference_plan(p))
+    return 0

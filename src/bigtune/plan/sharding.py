@@ -1,0 +1,336 @@
+"""plan.sharding."""
+
+from __future__ import annotations
+
+import copy
+
+from bigtune.plan.constants import GIB
+from bigtune.plan.simulate import Sim, step_kind, zero_masters
+from bigtune.plan.target import Target
+from bigtune.recipe import Recipe
+
+STATES = ("parameters", "gradients", "optimizer_device")
+
+
+def shard_layout(strategy: str) -> tuple[set[str], set[str]]:
+    """(model-state categories split across the ranks, categories moved to CPU RAM) for a strategy.
+
+    ddp replicates everything; fsdp and ZeRO-3 split all three; ZeRO-2 splits gradients and
+    optimizer state (the fp32 masters of mixed precision belong to the latter); *_offload keeps the
+    optimizer state (ZeRO-3: also the parameters) in CPU RAM.
+    """
+    if strategy == "fsdp":
+        return set(STATES), set()
+    if strategy.startswith("deepspeed_stage_"):
+        from bigtune.engine.strategies import zero_layout
+
+        stage, off_opt, off_params = zero_layout(strategy)
+        split = set(STATES) if stage == 3 else {"gradients", "optimizer_device"}
+        moved = ({"optimizer_device"} if off_opt else set()) | ({"parameters"} if off_params else set())
+        return split, moved
+    return set(), set()
+
+
+def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
+    """The recipe whose single-device step the simulation runs for ``strategy``.
+
+    Under DeepSpeed a 16-bit mixed precision runs as true 16-bit (see zero_masters), and an
+    offloaded ZeRO always steps with DeepSpeed's CPU Adam (the engine allows nothing else there).
+    Where the strategy changes the step itself (step_kind), the copy carries it: simulate() reads it.
+    """
+    mixed = zero_masters(recipe, strategy) and recipe.precision.endswith("-mixed")
+    adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
+    # ZeRO frees its gradients in its own step, whatever order optim.zero_grad asks for.
+    late = strategy.startswith("deepspeed") and recipe.optim.zero_grad != "after_step"
+    same_step = step_kind(recipe, recipe.strategy) == step_kind(recipe, strategy)
+    if not (mixed or adam or late) and same_step:
+        return recipe
+    r = copy.deepcopy(recipe)
+    r.strategy = strategy
+    if mixed:
+        r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
+    if adam:
+        r.optim.name = "adamw"
+    if late:
+        r.optim.zero_grad = "after_step"
+    return r
+
+
+def _phase_high(ph: dict) -> int:
+    """A phase's own high-water mark (its cumulative peak when the simulation lacks it)."""
+    return ph.get("phase_peak") or ph["peak_allocated"]
+
+
+def _transient_high(ph: dict, late: bool = False) -> int:
+    """A phase's high of what is not a model state (activations, temporaries, gradients on their way
+    to being stored); ``late``: only from the phase's first stored gradient on (a backward past its
+    loss and logits). The simulation measures both where it followed the gradients; else the phase's
+    high less its end-of-phase states, which undercounts a backward whose high comes before most of
+    its gradients exist."""
+    got = ph.get("phase_peak_activations_late" if late else "phase_peak_activations")
+    if late and got is None:
+        got = ph.get("phase_peak_activations")
+    if got is not None:
+        return got
+    return max(0, _phase_high(ph) - sum(ph[c] for c in STATES))
+
+
+def _ddp_buckets(
+    sim: Sim, phases: dict, notes: list[str], views_held: bool = False, views: bool = True
+) -> tuple[dict, int, list[str]]:
+    """DDP's reducer allocates flat gradient buckets for every trainable parameter when the model is
+    wrapped and keeps them for the whole run. Without gradient_as_bucket_view (``views`` False: PyTorch's
+    and Lightning's default) they are a second copy of the gradients beside every phase. With it
+    (bigtune's default) a synced backward leaves each .grad a view into them, so after backward and the
+    step they cost nothing extra; but zero_grad(set_to_none) drops the views, not the buckets, so from
+    there until the next synced backward they sit beside whatever the step allocates: the whole forward,
+    and backward from its start (gradients accumulated under no_sync are separate tensors too). Counted
+    under activations ("other").
+    ``views_held``: the simulated forward already holds the last synced backward's gradients, which are
+    those views (optim.zero_grad=before_backward without accumulation), so the forward costs nothing extra."""
+    g = sim.phases["after_backward"]["gradients"]
+    if not g:
+        return phases, sim.peak_allocated, notes
+    f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+    g_fwd = 0 if views_held and views else g
+    g_opt = 0 if views else g
+    fwd, bwd, opt = _phase_high(f) + g_fwd, _phase_high(b_) + g, _phase_high(o) + g_opt
+    cumulative = {
+        "before_forward": 0,
+        "after_forward": fwd,
+        "after_backward": max(fwd, bwd),
+        "after_optimizer": max(fwd, bwd, opt),
+    }
+    for name, ph in phases.items():
+        extra = g_fwd if name in ("before_forward", "after_forward") else g_opt
+        ph["allocated"] += extra
+        ph["activations"] += extra
+        ph["phase_peak"] = ph["phase_peak_activations"] = ph["phase_peak_activations_late"] = ph[
+            "phase_gradients_pending_late"
+        ] = None
+        ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
+    if views:
+        notes.append(
+            f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on (the gradients are views into "
+            "them after a synced backward; beside the step's memory during forward and backward)"
+        )
+    else:
+        notes.append(
+            f"ddp: gradient buckets {g / GIB:.2f} GiB alive from the wrap on, a second copy of the gradients "
+            "(ddp_bucket_view=false); true makes the gradients views into them"
+        )
+    return phases, max(fwd, bwd, opt), notes
+
+
+def fsdp_unit_grad_elements(sim: Sim, trainable: int) -> int:
+    """Gradient elements FSDP keeps for ``trainable`` trainable elements: exactly those under FSDP2,
+    which shards parameter by parameter. (FSDP1 with use_orig_params gives a flat unit that holds any
+    trainable weight a gradient for the whole unit: bench/published.py plans litgpt's 2023 runs so.)"""
+    return trainable
+
+
+def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
+    """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
+    if target.gpus <= 1 and not target.strategy.startswith("deepspeed") and not sim.fsdp_upcast:
+        return sim.phases, sim.peak_allocated, []
+    n = target.gpus
+    notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
+    split, moved = shard_layout(target.strategy)
+    zero_offload = target.strategy.startswith("deepspeed") and "optimizer_device" in moved
+    if target.device != "cuda":
+        moved = set()  # on a CPU, "offloaded" state shares the one memory (and the engine counts it so)
+    phases = copy.deepcopy(sim.phases)
+    if not split:
+        # The CPU tracker registers parameters, gradients and optimizer state, not the reducer's buckets
+        # (born at the wrap, invisible while no .grad views them), so a CPU plan leaves them out as the
+        # CPU measurement does; CUDA's allocator counts every byte.
+        if target.strategy == "ddp" and target.device == "cuda":
+            return _ddp_buckets(
+                sim,
+                phases,
+                notes,
+                views_held=recipe.optim.zero_grad == "before_backward" and recipe.accumulate == 1,
+                views=recipe.ddp_bucket_view,
+            )
+        return phases, sim.peak_allocated, notes
+    es = 4 if recipe.precision == "32-true" else 2
+    gather = gathered_after_forward = bucket = persistent_bucket = 0
+    deepspeed = target.strategy.startswith("deepspeed")
+    flat = target.strategy == "fsdp" and recipe.fsdp_wrap == "none"  # one FSDP unit: the whole model
+    if "parameters" in split:
+        # Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
+        # and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
+        # norm, head) stay gathered from the root's forward through its backward: FSDP2 never
+        # reshards the root after its forward, nor (fsdp_sharding=grad_op) any block. With
+        # fsdp_wrap=none the root is everything. ZeRO-3 releases every gather after its use.
+        per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
+        root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
+        if flat:
+            gather = gathered_after_forward = int(sim.numel * es)
+        else:
+            gather = int((root + 2 * per_block) * es)
+            gathered_after_forward = (
+                gather
+                if deepspeed
+                else int((root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
+            )
+    if deepspeed:
+        from bigtune.engine.strategies import BUCKET_ELEMENTS
+
+        # ZeRO reduces gradients through buckets of reduce_bucket_size elements (capped by the model):
+        # ZeRO-3 keeps one for the whole run; ZeRO-2 allocates its buckets for each backward and
+        # frees them after it. (ZeRO-2 with overlap_comm asks for two, but meanwhile frees each
+        # weight's gradient once copied: one bucket's worth matched 2-rank runs, two overshot by 10 %.)
+        # ZeRO-3's all-gathered weights live only from a block's forward to its backward.
+        one = min(BUCKET_ELEMENTS, sim.numel) * es
+        if "parameters" in split:
+            persistent_bucket = one
+        else:
+            bucket = one
+    masters = zero_masters(recipe, target.strategy)
+    trainable = sim.phases["after_backward"]["gradients"] // es  # elements that get gradients
+    offload = "optimizer_device" in moved
+    # ZeRO-2 keeps a gradient partition from backward to the step; ZeRO-3 one persistent flat
+    # buffer; with the optimizer offloaded, reduced gradients go straight to pinned fp32 host memory.
+    grads_persist = deepspeed and ("parameters" in split or zero_offload)
+    persistent_grads = 4 * trainable if zero_offload else es * trainable
+    fsdp = target.strategy == "fsdp"
+    grad_elements = fsdp_unit_grad_elements(sim, trainable) if fsdp else trainable
+    # fsdp_grad_sync=step: every rank holds every unsharded gradient (fp32 under *-mixed, FSDP2 accumulates
+    # in the reduce dtype) from the window's first backward until the last one reduce-scatters them.
+    window_grads = (
+        grad_elements * (4 if recipe.precision.endswith("-mixed") else es)
+        if fsdp and recipe.fsdp_grad_sync == "step" and recipe.accumulate > 1
+        else 0
+    )
+
+    def full_states(ph: dict) -> dict[str, int]:
+        """The model states of one unsharded device under this strategy's precision handling."""
+        st = {c: ph[c] for c in STATES}
+        if sim.fsdp_upcast:
+            # FSDP *-mixed: simulated on 16-bit weights; the shards, their gradients (reduced in fp32,
+            # kept in the weights' dtype) and the optimizer state are in the real (fp32) dtypes.
+            sim_all, real_all, sim_train, real_train = sim.fsdp_upcast
+            st["parameters"] += real_all - sim_all
+            st["gradients"] = -(-st["gradients"] * real_train // max(1, sim_train))
+            if sim.fsdp_upcast_optimizer:
+                st["optimizer_device"] = -(-st["optimizer_device"] * real_train // max(1, sim_train))
+        if grad_elements != trainable and st["gradients"]:
+            st["gradients"] = grad_elements * es  # whole units' gradients (fsdp_unit_grad_elements)
+        if grads_persist:
+            st["gradients"] = persistent_grads
+        if masters:
+            # fp32 state: twice the simulated 16-bit optimizer state, plus the fp32 master weights
+            st["optimizer_device"] = 2 * ph["optimizer_device"] + 4 * trainable
+        return st
+
+    def on_device(st: dict, c: str) -> int:
+        if c in moved or (c == "gradients" and deepspeed and offload):
+            return 0
+        return -(-st[c] // n) if c in split else st[c]
+
+    def device_states(ph: dict) -> int:
+        st = full_states(ph)
+        return sum(on_device(st, c) for c in STATES)
+
+    def states(ph: dict) -> int:
+        return sum(ph[c] for c in STATES)
+
+    f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
+    # the last micro-batch's forward holds the window's unsharded gradients, not shards of them
+    fwd_grads = window_grads - on_device(full_states(f), "gradients") if window_grads else 0
+
+    # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
+    # The forward peaks at its end (logits and loss), where FSDP holds only what stays gathered.
+    fwd = device_states(f) + fwd_grads + _transient_high(f) + gathered_after_forward + persistent_bucket
+    if target.strategy == "fsdp" and "parameters" in split:
+        # The root's first all-gather (the whole model with fsdp_wrap=none): NCCL's output buffer, the
+        # unsharded weights it is copied into and this rank's input shard, before any activation.
+        first = gathered_after_forward
+        fwd = max(fwd, device_states(f) + 2 * first + -(-first // n))
+    if flat:
+        # Measured (CPU, gloo, 2 ranks, micro-batches 2-8): the forward of one flat unit peaks a whole
+        # model's gathered size above its own end, whatever the batch; per-block units do not. Where
+        # FSDP2 allocates it is not identified, and it is not yet checked on a GPU.
+        fwd = max(fwd, device_states(f) + (f["allocated"] - states(f)) + 2 * gathered_after_forward + persistent_bucket)
+    # The backward has two highs. At its start (the loss and the logits' gradient, before any weight's
+    # gradient is stored) the states are the forward's and only what the forward left gathered is
+    # there; from the first stored gradient on, blocks are gathered and reduced one by one and at most
+    # all of this rank's gradient shards exist.
+    bwd_start = device_states(f) + fwd_grads + _transient_high(b_) + gathered_after_forward + persistent_bucket
+    late = _transient_high(b_, late=True)
+    pending = b_.get("phase_gradients_pending_late") or 0
+    if flat:
+        # One unit: every gradient stays unsharded until the backward ends, growing as in the simulation
+        # (so its late high, gradients included, with the whole model gathered); FSDP2 then frees the
+        # gathered weights and copies the gradients into one reduce-scatter input (fp32 for *-mixed).
+        unsharded = trainable * es
+        scatter_in = trainable * (4 if recipe.precision.endswith("-mixed") else es)
+        bwd = max(
+            device_states(f) + late + max(0, unsharded - pending) + gather, device_states(b_) + unsharded + scatter_in
+        )
+    else:
+        if "gradients" in split and not grads_persist:
+            # Not every gradient shard exists yet at that high: each rank lacks 1/n of those to come.
+            late -= pending // n
+        # fsdp_grad_sync=step: the unsharded gradients until each unit reduces them (then its shards
+        # replace them): at most all of them and no shard.
+        shards = on_device(full_states(b_), "gradients") if window_grads else 0
+        bwd = device_states(b_) - shards + window_grads + late + gather + bucket + persistent_bucket
+    bwd = max(bwd_start, bwd)
+    # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
+    update_tmp = 0 if "optimizer_device" in moved else -(-_transient_high(o) // n)
+    if masters and "optimizer_device" not in moved:
+        # The update runs on fp32 state (temporaries twice the size) from an fp32 copy of the
+        # gradient partition, made while the 16-bit partition still exists.
+        update_tmp = 2 * update_tmp + -(-4 * trainable // n)
+    opt = device_states(o) + update_tmp + persistent_bucket
+    peak = max(fwd, bwd, opt)
+    # Each phase's peak is the highest point of the step so far.
+    cumulative = {"after_forward": fwd, "after_backward": max(fwd, bwd), "after_optimizer": peak}
+    for name, ph in phases.items():
+        full = states(ph)
+        st = full_states(ph)
+        cpu = st["optimizer_device"] if offload else 0
+        if deepspeed and offload:
+            cpu += persistent_grads  # the fp32 gradient partition the CPU update reads, pinned in host RAM
+        for c in STATES:
+            ph[c] = on_device(st, c)
+        if deepspeed and not grads_persist and name in ("before_forward", "after_optimizer"):
+            ph["gradients"] = 0  # ZeRO-2 frees its gradient partition in the step
+        ph["optimizer_cpu"] += -(-cpu // n)
+        # Buffers alive at this phase boundary: what the forward leaves gathered, until the backward
+        # reshards it; ZeRO-3 keeps its bucket throughout.
+        live = (gathered_after_forward if name == "after_forward" else 0) + persistent_bucket
+        if name == "after_forward" and fwd_grads:
+            ph["gradients"] += fwd_grads
+        ph["allocated"] += states(ph) - full + live
+        ph["activations"] += live
+        ph["phase_peak"] = ph["phase_peak_activations"] = ph["phase_peak_activations_late"] = ph[
+            "phase_gradients_pending_late"
+        ] = None  # not meaningful after the analytic split
+        ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
+    what = " and ".join(sorted(split))
+    notes.append(
+        f"{target.strategy}: {what} / {n}; + {(gather + bucket + persistent_bucket) / GIB:.2f} GiB "
+        "gather/reduce buffers"
+    )
+    if window_grads:
+        notes.append(
+            f"fsdp_grad_sync=step: {window_grads / GIB:.2f} GiB of unsharded gradients on every rank "
+            f"through each window of {recipe.accumulate} micro-batches; micro_batch keeps only shards"
+        )
+    if flat:
+        notes.append(
+            f"fsdp_wrap=none: one FSDP unit, the whole model ({gather / GIB:.2f} GiB) gathered from the "
+            f"forward through the backward and every gradient unsharded before one reduce-scatter; "
+            "fsdp_wrap=block gathers and reduces one decoder block at a time"
+        )
+    if masters:
+        notes.append(
+            f"{target.strategy} with {recipe.precision}: 16-bit weights and gradients, fp32 master "
+            "weights and optimizer state (DeepSpeed's mixed precision; no autocast)"
+        )
+    if moved:
+        notes.append(f"{target.strategy}: {' and '.join(sorted(moved))} held in CPU RAM (not in device memory)")
+    return phases, peak, notes

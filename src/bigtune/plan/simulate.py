@@ -1,0 +1,650 @@
+"""plan.simulate."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+from unittest import mock
+
+import torch
+
+from bigtune.memory.monitor import PHASES
+from bigtune.plan.constants import CATEGORIES
+from bigtune.plan.quantized import EIGHT_BIT, eight_bit_state_bytes, emulate_4bit, quantized_parameter_delta
+from bigtune.recipe import Recipe
+
+
+@dataclass
+class Sim:
+    """Per-phase categories of the steady step (step 1) and the peak over both simulated steps."""
+
+    phases: dict[str, dict[str, int]]
+    peak_allocated: int
+    numel: int
+    matmul_numel: int  # elements of the nn.Linear weights
+    block_numel: int = 0  # elements inside the repeated blocks FSDP shards one by one (the rest is the root)
+    attention: tuple[str, ...] = ()  # SDPA kernels CUDA would pick (cuda_kernels.sdpa_backend); () on a CPU
+    reserved: int = 0  # peak reserved by the CUDA caching allocator replayed over the step (0: not replayed)
+    in_use: int = 0  # its peak bytes of segments holding a live block (what must fit; see allocator.py)
+    # roofline.OpCounter rows of one micro-batch's forward and backward and of one optimizer update
+    ops: dict = field(default_factory=dict)
+    # FSDP with *-mixed computes on 16-bit copies of fp32 shards (step_kind): the simulation's weights are
+    # 16-bit, the real states are not. (simulated bytes, real bytes) of all weights and of the trainable
+    # ones; () when the simulated weights are the real ones. See _shard's full_states.
+    fsdp_upcast: tuple[int, ...] = ()
+    fsdp_upcast_optimizer: bool = True  # False where the optimizer state does not follow the weights' dtype
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A run of repeated blocks whose depth the simulation shrinks and extrapolates.
+
+    ``path`` is the depth attribute inside the config; ``period`` is the number of layers that repeat
+    as one unit (BLIP-2's Q-Former alternates layers with and without cross-attention, so its unit is
+    ``cross_attention_frequency`` layers).
+    """
+
+    path: tuple[str, ...]
+    period: int = 1
+
+
+def model_stacks(config) -> list[Stack]:
+    """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
+    stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack)."""
+    if getattr(config, "model_type", "") != "blip-2":
+        return [Stack(("num_hidden_layers",))]
+    out = [
+        Stack(("vision_config", "num_hidden_layers")),
+        Stack(
+            ("qformer_config", "num_hidden_layers"),
+            int(getattr(config.qformer_config, "cross_attention_frequency", 1) or 1),
+        ),
+    ]
+    text = config.text_config
+    if getattr(text, "is_encoder_decoder", False):
+        out += [Stack(("text_config", "num_layers")), Stack(("text_config", "num_decoder_layers"))]
+    else:
+        out.append(Stack(("text_config", "num_hidden_layers")))
+    return out
+
+
+def get_depth(config, stack: Stack) -> int:
+    obj = config
+    for a in stack.path[:-1]:
+        obj = getattr(obj, a)
+    n = getattr(obj, stack.path[-1], None)
+    if n is None and stack.path[-1] == "num_decoder_layers":  # T5: None means "as many as the encoder"
+        n = obj.num_layers
+    return int(n)
+
+
+def set_depth(config, stack: Stack, n: int) -> None:
+    obj = config
+    for a in stack.path[:-1]:
+        obj = getattr(obj, a)
+    setattr(obj, stack.path[-1], n)
+
+
+def total_blocks(config) -> int:
+    """Repeated blocks in the whole model (FSDP wraps each one)."""
+    return sum(get_depth(config, s) for s in model_stacks(config))
+
+
+def config_family(config) -> str:
+    return "image-to-text" if getattr(config, "model_type", "") == "blip-2" else "causal-lm"
+
+
+def _sim_precision(precision: str) -> str:
+    # Fabric on a CPU turns 16-mixed into bf16-mixed; the byte counts are the same (2-byte copies).
+    return "bf16-mixed" if precision == "16-mixed" else precision
+
+
+def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool) -> dict:
+    """A full-length micro-batch shaped as the collators build it, with real (tiny) token ids: the
+    loss normaliser needs a concrete target count; everything computed from it is fake."""
+    from bigtune.core.stepmath import IGNORE_INDEX
+
+    seq = recipe.data.max_seq_length
+    g = torch.Generator().manual_seed(0)
+    if family != "image-to-text":
+        ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
+        mask = torch.ones_like(ids)
+        if padded:  # one padded row makes the model take the explicit-mask attention path, as a real batch does
+            mask[-1, -1] = 0
+        # a classifier's labels are one class per sample
+        labels = torch.zeros(b_size, dtype=torch.long) if family == "sequence-classification" else ids.clone()
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
+    # image-to-text (see imagedata's token layout): <image>×q first, then the caption (OPT), or an
+    # encoder input of <image>×q + EOS and the caption as decoder labels (T5).
+    q, vc = int(cfg.num_query_tokens), cfg.vision_config
+    image = torch.full((b_size, q), int(cfg.image_token_index))
+    caption = torch.randint(3, min(cfg.text_config.vocab_size, int(cfg.image_token_index)), (b_size, seq), generator=g)
+    # A shape only: simulate() swaps in a fake tensor (see there).
+    pixels = torch.empty(b_size, int(getattr(vc, "num_channels", 3)), vc.image_size, vc.image_size)
+    if getattr(cfg.text_config, "is_encoder_decoder", False):
+        ids = torch.cat([image, torch.ones(b_size, 1, dtype=torch.long)], 1)
+        dec = torch.cat([torch.zeros(b_size, 1, dtype=torch.long), caption[:, :-1]], 1)
+        return {
+            "pixel_values": pixels,
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": caption,
+            "decoder_input_ids": dec,
+            "padded": padded,
+        }
+    ids = torch.cat([image, caption], 1)
+    labels = torch.cat([torch.full_like(image, IGNORE_INDEX), caption], 1)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[-1, -1] = 0
+    return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
+
+
+def _keep_every_layer():
+    """LayerDrop as transformers 5.17 writes it (OPT and others) draws ``torch.rand([])`` in every training
+    forward and branches on the value, which a fake tensor does not have (the plan was unavailable for
+    every OPT and BLIP-2 OPT model). Here a 0-dim draw is a known 1.0 (a constant fake tensor, which
+    comparisons can read): no layer is ever dropped, the worst case a plan is for."""
+    real = torch.rand
+
+    def rand(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
+        if len(shape) == 0:
+            return torch.tensor(1.0, dtype=kwargs.get("dtype"))
+        return real(*size, **kwargs)
+
+    return mock.patch("torch.rand", rand)
+
+
+def no_init():
+    """Skip weight initialisation (truncated-normal init branches on values, which fake tensors
+    lack) but keep the rest of ``init_weights``: weight tying decides what memory exists."""
+    return mock.patch("transformers.modeling_utils.PreTrainedModel.initialize_weights", lambda self: None)
+
+
+def _matmul_numel(model: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Lightning's info lines off for a while. Its rank-zero messages go through whichever of its
+    packages was imported last (lightning.pytorch comes with `import lightning`), so quiet all of them."""
+    loggers = [logging.getLogger(n) for n in ("lightning.fabric", "lightning.pytorch", "lightning_fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def simulate(
+    recipe: Recipe,
+    config,
+    depths: "int | dict[Stack, int]",
+    cuda: bool,
+    micro_batch: Optional[int] = None,
+    padded: bool = False,
+    arch: Optional[tuple[int, int]] = None,
+    trace: bool = False,
+) -> Sim:
+    """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
+    to ``depths`` blocks (an int sets every stack).
+
+    The optimizer state is created first (one update with zero gradients), so the simulated step is
+    like the engine's step 1 and later: its peak is the run's peak. On a CUDA target of compute
+    capability ``arch`` (default 8.0), attention takes the math path wherever CUDA would
+    (cuda_kernels). With ``trace`` (CUDA targets), ``Sim.reserved`` is the caching allocator's peak
+    reserved over the weights and steps 0-2 (allocator.replay). Accumulation windows are
+    simulated with two micro-batches: from the second one on, gradients are held during forward,
+    and a third micro-batch repeats the second one's memory exactly.
+    """
+    from lightning.fabric import Fabric
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bigtune.core.stepmath import target_token_count
+    from bigtune.engine.loop import LoopState, train_step
+    from bigtune.engine.optim import make_optimizer
+    from bigtune.memory.monitor import MemoryMonitor
+    from bigtune.memory.tracker import LiveTensorTracker
+    from bigtune.models.build import (
+        apply_peft,
+        auto_class,
+        compute_dtype,
+        enable_activation_checkpointing,
+        freeze_parts,
+        label_config,
+        recast_parameters,
+        weights_dtype,
+    )
+    from bigtune.plan.kernels import cuda_attention, cuda_autocast, cuda_dropout
+    from bigtune.plan.roofline import OpCounter, scale
+
+    cfg = copy.deepcopy(config)
+    for st in model_stacks(cfg):
+        set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
+    cfg.use_cache = False
+    family = recipe.model.family
+    if family == "image-to-text":
+        cfg.text_config.use_cache = False
+    if family == "sequence-classification":  # a head with the recipe's classes (2 when inferred at train time)
+        for key, value in label_config(recipe.data.label_names or ["0", "1"]).items():
+            setattr(cfg, key, value)
+        if getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = 0  # Llama-style heads look for padding; the simulated ids (>= 3) have none
+    cfg._attn_implementation = recipe.model.attn_implementation
+    r = copy.deepcopy(recipe)
+    if cuda and r.optim.implementation == "auto":
+        r.optim.implementation = "foreach"  # torch's default for CUDA tensors
+    quantize = r.model.quantize
+    r.model.quantize = "none"  # bitsandbytes cannot quantize fake tensors: simulate, then swap the bytes
+    eight_bit = r.optim.name in EIGHT_BIT
+    if eight_bit:
+        # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
+        # state analytically below (its update works in place, block by block).
+        r.optim.name, r.optim.momentum, r.optim.implementation = "sgd", 0.0, "for-loop"
+    if r.optim.name == "deepspeed_cpu_adam":
+        # DeepSpeed's C++ Adam reads raw data pointers (a segfault on fake tensors); torch's CPU
+        # AdamW in the same wrapper keeps exactly the same tensors in the same places.
+        r.optim.name = "cpu_offload_adamw"
+    with _quiet_lightning():  # no "Using bfloat16 AMP" per simulation
+        fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
+    # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
+    # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
+    fabric._precision.convert_module = lambda module: module
+    fabric._strategy.module_to_device = lambda module: None  # already on the (fake) CPU
+    b_size = micro_batch or r.train.micro_batch_size
+    k = min(r.accumulate, 2)
+    # distinct storages, like distinct real micro-batches
+    batches = [_synthetic_batch(r, cfg, family, b_size, padded) for _ in range(k)]
+    if family == "sequence-classification":  # one label per sample: the loss is normalised by samples
+        tokens = b_size * r.accumulate
+    else:
+        shift = family == "causal-lm" or not getattr(cfg.text_config, "is_encoder_decoder", False)
+        tokens = int(target_token_count(batches[0]["labels"], shift)) * r.accumulate
+    # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
+    # sequences, which the real run (one sequence per row, checked on real values) drops.
+    no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+    # peft moves new adapters to the base layer's device with module.to(); torch cannot swap fake
+    # parameters, and everything here already lives on the one (fake) CPU: make it a no-op. No
+    # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
+    no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
+    # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
+    # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
+    on_cuda = arch if arch is not None else ((8, 0) if cuda else None)
+    kernels = cuda_attention(on_cuda, bf16_is_fp16=recipe.precision == "16-mixed")
+    # Gradient clipping takes its foreach kernels only for plain tensors; on a GPU it takes them (one
+    # norm and one scale over all gradients, the same bytes as per tensor but far fewer launches).
+    foreach_clip = (
+        mock.patch("torch.nn.utils.clip_grad._has_foreach_support", lambda tensors, device: True)
+        if cuda
+        else contextlib.nullcontext()
+    )
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        no_packing,
+        no_move,
+        no_init(),
+        _keep_every_layer(),
+        kernels as attention,
+        foreach_clip,
+        cuda_dropout(on_cuda is not None),
+        cuda_autocast(on_cuda is not None),
+    ):
+        model = auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
+        model.config.use_cache = False
+        if quantize in ("nf4", "fp4"):
+            emulate_4bit(model, compute_dtype(recipe.model, r.precision), r.model.upcast_unquantized)
+        if family == "image-to-text":
+            freeze_parts(model, r.model)
+        model.train()
+        if r.train.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if r.peft.method != "none":
+            # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
+            model = apply_peft(
+                model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing, family=family
+            )
+        ds_cast, _, fsdp_mixed = step_kind(r, r.strategy)
+        if ds_cast:
+            # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32
+            # adapters and BLIP-2's fp32 Q-Former become 16-bit, with no fp32 input copy per adapted layer.
+            recast_parameters(model, weights_dtype(r.precision), lambda name, p: p.dtype == torch.float32)
+        fsdp_upcast: tuple[int, ...] = ()
+        if fsdp_mixed:
+            # FSDP2's MixedPrecisionPolicy gathers every weight as a 16-bit copy of its shard, so the
+            # forward and backward run autocast over 16-bit weights: no autocast copy of each weight,
+            # a 16-bit residual stream, 16-bit norm outputs. Simulate that step on 16-bit weights and
+            # keep both byte counts: the shards, gradients and optimizer state stay in the real dtypes.
+            def nbytes(trainable: bool) -> int:
+                return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
+
+            real = (nbytes(False), nbytes(True))
+            low = torch.bfloat16 if r.precision.startswith("bf16") else torch.float16
+            recast_parameters(model, low, lambda name, p: p.dtype == torch.float32)
+            fsdp_upcast = (nbytes(False), real[0], nbytes(True), real[1])
+        numel = sum(p.numel() for p in model.parameters())
+        matmul_numel = _matmul_numel(model)
+        from bigtune.models.build import decoder_blocks
+
+        try:
+            block_numel = sum(p.numel() for blk in decoder_blocks(model) for p in blk.parameters())
+        except ValueError:
+            block_numel = 0
+        for batch in batches:
+            if "pixel_values" in batch:
+                # Fake pixels: a real tensor would be really converted (Fabric casts float inputs), and
+                # that parallel work starts OpenMP's threads, after which a forked worker hangs.
+                batch["pixel_values"] = torch.empty(batch["pixel_values"].shape)
+        wrapped = fabric.setup_module(model)
+        opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
+        # On a CUDA target every storage's birth and death is recorded from the weights on, through
+        # a real step 0 (the optimizer state is then created where a GPU creates it: after a
+        # backward), for the caching-allocator replay below.
+        events: Optional[list] = [] if cuda and trace else None
+        trace_mode = LiveTensorTracker(events=events) if events is not None else contextlib.nullcontext()
+        if events is not None:
+            trace_mode.track(list(wrapped.parameters()) + list(wrapped.buffers()))  # loaded in this order
+        with trace_mode:
+            if family == "image-to-text" or events is not None:
+                # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
+                # encoder's own token table is never used) and so no optimizer state: take a real step 0.
+                train_step(built, batches, None, False, LoopState(step=0), tokens)
+            else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
+                for p in wrapped.parameters():
+                    if p.requires_grad:  # frozen (base) weights never get gradients
+                        p.grad = torch.zeros_like(p)
+                opt.step()
+                if r.optim.zero_grad == "after_step":  # else they live into the next forward, as in the engine
+                    opt.zero_grad(set_to_none=True)
+            step1 = len(events) if events is not None else 0
+            monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
+            state = LoopState(step=1)
+            counter = OpCounter(state)  # what each kernel of the step costs (the time model)
+            monitor.tracker.observer = counter.observe
+            try:
+                blocks = decoder_blocks(model)
+            except ValueError:
+                blocks = []
+            hooks = monitor.follow_gradients(wrapped.parameters(), blocks)
+            try:
+                with warnings.catch_warnings():
+                    # the block hooks fire on outputs alone where no block input needs a gradient (LoRA)
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    _, snaps = train_step(built, batches, monitor, True, state, tokens)
+            finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
+                monitor.end_step()
+                for h in hooks:
+                    h.remove()
+    steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
+    peak = max(s.peak_allocated for s in snaps)
+    reserved = in_use = 0
+    if events is not None:
+        reserved, in_use = _replay_steady(events, step1)
+    if quantize != "none":
+        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
+        for ph in steady.values():
+            for c in ("parameters", "allocated", "peak_allocated", "phase_peak"):
+                ph[c] += delta
+        peak += delta
+        # weights are whole long-lived blocks: the allocator holds about as much less
+        reserved, in_use = (max(0, x + delta) if x else 0 for x in (reserved, in_use))
+    if eight_bit:
+        shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
+        extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
+        for ph in steady.values():
+            for c in ("optimizer_device", "allocated", "peak_allocated", "phase_peak"):
+                ph[c] += extra
+        peak += extra
+        reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
+    # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
+    ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
+    return Sim(
+        steady,
+        peak,
+        numel,
+        matmul_numel,
+        block_numel,
+        tuple(sorted(attention)),
+        reserved,
+        in_use,
+        ops,
+        fsdp_upcast,
+        not eight_bit,
+    )
+
+
+def _replay_steady(events: list, step1: int) -> tuple[int, int]:
+    """(peak reserved, peak in-use segment bytes) of the CUDA caching allocator over the weights, step
+    0, step 1 and a step 2 identical to step 1 (reserved can still grow once the cache holds step 1's
+    pattern; it does not after that)."""
+    from bigtune.plan.allocator import replay
+
+    step = events[step1:]
+    born = {e[1]: e[2] for e in step if e[0] == "alloc"}
+    freed = {e[1] for e in step if e[0] == "free"}
+    # Storages that cross the step boundary (optim.zero_grad=before_backward: the gradients) are born in
+    # one step and freed in the next. Step 2 frees step 1's where step 1 freed step 0's; a copy of step 1
+    # alone would keep both. Paired in birth order among storages of the same size.
+    heirs: dict[int, list[int]] = {}
+    for k in sorted(k for k in born if k not in freed):
+        heirs.setdefault(born[k], []).append(k)
+    sizes = {e[1]: e[2] for e in events[:step1] if e[0] == "alloc"}
+    heir = {}
+    for k in sorted(e[1] for e in step if e[0] == "free" and e[1] not in born):
+        if heirs.get(sizes.get(k)):
+            heir[k] = heirs[sizes[k]].pop(0)
+    offset = len(events)
+    again = [
+        (e[0], e[1] + offset, *e[2:]) if e[1] in born else ("free", heir[e[1]])
+        for e in step
+        if e[1] in born or e[1] in heir
+    ]
+    stats = replay(events + again).stats
+    return stats.peak_reserved, stats.peak_in_use
+
+
+def simulate_full_depth(
+    recipe: Recipe,
+    config,
+    cuda: bool,
+    padded: bool = False,
+    micro_batch: Optional[int] = None,
+    arch: Optional[tuple[int, int]] = None,
+) -> Sim:
+    """The step at the model's real depth, from simulations of shallow copies.
+
+    Memory is linear in the depth of each repeated stack (every block adds the same parameters,
+    states and saved activations), so one simulation with every stack at one unit of depth plus one
+    per stack with that stack one unit deeper give each stack's per-block cost; the full model is
+    the base plus each stack's cost times its extra depth. Small models are simulated as they are.
+    """
+    stacks = model_stacks(config)
+    full = {st: get_depth(config, st) for st in stacks}
+    if all(full[st] <= 2 * st.period for st in stacks):
+        return simulate(recipe, config, full, cuda, micro_batch, padded, arch)
+    unit = {st: min(st.period, full[st]) for st in stacks}
+    # (Run one after the other on purpose: the first simulation of a process pays the lazy imports and
+    # caches that every later one, and every worker forked later, reuses.)
+    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch)
+    grown = []
+    for st in stacks:
+        if full[st] > unit[st]:
+            sim = simulate(recipe, config, {**unit, st: unit[st] + st.period}, cuda, micro_batch, padded, arch)
+            grown.append((sim, (full[st] - unit[st]) / st.period))
+
+    def ext(get) -> int:
+        b0 = get(base)
+        if b0 is None or any(get(sim) is None for sim, _ in grown):
+            return None  # a measure not every simulation has (e.g. no gradient stored in that phase)
+        return int(round(b0 + sum((get(sim) - b0) * times for sim, times in grown)))
+
+    phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
+    # Max and extrapolation do not commute: which phase holds the step's peak can change with depth
+    # (shallow, the logits' backward; deep, the optimizer's temporaries over all the weights). Each
+    # phase's own high-water mark sits at the same point of the step at every depth, so it
+    # extrapolates; the step's peak is the highest of them, and each phase's cumulative peak the
+    # highest so far.
+    running = 0
+    for name in PHASES:
+        if name in phases:
+            ph = phases[name]
+            running = max(running, ph["allocated"], ph["phase_peak"] or 0)
+            ph["peak_allocated"] = max(ph["peak_allocated"], running)
+    peak = max(ext(lambda x: x.peak_allocated), running)
+    # Operator rows are linear in depth too (each block adds the same kernels); counts, FLOPs, bytes.
+    keys = set(base.ops).union(*(sim.ops for sim, _ in grown))
+    zero = (0, 0.0, 0.0)
+    ops = {
+        k: [
+            max(
+                0.0,
+                base.ops.get(k, zero)[i]
+                + sum((sim.ops.get(k, zero)[i] - base.ops.get(k, zero)[i]) * times for sim, times in grown),
+            )
+            for i in range(3)
+        ]
+        for k in keys
+    }
+    upcast = tuple(ext(lambda x, i=i: x.fsdp_upcast[i]) for i in range(len(base.fsdp_upcast)))
+    return Sim(
+        phases,
+        peak,
+        ext(lambda x: x.numel),
+        ext(lambda x: x.matmul_numel),
+        ext(lambda x: x.block_numel),
+        base.attention,
+        ext(lambda x: x.reserved),
+        ext(lambda x: x.in_use),
+        ops,
+        upcast,
+        base.fsdp_upcast_optimizer,
+    )
+
+
+RESERVED_DEPTHS = (4, 8)  # units of depth per stack in the two traced simulations reserved is estimated from
+
+
+def estimate_reserved(
+    recipe: Recipe,
+    config,
+    sim: Sim,
+    arch: Optional[tuple[int, int]],
+    padded: bool = False,
+    micro_batch: Optional[int] = None,
+    workers: int = 1,
+) -> tuple[int, int, list[str]]:
+    """(peak reserved, peak in-use segment bytes, notes) on a CUDA device for the full-depth step
+    ``sim``, from the caching allocator replayed over traced simulations (allocator.py).
+
+    Which cached block each request reuses depends on the whole sequence, so reserved is not exactly
+    linear in depth the way allocated bytes are: between 1 and 2 layers its increment can be off by
+    half a layer's activations. Two deeper traced simulations (every stack at 4 and at 8 units) average
+    that out. On TinyLlama shapes the estimate came within 3 % of a replay of the full-depth step
+    (tests/test_allocator.py; within 1 % for bf16-true, bf16-mixed and checkpointing at 22 layers).
+    """
+    stacks = model_stacks(config)
+    full = {st: get_depth(config, st) for st in stacks}
+
+    def at(units: int) -> dict:
+        return {st: min(full[st], units * st.period) for st in stacks}
+
+    a_depths, b_depths = (at(u) for u in RESERVED_DEPTHS)
+    how = f"caching-allocator replay of a step simulated {b_depths[stacks[-1]]} blocks deep"
+    if b_depths == full:
+        b = simulate(recipe, config, b_depths, True, micro_batch, padded, arch, trace=True)
+        return b.reserved, b.in_use, [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
+    args = [(recipe, config, d, True, micro_batch, padded, arch, True) for d in (a_depths, b_depths)]
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("fork")) as ex:
+            a, b = ex.map(_traced_sim, args)
+    else:
+        a, b = map(_traced_sim, args)
+
+    def extrapolate(get) -> int:
+        # Two extrapolations that err differently when reuse jumps between depths: growing with
+        # allocated at the rate seen between the two depths, and the deeper one's ratio to allocated.
+        # Each added block adds its own bytes; cached blocks can absorb a few blocks' growth between
+        # the two traced depths (a slope below 1), never the growth of every block to full depth.
+        slope = max(1.0, (get(b) - get(a)) / max(1, b.peak_allocated - a.peak_allocated))
+        by_slope = get(b) + slope * (sim.peak_allocated - b.peak_allocated)
+        by_ratio = sim.peak_allocated * get(b) / max(1, b.peak_allocated)
+        return max(sim.peak_allocated, int((by_slope + by_ratio) / 2))
+
+    reserved, in_use = extrapolate(lambda x: x.reserved), extrapolate(lambda x: x.in_use)
+    return (
+        reserved,
+        min(in_use, reserved),
+        [f"reserved from a {how} and one {a_depths[stacks[-1]]} deep, extrapolated to full depth"],
+    )
+
+
+def _traced_sim(args: tuple) -> Sim:
+    return simulate(*args[:7], trace=args[7])
+
+
+def step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool, bool]:
+    """What ``strategy`` changes in the engine's single-device step: DeepSpeed with a 16-bit precision
+    casts the whole module to 16 bits, which changes the step where some weights are fp32 (PEFT's fp32
+    adapters, BLIP-2's fp32 Q-Former), the chunked loss is off under FSDP and DeepSpeed
+    (engine.chunked_loss_head), and FSDP with a *-mixed precision computes on 16-bit gathered copies
+    (dist.make_parallelize_fn). Equal kinds share one simulation."""
+    sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
+    fp32_weights = (
+        recipe.peft.method != "none" and recipe.peft.adapter_dtype == "float32"
+    ) or recipe.model.family == "image-to-text"
+    fsdp_mixed = strategy == "fsdp" and recipe.precision.endswith("-mixed")
+    return (
+        zero_masters(recipe, strategy) and fp32_weights,
+        bool(recipe.train.loss_chunk_tokens) and not sharded,
+        fsdp_mixed,
+    )
+
+
+def sim_key(r: Recipe, micro: int) -> str:
+    """Simulations depend only on these; variants that agree on them share one."""
+    k = r.global_batch_size // (micro * r.devices) if r.train.global_batch_size else r.accumulate
+    return json.dumps(
+        [
+            r.precision,
+            r.train.activation_checkpointing,
+            r.optim.name,
+            r.optim.momentum,
+            r.optim.implementation,
+            r.optim.in_backward,
+            r.data.max_seq_length,
+            micro,
+            min(k, 2),
+            r.peft.method,
+            r.peft.adapter_dtype,
+            r.model.quantize,
+            r.model.upcast_unquantized,
+            r.optim.zero_grad,
+            step_kind(r, r.strategy),
+        ]
+    )
+
+
+def zero_masters(recipe: Recipe, strategy: str) -> bool:
+    """DeepSpeed with a 16-bit precision keeps fp32 master weights and fp32 optimizer state.
+
+    DeepSpeed casts the module to bf16/fp16 itself and runs no autocast, so for it "-mixed" and
+    "-true" are the same step: 16-bit weights, activations and gradients; the ZeRO optimizer
+    holds an fp32 copy of its partition of the weights, steps fp32 state on it (from an fp32 copy
+    of the gradient partition) and writes the 16-bit weights back.
+    """
+    return strategy.startswith("deepspeed") and recipe.precision != "32-true"

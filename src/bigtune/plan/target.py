@@ -1,0 +1,88 @@
+"""plan.target."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from bigtune.plan.constants import FIT_MARGIN, FIT_UNCERTAINTY, GIB
+
+
+@dataclass
+class Target:
+    """Where the recipe would run: a CPU, or ``gpus`` × a catalog GPU."""
+
+    device: str = "cpu"
+    gpu: Any = None
+    gpus: int = 1
+    strategy: str = "single"  # single | ddp | fsdp | deepspeed_stage_*  (analytic on top of 1 GPU)
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return int(self.gpu.memory_gib * GIB) if self.gpu is not None else None
+
+    def label(self) -> str:
+        if self.gpu is None:
+            return "cpu"
+        return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy})" if self.gpus > 1 else "")
+
+
+def run_strategy(strategy: str, gpus: int) -> str:
+    """The strategy a recipe's ``strategy`` runs with on ``gpus`` devices, as a Target names it: DeepSpeed
+    as given (also on one GPU, for offload), ddp/fsdp as given on several, auto/single → ddp on several
+    (what the engine does), else single."""
+    if strategy.startswith("deepspeed"):
+        return strategy
+    if gpus <= 1:
+        return "single"
+    return strategy if strategy in ("ddp", "fsdp") else "ddp"
+
+
+def target_arch(target: "Target") -> Optional[tuple[int, int]]:
+    """The compute capability a CUDA target's kernels are chosen for (None on a CPU)."""
+    from bigtune.core.gpus import compute_capability
+
+    return compute_capability(target.gpu) if target.device == "cuda" else None
+
+
+@dataclass
+class Plan:
+    recipe_name: str
+    target: str
+    variant: str
+    phases: dict[str, dict[str, int]]
+    peak_allocated: int
+    peak_reserved: Optional[int]
+    overhead: int
+    peak_total: int
+    capacity: Optional[int]
+    fits: Optional[bool]
+    parameters_total: int
+    step_time_s: Optional[float]
+    tokens_per_s: Optional[float]
+    tokens_per_step: int
+    notes: list[str] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    plan_seconds: float = 0.0
+    # What must fit the device (FITS/OOM): the allocator's in-use segments at the peak + context; less
+    # than peak_total, which is what a device with room to spare ends up reserving.
+    needed_total: Optional[int] = None
+    # `plan --data-lengths` (datalengths.py): the data's longest sample, mean padded batch, mean tokens.
+    data_lengths: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "tight": self.tight}
+
+    @property
+    def tight(self) -> bool:
+        """FITS or OOM by less than the planner's typical error (FIT_UNCERTAINTY of the card)."""
+        if self.capacity is None:
+            return False
+        need = self.needed_total or self.peak_total
+        return abs(need - self.capacity * (1 - FIT_MARGIN)) <= FIT_UNCERTAINTY * self.capacity
+
+    @property
+    def model_states(self) -> dict[str, int]:
+        p = self.phases.get("after_backward", {})
+        return {c: p.get(c, 0) for c in ("parameters", "gradients", "optimizer_device", "optimizer_cpu")}

@@ -1,0 +1,108 @@
+"""plan.time."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from bigtune.plan.constants import HOST_UPDATE_GBS, PCIE_GBS
+from bigtune.plan.sharding import shard_layout
+from bigtune.plan.simulate import Sim
+from bigtune.plan.target import Target
+from bigtune.recipe import Recipe
+
+
+def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float], Optional[float], list[str]]:
+    """(step seconds, tokens/s over all devices, notes): the simulated step's kernels priced on the
+    target GPU (roofline.py), plus what the simulation cannot see: CPU-side optimizer updates, PCIe
+    traffic of offloading and the gradient all-reduce/reduce-scatter between GPUs."""
+    from bigtune.plan.roofline import scale, step_seconds
+
+    tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
+    if target.gpu is None:
+        return None, None, []
+    if not sim.ops:
+        return None, None, ["time: this simulation recorded no operators"]
+    states = sim.phases["after_backward"]
+    split, moved = shard_layout(target.strategy)
+    host = states.get("optimizer_cpu", 0)
+    if "optimizer_device" in moved:  # ZeRO offload: each process updates its shard on the CPU
+        host += states["optimizer_device"] / target.gpus
+    # Each device runs the whole window's micro-batches; its update covers its shard of the weights,
+    # or none of them when the CPU updates (priced below instead).
+    opt_share = 0.0 if host else 1.0 / target.gpus if "optimizer_device" in split else 1.0
+    ops = scale(scale(sim.ops, ("forward", "backward"), recipe.accumulate), ("optimizer",), opt_share)
+    half = "fp16" if recipe.precision.startswith("16") else "bf16"
+    try:
+        t = step_seconds(ops, target.gpu, half)
+    except ValueError as exc:
+        return None, None, [f"time: {exc}; no step time"]
+    t_opt = 0.0
+    if host:
+        # CPU-offloaded update: the CPU reads and writes its state once, gradients go down and the
+        # updated weights come back over PCIe (both assumed rates, see the constants).
+        shard = target.gpus if "gradients" in split else 1
+        t_opt += 2 * host / (HOST_UPDATE_GBS * 1e9) + (states["gradients"] + states["parameters"]) / shard / (
+            PCIE_GBS * 1e9
+        )
+    t_comm = _exposed_communication(recipe, target, states, t)
+    step = t["step_s"] + t_opt + t_comm
+    host_bound = t["host_s"] > t["device_s"]
+    notes = [
+        f"time: roofline over the simulated step's kernels, forward {t['forward_s']:.3g} s, backward "
+        f"{t['backward_s']:.3g} s, optimizer {t['optimizer_s']:.3g} s of GPU time against {t['host_s']:.3g} s of "
+        f"host dispatch (the {'host (eager dispatch)' if host_bound else 'GPU'} bounds the step); "
+        f"+ {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s communication not hidden by compute "
+        "(efficiencies assumed, uncalibrated: roofline.py)"
+    ]
+    if host_bound:
+        notes.append(
+            "time: the GPU waits for Python to issue kernels: a larger micro-batch (same global batch) or "
+            "train.compile (fewer, fused kernels) would keep it busier"
+        )
+    return step, tokens * target.gpus / step, notes
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is reduced after backward ends
+
+
+def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict) -> float:
+    """Seconds of gradient/parameter traffic between the GPUs that compute does not hide.
+
+    Ring collectives move (n−1)/n of the bytes per GPU each way (an all-reduce twice that), at one
+    direction of the catalog's bidirectional link. What runs where, per accumulation window of k
+    micro-batches (gradients are synced only on the last one, dist.micro_batch_context):
+    * DDP: one all-reduce of the gradients, overlapped with the last micro-batch's backward except its
+      last bucket;
+    * FSDP and ZeRO-3: the parameters gathered for every micro-batch's forward and again for its
+      backward (FSDP with fsdp_sharding=grad_op: once), the gradients reduce-scattered on every
+      micro-batch (each keeps only its partition; fsdp_grad_sync=step: on the last one only),
+      overlapped with that micro-batch's forward and backward (prefetching); with fsdp_wrap=none
+      nothing overlaps: the one unit is gathered before the forward starts and reduced after the
+      backward ends;
+    * ZeRO-2: gradients reduce-scattered after every micro-batch's backward (overlapped with it) and
+      the updated parameters all-gathered once after the step (not overlapped).
+    """
+    n = target.gpus
+    if n <= 1 or not target.gpu.interconnect_gbs:
+        return 0.0
+    bw = target.gpu.interconnect_gbs / 2 * 1e9
+    f = (n - 1) / n
+    grads, params = states["gradients"], states["parameters"]
+    k = recipe.accumulate
+    fwd, bwd = t["forward_s"] / k, t["backward_s"] / k  # one micro-batch's GPU time
+    strategy = target.strategy
+    if strategy == "ddp":
+        reduce = 2 * f * grads / bw
+        return max(0.0, reduce - bwd) + 2 * f * min(grads, DDP_BUCKET_BYTES) / bw
+    if strategy == "fsdp" or strategy.startswith("deepspeed_stage_3"):
+        fsdp = strategy == "fsdp"
+        gathers = 1 if fsdp and (recipe.fsdp_sharding == "grad_op" or recipe.fsdp_wrap == "none") else 2
+        gather, scatter = gathers * f * params / bw, f * grads / bw
+        # fsdp_grad_sync=step: the reduce-scatter only on the window's last micro-batch
+        every = 1 if fsdp and recipe.fsdp_grad_sync == "step" else k
+        if fsdp and recipe.fsdp_wrap == "none":
+            return k * gather + every * scatter
+        return (k - every) * max(0.0, gather - fwd - bwd) + every * max(0.0, gather + scatter - fwd - bwd)
+    if strategy.startswith("deepspeed"):  # ZeRO-1/2: reduce every micro-batch, gather the new weights once
+        return k * max(0.0, f * grads / bw - bwd) + f * params / bw
+    return 0.0

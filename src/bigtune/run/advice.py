@@ -1,0 +1,44 @@
+"""What to change after an out-of-memory: the recipe keys that usually free the most, most effective first."""
+
+from __future__ import annotations
+
+from bigtune.recipe import Recipe
+
+
+def oom_advice(r: Recipe) -> list[str]:
+    """What usually frees the most memory for this recipe, most effective first."""
+    out = []
+    if r.strategy == "fsdp" and r.fsdp_wrap == "none" and r.world_size > 1:
+        out.append(
+            "fsdp_wrap=block (one FSDP unit per decoder block: the whole model is no longer gathered at "
+            "once, nor every gradient held unsharded until the backward ends)"
+        )
+    if r.strategy == "fsdp" and r.fsdp_grad_sync == "step" and r.accumulate > 1:
+        out.append(
+            "fsdp_grad_sync=micro_batch (gradients reduce-scattered after every micro-batch: each rank keeps "
+            "only its shard, not every unsharded gradient through the window)"
+        )
+    if r.train.micro_batch_size > 1:
+        half = max(1, r.train.micro_batch_size // 2)
+        if r.optim.in_backward:  # it cannot accumulate: the global batch shrinks with it
+            out.append(
+                f"train.micro_batch_size={half} (roughly half the activations; optim.in_backward cannot "
+                "accumulate, so the batch halves too)"
+            )
+        else:
+            out.append(
+                f"train.micro_batch_size={half} with train.accumulate_grad_batches={r.accumulate * 2} "
+                "(same global batch, roughly half the activations)"
+            )
+    if not r.train.activation_checkpointing:
+        out.append("train.activation_checkpointing=true (activations drop to about one layer input per layer)")
+    if r.precision in ("32-true", "bf16-mixed", "16-mixed"):
+        out.append("precision=bf16-true (halves parameters, gradients and optimizer state)")
+    if r.optim.name == "adamw":
+        out.append("optim.name=sgd (no optimizer state; expect slower convergence)")
+    if not r.optim.in_backward and r.world_size == 1 and r.optim.name in ("adamw", "sgd", "adamw8bit", "adam8bit"):
+        out.append(
+            "optim.in_backward=true (each weight steps inside the backward: no full set of gradients; needs "
+            "train.accumulate_grad_batches=1 and optim.grad_clip=null)"
+        )
+    return out
