@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     from lightning.fabric.strategies.ddp import DDPStrategy
 
     import bigtune.recipe as recipe
-    from bigtune.cli.main import main as cli_main
+    from bigtune.cli.app import main as cli_main
 
     check = recipe.check_deepspeed
 

@@ -29,8 +29,14 @@ pytest.importorskip("mkdocstrings", reason="mkdocstrings is not installed: pip i
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"),
-                           "-d", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"), "-d", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (out / "index.html").is_file()
     return out
@@ -122,17 +128,27 @@ def _chromium() -> str | None:
 
 
 def _run_chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", f"--user-data-dir={profile}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+    ]
     return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=60)
 
 
 def test_home_page_renders_in_chromium(site, tmp_path):
     binary = _chromium()
     if binary is None:
-        pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run installs it): "
-                    "the home page was not rendered")
+        pytest.skip(
+            "Chromium is not installed (apt-get install chromium; .ci/run installs it): the home page was not rendered"
+        )
     url = (site / "index.html").as_uri()
     dom = _run_chromium(binary, tmp_path / "profile-dom", "--virtual-time-budget=3000", "--dump-dom", url)
     assert dom.returncode == 0, dom.stderr[-2000:]
@@ -144,8 +160,15 @@ def test_home_page_renders_in_chromium(site, tmp_path):
     assert "lab-single-tiny-memory.png" in html
 
     png = tmp_path / "home.png"
-    shot = _run_chromium(binary, tmp_path / "profile-shot", "--window-size=1280,900", "--hide-scrollbars",
-                         "--virtual-time-budget=3000", f"--screenshot={png}", url)
+    shot = _run_chromium(
+        binary,
+        tmp_path / "profile-shot",
+        "--window-size=1280,900",
+        "--hide-scrollbars",
+        "--virtual-time-budget=3000",
+        f"--screenshot={png}",
+        url,
+    )
     assert shot.returncode == 0, shot.stderr[-2000:]
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "the screenshot is not a PNG"

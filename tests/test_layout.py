@@ -87,6 +87,4 @@ def test_a_long_function_says_why():
                 doc = ast.get_docstring(node) or ""
                 if lines > MAX_FUNCTION_LINES and "Long because" not in doc:
                     bad.append(f"{name}.{node.name}: {lines} lines")
-    assert not bad, "split these, or say in the docstring why they stay whole ('Long because ...'):\n" + "\n".join(
-        bad
-    )
+    assert not bad, "split these, or say in the docstring why they stay whole ('Long because ...'):\n" + "\n".join(bad)

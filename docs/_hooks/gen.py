@@ -4,10 +4,9 @@ A page holds a marker line such as ``<!-- generated: recipe-keys -->``; ``on_pag
 with Markdown built from bigtune itself, so the reference cannot drift from the code:
 
 - ``recipe-keys``: every recipe key, from ``bigtune.recipe.schema_markdown()``;
-- ``cli``: every command and flag, from the argparse parser (``bigtune.cli.build_parser``, or the older
-  ``bigtune.cli._parser``);
+- ``cli``: every command and flag, from the argparse parser (``bigtune.cli.build_parser``);
 - ``exit-codes``: the exit codes the CLI defines;
-- ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus`` or ``bigtune.gpus``).
+- ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus``).
 
 The hook imports bigtune, so build the site from an environment where it is installed (``pip install -e
 '.[docs]'``).
@@ -33,13 +32,9 @@ def _recipe_keys() -> str:
 
 
 def _root_parser() -> argparse.ArgumentParser:
-    import bigtune.cli as cli
+    from bigtune.cli import build_parser
 
-    for name in ("build_parser", "_parser"):
-        factory = getattr(cli, name, None)
-        if callable(factory):
-            return factory()
-    raise RuntimeError("bigtune.cli has neither build_parser() nor _parser(); update docs/_hooks/gen.py")
+    return build_parser()
 
 
 def _subcommands(parser: argparse.ArgumentParser):
@@ -74,8 +69,12 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
         extra = []
         if action.required and action.option_strings:
             extra.append("required")
-        if (action.option_strings and action.nargs != 0 and action.default not in (None, [], False, "")
-                and "default" not in (help_text or "")):
+        if (
+            action.option_strings
+            and action.nargs != 0
+            and action.default not in (None, [], False, "")
+            and "default" not in (help_text or "")
+        ):
             extra.append(f"default `{action.default}`")
         if action.choices:
             extra.append("one of " + ", ".join(f"`{c}`" for c in action.choices))
@@ -102,7 +101,12 @@ def _cli() -> str:
     out += [f"| [`bigtune {name}`](#bigtune-{name}) | {_cell(help_)} |" for name, help_, _ in commands]
     out += ["", "Options of `bigtune` itself:", "", "| argument | meaning |", "|---|---|", *_flag_rows(root), ""]
     for name, help_, sub in commands:
-        out += [f"## `bigtune {name}` {{#bigtune-{name}}}", "", _cell(help_) + ("." if help_ and not help_.endswith(".") else ""), ""]
+        out += [
+            f"## `bigtune {name}` {{#bigtune-{name}}}",
+            "",
+            _cell(help_) + ("." if help_ and not help_.endswith(".") else ""),
+            "",
+        ]
         if sub.description:
             out += [_cell(sub.description), ""]
         out += [f"```text\n{_usage(sub)}\n```", ""]
@@ -110,58 +114,59 @@ def _cli() -> str:
         if rows:
             out += ["| argument | meaning |", "|---|---|", *rows, ""]
         for sub_name, sub_help, subsub in _subcommands(sub):  # nested verbs, if any
-            out += [f"### `bigtune {name} {sub_name}`", "", _cell(sub_help), "", f"```text\n{_usage(subsub)}\n```", "",
-                    "| argument | meaning |", "|---|---|", *_flag_rows(subsub), ""]
+            out += [
+                f"### `bigtune {name} {sub_name}`",
+                "",
+                _cell(sub_help),
+                "",
+                f"```text\n{_usage(subsub)}\n```",
+                "",
+                "| argument | meaning |",
+                "|---|---|",
+                *_flag_rows(subsub),
+                "",
+            ]
     return "\n".join(out) + "\n"
 
 
 def _exit_codes() -> str:
-    import importlib
+    from bigtune.cli import app as cli_main
 
-    modules = [importlib.import_module("bigtune.cli")]
-    try:  # after the package split the constants may live in bigtune.cli.main
-        modules.append(importlib.import_module("bigtune.cli.main"))
-    except ImportError:
-        pass
+    modules = [cli_main]
 
     names = {
         "EXIT_OK": "success",
         "EXIT_ERROR": "unexpected error (a bug, or a failure bigtune did not foresee); the traceback is printed",
         "EXIT_BAD_INPUT": "bad input: recipe, data, model or arguments; one message, nothing written",
         "EXIT_OOM": "out of memory; `summary.json` records where",
+        "EXIT_INTERRUPTED": "stopped by Ctrl-C (SIGINT) after writing a checkpoint; resume with `--resume`",
         "EXIT_PREEMPTED": "stopped by SIGTERM after writing a checkpoint; resume with `--resume` or `--auto-resume`",
     }
     rows = ["| code | constant | meaning |", "|---|---|---|"]
     for const, meaning in names.items():
         value = next((getattr(m, const) for m in modules if hasattr(m, const)), None)
         if value is None:
-            raise RuntimeError(f"bigtune.cli.{const} is missing; update docs/_hooks/gen.py")
+            raise RuntimeError(f"bigtune.cli.app.{const} is missing; update docs/_hooks/gen.py")
         rows.append(f"| `{value}` | `{const}` | {meaning} |")
     return "\n".join(rows) + "\n"
 
 
 def _gpu_catalog() -> str:
-    import importlib
-
-    catalog = None
-    for name in ("bigtune.core.gpus", "bigtune.gpus"):
-        try:
-            catalog = importlib.import_module(name).CATALOG
-            break
-        except (ImportError, AttributeError):
-            continue
-    if catalog is None:
-        raise RuntimeError("no GPU catalog found in bigtune.core.gpus or bigtune.gpus; update docs/_hooks/gen.py")
+    from bigtune.core.gpus import CATALOG as catalog
 
     def num(v, fmt="{:g}"):
         return "-" if v is None else fmt.format(v)
 
-    rows = ["| `--gpu` key | GPU | memory (GiB) | bf16 TFLOP/s | fp32 TFLOP/s | memory GB/s | link | also accepted |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| `--gpu` key | GPU | memory (GiB) | bf16 TFLOP/s | fp32 TFLOP/s | memory GB/s | link | also accepted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, g in catalog.items():
         aliases = ", ".join(f"`{a}`" for a in g.aliases if " " not in a and a != key)
-        rows.append(f"| `{key}` | {_cell(g.name)} | {num(g.memory_gib)} | {num(g.bf16_tflops)} | {num(g.fp32_tflops)} "
-                    f"| {num(g.mem_bandwidth_gbs)} | {_cell(g.interconnect)} | {aliases} |")
+        rows.append(
+            f"| `{key}` | {_cell(g.name)} | {num(g.memory_gib)} | {num(g.bf16_tflops)} | {num(g.fp32_tflops)} "
+            f"| {num(g.mem_bandwidth_gbs)} | {_cell(g.interconnect)} | {aliases} |"
+        )
     return "\n".join(rows) + "\n"
 
 

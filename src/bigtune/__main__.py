@@ -1,5 +1,5 @@
 import sys
 
-from bigtune.cli.main import main
+from bigtune.cli.app import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """The command line: thin verbs that parse, call one function and print."""
 
-from bigtune.cli.main import build_parser, main
+from bigtune.cli.app import build_parser, main
 
 __all__ = ["build_parser", "main"]

@@ -50,7 +50,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
@@ -683,6 +683,42 @@ def run_sweep(
             lock.close()
 
 
+@dataclass
+class _SweepRun:
+    """What the steps of one locked sweep share: its folder and options, its rows and sweep.json's document."""
+
+    sweep: Sweep
+    out: Path
+    tiny: bool
+    rerun: bool
+    timeout_s: Optional[float]
+    refused: dict[str, list[str]]
+    say: Callable[..., None]
+    base_file: Path
+    doc: dict
+    rows: list[dict] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def base_row(self, v: Variant) -> dict:
+        """The fields every row of ``v`` starts from, whatever its status."""
+        row = {
+            "variant": v.name,
+            "note": v.note,
+            "expect": v.expect,
+            "overrides": self.sweep.overrides_for(v, self.tiny),
+            "run_dir": str(self.out / v.name),
+        }
+        if self.tiny and v.tiny_note:
+            row["tiny_note"] = v.tiny_note
+        return row
+
+    def save(self) -> None:
+        """Rewrite ``out/sweep.json`` atomically with the current rows."""
+        self.doc["rows"] = self.rows
+        self.doc["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        _atomic_json(self.out / "sweep.json", self.doc)
+
+
 def _run_locked(
     sweep: Sweep,
     path,
@@ -696,21 +732,50 @@ def _run_locked(
     extra,
     say,
 ) -> list[dict]:
+    """Run the ``chosen`` variants while holding the sweep's lock; return one row per variant."""
+    base_file = _base_file(sweep, out)
+    previous = _previous_rows(out / "sweep.json")
+    command = _sweep_command(path, out, tiny, rerun, timeout_s, only, extra)
+    doc = _sweep_doc(sweep, out, tiny, command)
+    run = _SweepRun(sweep, out, tiny, rerun, timeout_s, refused, say, base_file, doc)
+    for v in sweep.variants:
+        run.rows.append(_starting_row(run, v, previous.get(v.name)))
+    run.save()
+    say(
+        f"sweep {sweep.name}: {len(chosen)} of {len(sweep.variants)} variants, base {sweep.base_label()}"
+        f"{' (tiny)' if tiny else ''}; results in {out}"
+    )
+    cannot = [v.name for v in chosen if v.name in refused]
+    if cannot:
+        say(f"{len(cannot)} variant(s) cannot run here and are recorded as refused: {', '.join(cannot)}")
+    run.env = _child_env()
+    for i, v in enumerate(chosen, 1):
+        _run_variant(run, v, f"[{i}/{len(chosen)}]")
+    return run.rows
+
+
+def _base_file(sweep: Sweep, out: Path) -> Path:
+    """The recipe file each variant's process trains from: the sweep's own, or its inline one written out."""
     if isinstance(sweep.base, Path):
-        base_file = sweep.base
-    else:
-        base_file = out / "base-recipe.yaml"
-        base_file.write_text(yaml.safe_dump(sweep.base, sort_keys=False))
+        return sweep.base
+    base_file = out / "base-recipe.yaml"
+    base_file.write_text(yaml.safe_dump(sweep.base, sort_keys=False))
+    return base_file
 
-    previous: dict[str, dict] = {}
-    sweep_json = out / "sweep.json"
-    if sweep_json.is_file():
-        try:
-            previous = {r["variant"]: r for r in json.loads(sweep_json.read_text()).get("rows", [])}
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
-            previous = {}
 
-    command = (
+def _previous_rows(sweep_json: Path) -> dict[str, dict]:
+    """An earlier sweep's rows in ``sweep_json``, by variant name; none when it is missing or unreadable."""
+    if not sweep_json.is_file():
+        return {}
+    try:
+        return {r["variant"]: r for r in json.loads(sweep_json.read_text()).get("rows", [])}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return {}
+
+
+def _sweep_command(path, out: Path, tiny: bool, rerun: bool, timeout_s: Optional[float], only, extra) -> list[str]:
+    """The ``bigtune sweep`` command line that runs this sweep again (recorded in sweep.json)."""
+    return (
         ["bigtune", "sweep", str(path)]
         + (["--tiny"] if tiny else [])
         + (["--rerun"] if rerun else [])
@@ -719,7 +784,11 @@ def _run_locked(
         + (["--only", *only] if only else [])
         + [a for k, v in (extra or {}).items() for a in ("--set", f"{k}={_yaml_value(v)}")]
     )
-    doc = {
+
+
+def _sweep_doc(sweep: Sweep, out: Path, tiny: bool, command: list[str]) -> dict:
+    """sweep.json's document, without rows yet: what was run, how, and each variant's changes."""
+    return {
         "format": 1,
         "name": sweep.name,
         "description": sweep.description,
@@ -744,171 +813,198 @@ def _run_locked(
         "rows": [],
     }
 
-    def base_row(v: Variant) -> dict:
+
+def _starting_row(run: _SweepRun, v: Variant, old: Optional[dict]) -> dict:
+    """Variant ``v``'s row before this sweep runs anything, from its earlier row ``old`` and its folder."""
+    summary = _read_summary(run.out / v.name)
+    if old is not None and old.get("status") == "running":
+        # The sweep that started it is gone (this one holds the lock): whatever it left is stale.
+        reaped = _reap_stale(old)
         row = {
-            "variant": v.name,
-            "note": v.note,
-            "expect": v.expect,
-            "overrides": sweep.overrides_for(v, tiny),
-            "run_dir": str(out / v.name),
+            **old,
+            **run.base_row(v),
+            "status": "interrupted",
+            "error": "the sweep was stopped while this variant ran; it runs again from the start",
         }
-        if tiny and v.tiny_note:
-            row["tiny_note"] = v.tiny_note
+        row.pop("pid", None)
+        if reaped:
+            run.say(f"{v.name}: {reaped}")
         return row
+    if summary is not None and summary.get("status") in FINISHED:
+        return _reused_row(run, v, summary)
+    if old is not None:
+        return {**old, **run.base_row(v)}
+    return {**run.base_row(v), "status": "pending"}
 
-    rows: list[dict] = []
-    for v in sweep.variants:
-        old = previous.get(v.name)
-        summary = _read_summary(out / v.name)
-        if old is not None and old.get("status") == "running":
-            # The sweep that started it is gone (this one holds the lock): whatever it left is stale.
-            reaped = _reap_stale(old)
-            row = {
-                **old,
-                **base_row(v),
-                "status": "interrupted",
-                "error": "the sweep was stopped while this variant ran; it runs again from the start",
-            }
-            row.pop("pid", None)
-            if reaped:
-                say(f"{v.name}: {reaped}")
-        elif summary is not None and summary.get("status") in FINISHED:
-            row = {**base_row(v), **row_from_summary(summary), "reused": True}
-            row["expect_met"] = None if v.expect is None else row["status"] == v.expect
-        elif old is not None:
-            row = {**old, **base_row(v)}
-        else:
-            row = {**base_row(v), "status": "pending"}
-        rows.append(row)
 
-    def save() -> None:
-        doc["rows"] = rows
-        doc["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        _atomic_json(sweep_json, doc)
+def _reused_row(run: _SweepRun, v: Variant, summary: dict) -> dict:
+    """The row of a variant whose finished run (``summary``) is kept rather than run again."""
+    row = {**run.base_row(v), **row_from_summary(summary), "reused": True}
+    row["expect_met"] = None if v.expect is None else row["status"] == v.expect
+    return row
 
-    save()
-    say(
-        f"sweep {sweep.name}: {len(chosen)} of {len(sweep.variants)} variants, base {sweep.base_label()}"
-        f"{' (tiny)' if tiny else ''}; results in {out}"
-    )
-    cannot = [v.name for v in chosen if v.name in refused]
-    if cannot:
-        say(f"{len(cannot)} variant(s) cannot run here and are recorded as refused: {', '.join(cannot)}")
-    env = _child_env()
-    for i, v in enumerate(chosen, 1):
-        idx = next(j for j, r in enumerate(rows) if r["variant"] == v.name)
-        run_dir = out / v.name
-        prev = _read_summary(run_dir)
-        if prev is not None and prev.get("status") in FINISHED and not rerun:
-            rows[idx] = {**base_row(v), **row_from_summary(prev), "reused": True}
-            rows[idx]["expect_met"] = None if v.expect is None else rows[idx]["status"] == v.expect
-            say(f"[{i}/{len(chosen)}] {v.name}: already finished ({_one_line(rows[idx])}); --rerun runs it again")
-            save()
-            continue
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # an earlier attempt's leftovers; the engine would pick <variant>-2 otherwise
-        if v.name in refused:
-            reasons = refused[v.name]
-            rows[idx] = {
-                **base_row(v),
-                "status": "refused",
-                "reasons": reasons,
-                "error": "; ".join(reasons),
-                "reused": False,
-            }
-            rows[idx]["expect_met"] = None if v.expect is None else False
-            save()
-            say(f"[{i}/{len(chosen)}] {v.name}: refused, not run:\n    " + "\n    ".join(reasons))
-            continue
-        over = sweep.overrides_for(v, tiny)
-        args = [sys.executable, "-m", "bigtune", "train", str(base_file)]
-        for k, val in over.items():
-            args += ["--set", f"{k}={_yaml_value(val)}"]
-        args += ["--set", f"output_dir={_yaml_value(str(run_dir))}"]
-        limit = v.timeout_s or timeout_s or sweep.timeout_s
-        live_log = out / f".{v.name}.running.log"
-        say(f"[{i}/{len(chosen)}] {v.name}: running{f' (timeout {limit:.0f} s)' if limit else ''}; log: {live_log}")
-        t0 = time.perf_counter()
-        status_override = None
-        pre = None
-        if sys.platform.startswith("linux"):
-            me = os.getpid()
-            pre = lambda: _die_with_parent(me)  # noqa: E731
-        with live_log.open("w") as log:
-            log.write("$ " + " ".join(_shell_quote(a) for a in args) + "\n")
-            log.flush()
-            proc = subprocess.Popen(
-                args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=hasattr(os, "killpg"),
-                preexec_fn=pre,
-            )
-            try:
-                rows[idx] = {
-                    **base_row(v),
-                    "status": "running",
-                    "pid": proc.pid,
-                    "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "log": str(live_log),
-                }
-                save()
-                code = proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
-                _kill(proc)
-                code = proc.returncode
-                status_override = "timeout"
-                log.write(f"\nbigtune sweep: killed after {limit:.0f} s (timeout)\n")
-            except BaseException as e:
-                _kill(proc)
-                why = "SIGTERM" if isinstance(e, SweepStopped) else type(e).__name__
-                log.write(f"\nbigtune sweep: interrupted ({why})\n")
-                rows[idx] = {
-                    **base_row(v),
-                    "status": "interrupted",
-                    "exit_code": proc.returncode,
-                    "error": f"the sweep was stopped ({why}) while this variant ran; it runs again from "
-                    "the start on the next sweep",
-                    "log": str(run_dir / LOG_NAME),
-                }
-                log.close()
-                _move_log(live_log, run_dir)
-                save()
-                raise
-        wall = time.perf_counter() - t0
-        _move_log(live_log, run_dir)
-        summary = _read_summary(run_dir)
-        row = base_row(v)
-        if status_override is not None:
-            row.update({"status": status_override, "timeout_s": limit})
-            if summary is not None:
-                row["partial_summary"] = row_from_summary(summary)
-        elif summary is not None:
-            row.update(row_from_summary(summary))
-        else:
-            row.update({"status": "crashed"})
-        row.update(
-            {
-                "exit_code": code,
-                "process_seconds": wall,
-                "log": str(run_dir / LOG_NAME),
-                "command": args,
-                "reused": False,
-            }
+
+def _refused_row(run: _SweepRun, v: Variant, reasons: list[str]) -> dict:
+    """The row of a variant the recipe checks refused: not run, with the reasons."""
+    row = {
+        **run.base_row(v),
+        "status": "refused",
+        "reasons": reasons,
+        "error": "; ".join(reasons),
+        "reused": False,
+    }
+    row["expect_met"] = None if v.expect is None else False
+    return row
+
+
+def _run_variant(run: _SweepRun, v: Variant, tag: str) -> None:
+    """Reuse, refuse or run one chosen variant, and record its row; ``tag`` is its "[i/n]" for messages."""
+    idx = next(j for j, r in enumerate(run.rows) if r["variant"] == v.name)
+    run_dir = run.out / v.name
+    prev = _read_summary(run_dir)
+    if prev is not None and prev.get("status") in FINISHED and not run.rerun:
+        run.rows[idx] = _reused_row(run, v, prev)
+        run.say(f"{tag} {v.name}: already finished ({_one_line(run.rows[idx])}); --rerun runs it again")
+        run.save()
+        return
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # an earlier attempt's leftovers; the engine would pick <variant>-2 otherwise
+    if v.name in run.refused:
+        reasons = run.refused[v.name]
+        run.rows[idx] = _refused_row(run, v, reasons)
+        run.save()
+        run.say(f"{tag} {v.name}: refused, not run:\n    " + "\n    ".join(reasons))
+        return
+    args = _train_args(run, v, run_dir)
+    limit = v.timeout_s or run.timeout_s or run.sweep.timeout_s
+    live_log = run.out / f".{v.name}.running.log"
+    run.say(f"{tag} {v.name}: running{f' (timeout {limit:.0f} s)' if limit else ''}; log: {live_log}")
+    t0 = time.perf_counter()
+    code, status_override = _run_child(run, idx, v, args, limit, live_log)
+    wall = time.perf_counter() - t0
+    _move_log(live_log, run_dir)
+    row = _outcome_row(run, v, args, code, status_override, limit, wall)
+    run.rows[idx] = row
+    run.save()
+    run.say(f"{tag} {v.name}: {_one_line(row)} ({wall:.1f} s)")
+    if row["status"] not in FINISHED and row.get("log_tail"):
+        run.say("    " + "\n    ".join(row["log_tail"].splitlines()[-5:]))
+
+
+def _train_args(run: _SweepRun, v: Variant, run_dir: Path) -> list[str]:
+    """The ``python -m bigtune train`` command line of variant ``v``, writing into ``run_dir``."""
+    over = run.sweep.overrides_for(v, run.tiny)
+    args = [sys.executable, "-m", "bigtune", "train", str(run.base_file)]
+    for k, val in over.items():
+        args += ["--set", f"{k}={_yaml_value(val)}"]
+    args += ["--set", f"output_dir={_yaml_value(str(run_dir))}"]
+    return args
+
+
+def _run_child(
+    run: _SweepRun, idx: int, v: Variant, args: list[str], limit: Optional[float], live_log: Path
+) -> tuple[Optional[int], Optional[str]]:
+    """Run variant ``v``'s process with its log in ``live_log``, for at most ``limit`` seconds.
+
+    Returns the exit code and "timeout" when the limit killed it (else None). Its row says ``running``
+    (with the process id) while it runs. An interruption (SIGTERM, Ctrl-C) stops the process, records
+    the row as ``interrupted`` and is raised again.
+    """
+    status_override = None
+    pre = None
+    if sys.platform.startswith("linux"):
+        me = os.getpid()
+        pre = lambda: _die_with_parent(me)  # noqa: E731
+    with live_log.open("w") as log:
+        log.write("$ " + " ".join(_shell_quote(a) for a in args) + "\n")
+        log.flush()
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=run.env,
+            start_new_session=hasattr(os, "killpg"),
+            preexec_fn=pre,
         )
-        if row["status"] not in FINISHED:
-            row["log_tail"] = _tail(run_dir / LOG_NAME)
-            if not row.get("error"):
-                row["error"] = _reason_from_log(row["log_tail"], row["status"], code, limit)
-        row["expect_met"] = None if v.expect is None else row["status"] == v.expect
-        rows[idx] = row
-        save()
-        say(f"[{i}/{len(chosen)}] {v.name}: {_one_line(row)} ({wall:.1f} s)")
-        if row["status"] not in FINISHED and row.get("log_tail"):
-            say("    " + "\n    ".join(row["log_tail"].splitlines()[-5:]))
-    return rows
+        try:
+            run.rows[idx] = {
+                **run.base_row(v),
+                "status": "running",
+                "pid": proc.pid,
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "log": str(live_log),
+            }
+            run.save()
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            code = proc.returncode
+            status_override = "timeout"
+            log.write(f"\nbigtune sweep: killed after {limit:.0f} s (timeout)\n")
+        except BaseException as e:
+            _kill(proc)
+            _record_interrupted(run, idx, v, proc, log, live_log, e)
+            raise
+    return code, status_override
+
+
+def _record_interrupted(
+    run: _SweepRun, idx: int, v: Variant, proc: subprocess.Popen, log, live_log: Path, e: BaseException
+) -> None:
+    """Record variant ``v``, whose stopped process is ``proc``, as interrupted by ``e``; keep its log."""
+    run_dir = run.out / v.name
+    why = "SIGTERM" if isinstance(e, SweepStopped) else type(e).__name__
+    log.write(f"\nbigtune sweep: interrupted ({why})\n")
+    run.rows[idx] = {
+        **run.base_row(v),
+        "status": "interrupted",
+        "exit_code": proc.returncode,
+        "error": f"the sweep was stopped ({why}) while this variant ran; it runs again from "
+        "the start on the next sweep",
+        "log": str(run_dir / LOG_NAME),
+    }
+    log.close()
+    _move_log(live_log, run_dir)
+    run.save()
+
+
+def _outcome_row(
+    run: _SweepRun,
+    v: Variant,
+    args: list[str],
+    code: Optional[int],
+    status_override: Optional[str],
+    limit: Optional[float],
+    wall: float,
+) -> dict:
+    """Variant ``v``'s row once its process ended: its summary (if it wrote one), exit code and log."""
+    run_dir = run.out / v.name
+    summary = _read_summary(run_dir)
+    row = run.base_row(v)
+    if status_override is not None:
+        row.update({"status": status_override, "timeout_s": limit})
+        if summary is not None:
+            row["partial_summary"] = row_from_summary(summary)
+    elif summary is not None:
+        row.update(row_from_summary(summary))
+    else:
+        row.update({"status": "crashed"})
+    row.update(
+        {
+            "exit_code": code,
+            "process_seconds": wall,
+            "log": str(run_dir / LOG_NAME),
+            "command": args,
+            "reused": False,
+        }
+    )
+    if row["status"] not in FINISHED:
+        row["log_tail"] = _tail(run_dir / LOG_NAME)
+        if not row.get("error"):
+            row["error"] = _reason_from_log(row["log_tail"], row["status"], code, limit)
+    row["expect_met"] = None if v.expect is None else row["status"] == v.expect
+    return row
 
 
 def _reason_from_log(tail: str, status: str, code: Optional[int], limit: Optional[float]) -> str:
