@@ -229,6 +229,8 @@ PUBLISHED_PARAMS = {
     "microsoft/phi-2": 2_779_683_840,
     "microsoft/phi-1_5": 1_418_270_720,
     "google/gemma-2b": 2_506_172_416,
+    "google/gemma-2-2b": 2_614_341_888,  # model card: 2.61 B
+    "bigscience/bloom-560m": 559_214_592,  # model card: 559 M
 }
 
 

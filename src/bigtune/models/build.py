@@ -167,6 +167,43 @@ def auto_class(family: str):
     return AutoModelForCausalLM
 
 
+def attention_for(model_cfg: ModelConfig, config) -> tuple[str, Optional[str]]:
+    """The attention implementation a model of ``config`` runs with, and a note when it is not the recipe's.
+
+    transformers refuses ``sdpa`` for architectures whose attention has no SDPA path (Gemma-2 with its
+    logit soft-capping, BLOOM with ALiBi, ...): rather than fail, such a model runs eager attention, the
+    only kernel it has, and the run and the plan say so.
+    """
+    wanted = model_cfg.attn_implementation
+    if wanted != "sdpa":
+        return wanted, None
+    try:
+        cls = auto_class(model_cfg.family)._model_mapping[type(config)]
+    except (KeyError, AttributeError):  # a remote-code model: transformers decides when it loads it
+        return wanted, None
+    if getattr(cls, "_supports_sdpa", True):
+        return wanted, None
+    return "eager", (
+        f"model.attn_implementation: {cls.__name__} has no SDPA attention in transformers, so eager attention "
+        "is used (it keeps the S×S attention weights for backward); set model.attn_implementation=eager to "
+        "silence this"
+    )
+
+
+def _pretrained_attention(cfg: ModelConfig) -> str:
+    if cfg.attn_implementation != "sdpa":
+        return cfg.attn_implementation
+    from bigtune.models.configs import resolve_config_name
+
+    try:
+        attn, note = attention_for(cfg, resolve_config_name(cfg))
+    except ModelError:  # no config to read here: from_pretrained then says what is missing
+        return cfg.attn_implementation
+    if note:
+        print(f"note: {note}", flush=True)
+    return attn
+
+
 def label_config(label_names: Optional[list]) -> dict:
     """Config keys that give a classification head its classes (empty for other families)."""
     if not label_names:
@@ -180,7 +217,7 @@ def label_config(label_names: Optional[list]) -> dict:
 
 
 def _from_pretrained(
-    name: str, cfg: ModelConfig, dtype: torch.dtype, quant, label_names: Optional[list] = None
+    name: str, cfg: ModelConfig, dtype: torch.dtype, quant, label_names: Optional[list] = None, attn: str = "sdpa"
 ) -> torch.nn.Module:
     AutoModelForCausalLM = auto_class(cfg.family)
 
@@ -194,7 +231,7 @@ def _from_pretrained(
             revision=cfg.revision,
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attn,
             quantization_config=quant,
             **hub_kwargs(name),
             **kwargs,
@@ -230,7 +267,10 @@ def build_model(
             from bigtune.models.configs import resolve_config_name
 
             config = resolve_config_name(cfg)
-        config._attn_implementation = cfg.attn_implementation
+        attn, note = attention_for(cfg, config)
+        if note:
+            print(f"note: {note}", flush=True)
+        config._attn_implementation = attn
         for key, value in label_config(label_names).items():
             setattr(config, key, value)
         torch.manual_seed(seed)
@@ -242,7 +282,7 @@ def build_model(
             tokenizer.save_pretrained(base_dir)
         if quant is not None:
             del model
-            model = _from_pretrained(str(base_dir), cfg, dtype, quant, label_names)
+            model = _from_pretrained(str(base_dir), cfg, dtype, quant, label_names, attn)
     else:
         name = _local_or_id(cfg.name)
         local = Path(name).is_dir()
@@ -259,7 +299,7 @@ def build_model(
                     + name
                     + "-st')\"` and point model.name at the new folder."
                 )
-        model = _from_pretrained(name, cfg, dtype, quant, label_names)
+        model = _from_pretrained(name, cfg, dtype, quant, label_names, _pretrained_attention(cfg))
     model.config.use_cache = False
     if cfg.family == "sequence-classification" and model.config.pad_token_id is None:
         # Llama-style heads pool the last non-pad token, found by comparing ids with pad_token_id.
