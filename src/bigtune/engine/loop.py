@@ -45,6 +45,7 @@ from bigtune.engine.meter import WindowMeter
 from bigtune.engine.optim import make_optimizer
 from bigtune.memory import monitor as mem
 from bigtune.models.build import (
+    PLAIN_HEAD_TYPES,
     apply_peft,
     build_model,
     compile_blocks,
@@ -433,15 +434,23 @@ def _text_shape(batch: dict) -> list[int]:
     return [int(b), int(n)]
 
 
+def loss_chunk_skipped(r: Recipe, model_type: Optional[str]) -> Optional[str]:
+    """Why ``train.loss_chunk_tokens`` does not apply to this run (None when it does, or is off)."""
+    if not r.train.loss_chunk_tokens:
+        return None
+    if r.strategy == "fsdp" or r.strategy.startswith("deepspeed"):
+        return f"strategy={r.strategy} shards the output layer, which the chunked loss reads whole"
+    if r.model.family != "causal-lm":
+        return f"model.family={r.model.family} computes its own loss"
+    if model_type not in PLAIN_HEAD_TYPES:
+        return f"model type {model_type!r} post-processes its logits (chunked for: {', '.join(PLAIN_HEAD_TYPES)})"
+    return None
+
+
 def chunked_loss_head(r: Recipe, model) -> Optional[torch.nn.Linear]:
     """The output layer to compute the loss from in chunks, or None for the plain loss (chunking off,
     or a model/strategy it does not apply to: see train.loss_chunk_tokens)."""
-    if (
-        not r.train.loss_chunk_tokens
-        or r.strategy == "fsdp"
-        or r.strategy.startswith("deepspeed")
-        or r.model.family != "causal-lm"
-    ):
+    if not r.train.loss_chunk_tokens or loss_chunk_skipped(r, "llama") is not None:
         return None
     return plain_output_head(model)
 
@@ -954,6 +963,11 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
             f"data-parallel ranks (optim.lr_scaling)",
             flush=True,
         )
+    if r.train.loss_chunk_tokens and chunked_loss_head(r, b.model) is None:
+        why = loss_chunk_skipped(r, getattr(getattr(b.model, "config", None), "model_type", None)) or (
+            "the output layer carries adapters or is quantized"
+        )
+        print(f"note: train.loss_chunk_tokens={r.train.loss_chunk_tokens} is not used: {why}", flush=True)
     from bigtune.engine.strategies import MEMORY_NOTE_DEEPSPEED, is_deepspeed
 
     if is_deepspeed(r) and r.memory.enabled:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from bigtune.models.configs import resolve_config
@@ -114,6 +115,34 @@ class Alternatives(list):
         self.evaluated = evaluated
 
 
+@dataclass
+class _Variants:
+    """The variants to plan (``todo``: label, overrides, GPUs, strategy, simulation key or interpolation)
+    and the simulations they need (``jobs``: sim_key → recipe, micro batch); ``several``: (GPUs, strategy)
+    → (overrides, micro, label) of the multi-GPU variants, for the retry with checkpointing."""
+
+    recipe: Recipe
+    cuda: bool
+    jobs: dict[str, tuple[Recipe, int]] = field(default_factory=dict)
+    todo: list[tuple[str, dict, int, str, Any]] = field(default_factory=list)
+    several: dict[tuple[int, str], tuple[dict, int, str]] = field(default_factory=dict)
+
+    @property
+    def g(self) -> int:
+        return self.recipe.global_batch_size
+
+    @property
+    def m0(self) -> int:
+        return self.recipe.train.micro_batch_size
+
+    def add(self, label: str, over: dict, gpus: int, strategy: str, r_sim: Recipe, micro: int) -> str:
+        """One variant simulated as ``r_sim`` at ``micro``; returns its simulation's key."""
+        key = sim_key(r_sim, micro)
+        self.jobs[key] = (r_sim, micro)
+        self.todo.append((label, over, gpus, strategy, key))
+        return key
+
+
 def alternatives(
     recipe: Recipe,
     target: Target,
@@ -139,10 +168,46 @@ def alternatives(
     config = config if config is not None else resolve_config(recipe)
     cuda = target.device == "cuda"
     workers = workers if workers is not None else min(4, os.cpu_count() or 1)
-    g, m0 = recipe.global_batch_size, recipe.train.micro_batch_size
+    vs = _Variants(recipe, cuda)
+    _single_gpu_variants(vs)
+    _multi_gpu_variants(vs, max_gpus)
+    if adapters:
+        _adapter_variants(vs)
+    _offload_variant(vs)
+    _zero_grad_variant(vs)
+    _in_backward_variants(vs)
+    _hidden_states_variant(vs)
+    n_evaluated = len(vs.todo)
+    _drop_hopeless(vs, config, target.capacity_bytes)
+    known = sims or {}
+    sims = {
+        **_run_sims({k: v for k, v in vs.jobs.items() if k not in known}, config, cuda, workers, target_arch(target)),
+        **{k: known[k] for k in vs.jobs if k in known},
+    }
+    plans, oom_several = _plan_variants(vs, target, config, sims)
+    # Where several GPUs were not enough though their share of the model states would fit (those were
+    # simulated), the activations are what is left: the same GPUs and strategy with activation
+    # checkpointing. Only there, so a model that already fits costs no more simulations.
+    if oom_several and not recipe.train.activation_checkpointing:
+        extra = _checkpointed_variants(vs, oom_several)
+        sims.update(
+            _run_sims(
+                {k: (r_c, m) for *_, k, r_c, m in extra if k not in sims}, config, cuda, workers, target_arch(target)
+            )
+        )
+        n_evaluated += len(extra)
+        for label, o, gpus, strategy, k, _, _ in extra:
+            p = _plan_variant(recipe, o, target, gpus, strategy, label, config, sims[k])
+            if p.fits is None or p.fits:
+                plans.append(p)
+    plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
+    return Alternatives(plans, evaluated=n_evaluated)
+
+
+def _single_gpu_variants(vs: _Variants) -> None:
+    """One GPU: precision × activation checkpointing × optimizer, at the recipe's micro batch and smaller ones."""
+    recipe, g, m0 = vs.recipe, vs.g, vs.m0
     micro = [m for m in (1, 2, 4, 8, 16, 32, 64) if m < m0 and m0 % m == 0 and g % m == 0]
-    jobs: dict[str, tuple[Recipe, int]] = {}
-    todo: list[tuple[str, dict, int, str, Any]] = []
     for precision in ("bf16-true", "bf16-mixed", "32-true"):
         for ckpt in (False, True):
             for optim in ("adamw", "adamw8bit", "sgd"):
@@ -154,151 +219,145 @@ def alternatives(
                 }
                 base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
                 try:
-                    r_hi = simulation_recipe(_variant_recipe(recipe, over, cuda=cuda), "single")
+                    r_hi = simulation_recipe(_variant_recipe(recipe, over, cuda=vs.cuda), "single")
                 except RecipeError:
                     continue  # a combination training refuses (bf16 adapters in 32-true...) is no alternative
-                key_hi, key_lo = sim_key(r_hi, m0), sim_key(r_hi, 1)
-                jobs[key_hi] = (r_hi, m0)
-                todo.append((f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", key_hi))
+                key_hi = vs.add(f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", r_hi, m0)
                 # The recipe's own accumulation regime must hold at both ends for interpolation.
                 if micro and (g // m0 >= 2):
-                    jobs[key_lo] = (r_hi, 1)
-                    for m in micro:
-                        mo = {
-                            **over,
-                            "train.micro_batch_size": m,
-                            "train.accumulate_grad_batches": g // m,
-                            "train.global_batch_size": None,
-                        }
-                        how = key_lo if m == 1 else (key_lo, key_hi, m)
-                        tag = "" if m == 1 else " (interpolated)"
-                        todo.append((f"{base}, micro {m} × acc {g // m}{tag}", mo, 1, "single", how))
+                    _smaller_micro_variants(vs, over, base, r_hi, key_hi, micro)
+
+
+def _smaller_micro_variants(vs: _Variants, over: dict, base: str, r_hi: Recipe, key_hi: str, micro: list[int]) -> None:
+    """Micro batch 1 simulated, those between 1 and the recipe's interpolated (the same global batch)."""
+    g = vs.g
+    key_lo = sim_key(r_hi, 1)
+    vs.jobs[key_lo] = (r_hi, 1)
+    for m in micro:
+        mo = {
+            **over,
+            "train.micro_batch_size": m,
+            "train.accumulate_grad_batches": g // m,
+            "train.global_batch_size": None,
+        }
+        how = key_lo if m == 1 else (key_lo, key_hi, m)
+        tag = "" if m == 1 else " (interpolated)"
+        vs.todo.append((f"{base}, micro {m} × acc {g // m}{tag}", mo, 1, "single", how))
+
+
+def _multi_gpu_variants(vs: _Variants, max_gpus: int) -> None:
+    """2, 4, 8... GPUs (those that divide the global batch) under DDP, FSDP and ZeRO."""
     gpus = 2
-    several: dict[tuple[int, str], tuple[dict, int, str]] = {}  # (GPUs, strategy): (overrides, micro, label)
     while gpus <= max_gpus:
-        if g % gpus == 0:
-            per = g // gpus
-            m = max(d for d in range(1, min(m0, per) + 1) if per % d == 0)
-            over = {
-                "train.micro_batch_size": m,
-                "train.accumulate_grad_batches": per // m,
-                "train.global_batch_size": None,
-            }
-            if recipe.optim.in_backward:  # several GPUs sync the gradients: the usual step
-                over["optim.in_backward"] = False
-            r_g = _variant_recipe(recipe, over, cuda=cuda)
-            key = sim_key(r_g, m)
-            jobs[key] = (r_g, m)
-            for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
-                if _strategy_refused(r_g, strategy, gpus):
-                    continue  # e.g. a bitsandbytes base under FSDP or ZeRO: training would refuse it
-                # FSDP alternatives take the per-block units and per-micro-batch sync (the least memory),
-                # named where the recipe asked otherwise.
-                o, label = over, ""
-                if strategy == "fsdp" and (r_g.fsdp_wrap, r_g.fsdp_grad_sync) != ("block", "micro_batch"):
-                    o = {**over, "fsdp_wrap": "block", "fsdp_grad_sync": "micro_batch"}
-                    label = " (fsdp_wrap=block, fsdp_grad_sync=micro_batch)"
-                # DeepSpeed's step may differ from the recipe's (true 16-bit, CPU Adam): its own simulation.
-                r_s = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda) if label else r_g, strategy)
-                k_s = sim_key(r_s, m)
-                jobs[k_s] = (r_s, m)
-                todo.append(
-                    (
-                        f"{recipe.precision}, {gpus} GPUs {strategy}{label}, micro {m} × acc {per // m}",
-                        o,
-                        gpus,
-                        strategy,
-                        k_s,
-                    )
-                )
-                several[(gpus, strategy)] = (o, m, label)
+        if vs.g % gpus == 0:
+            _gpu_count_variants(vs, gpus)
         gpus *= 2
-    # The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
-    # QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
-    # QLoRA form. Labelled by what changes: adapters train fewer weights, which is a choice about the result.
-    if adapters and recipe.model.quantize == "none" and recipe.model.family != "sequence-classification":
-        adapters = [("QLoRA nf4", {"peft.method": "lora", "model.quantize": "nf4"})]
-        if recipe.peft.method == "none":
-            adapters.insert(0, ("LoRA", {"peft.method": "lora"}))
-        half = recipe.precision if recipe.precision != "32-true" else "bf16-true"
-        for name, extra in adapters:
-            for ckpt in (False, True):
-                over = {"precision": half, "train.activation_checkpointing": ckpt, "optim.name": "adamw", **extra}
-                # (check=False: a QLoRA plan needs no bitsandbytes here)
-                r_a = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
-                key = sim_key(r_a, m0)
-                jobs[key] = (r_a, m0)
-                todo.append(
-                    (
-                        f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × "
-                        f"acc {g // m0}",
-                        over,
-                        1,
-                        "single",
-                        key,
-                    )
-                )
-    # One GPU with ZeRO-2 and the optimizer in CPU RAM (the lab's DeepSpeed rung), the recipe's micro batch.
+
+
+def _gpu_count_variants(vs: _Variants, gpus: int) -> None:
+    recipe = vs.recipe
+    per = vs.g // gpus
+    m = max(d for d in range(1, min(vs.m0, per) + 1) if per % d == 0)
+    over = {
+        "train.micro_batch_size": m,
+        "train.accumulate_grad_batches": per // m,
+        "train.global_batch_size": None,
+    }
+    if recipe.optim.in_backward:  # several GPUs sync the gradients: the usual step
+        over["optim.in_backward"] = False
+    r_g = _variant_recipe(recipe, over, cuda=vs.cuda)
+    vs.jobs[sim_key(r_g, m)] = (r_g, m)
+    for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
+        if _strategy_refused(r_g, strategy, gpus):
+            continue  # e.g. a bitsandbytes base under FSDP or ZeRO: training would refuse it
+        # FSDP alternatives take the per-block units and per-micro-batch sync (the least memory),
+        # named where the recipe asked otherwise.
+        o, label = over, ""
+        if strategy == "fsdp" and (r_g.fsdp_wrap, r_g.fsdp_grad_sync) != ("block", "micro_batch"):
+            o = {**over, "fsdp_wrap": "block", "fsdp_grad_sync": "micro_batch"}
+            label = " (fsdp_wrap=block, fsdp_grad_sync=micro_batch)"
+        # DeepSpeed's step may differ from the recipe's (true 16-bit, CPU Adam): its own simulation.
+        r_s = simulation_recipe(_variant_recipe(recipe, o, cuda=vs.cuda) if label else r_g, strategy)
+        name = f"{recipe.precision}, {gpus} GPUs {strategy}{label}, micro {m} × acc {per // m}"
+        vs.add(name, o, gpus, strategy, r_s, m)
+        vs.several[(gpus, strategy)] = (o, m, label)
+
+
+def _adapter_variants(vs: _Variants) -> None:
+    """The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
+    QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
+    QLoRA form. Labelled by what changes: adapters train fewer weights, which is a choice about the result."""
+    recipe, g, m0 = vs.recipe, vs.g, vs.m0
+    if recipe.model.quantize != "none" or recipe.model.family == "sequence-classification":
+        return
+    kinds = [("QLoRA nf4", {"peft.method": "lora", "model.quantize": "nf4"})]
+    if recipe.peft.method == "none":
+        kinds.insert(0, ("LoRA", {"peft.method": "lora"}))
+    half = recipe.precision if recipe.precision != "32-true" else "bf16-true"
+    for name, extra in kinds:
+        for ckpt in (False, True):
+            over = {"precision": half, "train.activation_checkpointing": ckpt, "optim.name": "adamw", **extra}
+            # (check=False: a QLoRA plan needs no bitsandbytes here)
+            r_a = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+            label = (
+                f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × acc {g // m0}"
+            )
+            vs.add(label, over, 1, "single", r_a, m0)
+
+
+def _offload_variant(vs: _Variants) -> None:
+    """One GPU with ZeRO-2 and the optimizer in CPU RAM (the lab's DeepSpeed rung), the recipe's micro batch."""
+    recipe, g, m0 = vs.recipe, vs.g, vs.m0
     if not _strategy_refused(recipe, "deepspeed_stage_2_offload", 1):
         r_1 = simulation_recipe(recipe, "deepspeed_stage_2_offload")
-        k_1 = sim_key(r_1, m0)
-        jobs[k_1] = (r_1, m0)
-        todo.append(
-            (
-                f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}",
-                {},
-                1,
-                "deepspeed_stage_2_offload",
-                k_1,
-            )
-        )
+        label = f"{recipe.precision}, 1 GPU deepspeed_stage_2_offload, micro {m0} × acc {g // m0}"
+        vs.add(label, {}, 1, "deepspeed_stage_2_offload", r_1, m0)
+
+
+def _zero_grad_variant(vs: _Variants) -> None:
+    recipe, g, m0 = vs.recipe, vs.g, vs.m0
     if recipe.optim.zero_grad == "before_backward":
         # Lightning's order holds the last step's gradients through the next forward; the default frees them.
         over = {"optim.zero_grad": "after_step"}
         r_z = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
-        k_z = sim_key(r_z, m0)
-        jobs[k_z] = (r_z, m0)
-        todo.append(
-            (
-                f"{recipe.precision}, gradients freed after the step (optim.zero_grad=after_step), micro {m0} × "
-                f"acc {g // m0}",
-                over,
-                1,
-                "single",
-                k_z,
-            )
+        label = (
+            f"{recipe.precision}, gradients freed after the step (optim.zero_grad=after_step), micro {m0} × "
+            f"acc {g // m0}"
         )
-    if not recipe.optim.in_backward:
-        # Each weight stepped inside the backward, its gradient freed at once (no full set of gradients). It needs
-        # one GPU, accumulation 1 (the global batch becomes the micro batch) and no global-norm clipping.
-        for ckpt in (False, True):
-            over = {
-                "optim.in_backward": True,
-                "optim.grad_clip": None,
-                "train.activation_checkpointing": ckpt,
-                "train.micro_batch_size": g,
-                "train.accumulate_grad_batches": 1,
-                "train.global_batch_size": None,
-                "devices": 1,
-                "num_nodes": 1,
-                "strategy": "single",
-            }
-            try:
-                r_b = simulation_recipe(_variant_recipe(recipe, over, cuda=cuda), "single")
-            except RecipeError:
-                break  # the recipe's optimizer or precision cannot step in the backward
-            key = sim_key(r_b, g)
-            jobs[key] = (r_b, g)
-            todo.append(
-                (
-                    f"{recipe.precision}, optimizer in backward (optim.in_backward, no clipping), "
-                    f"{'ckpt' if ckpt else 'no ckpt'}, micro {g} × acc 1",
-                    over,
-                    1,
-                    "single",
-                    key,
-                )
-            )
+        vs.add(label, over, 1, "single", r_z, m0)
+
+
+def _in_backward_variants(vs: _Variants) -> None:
+    recipe, g = vs.recipe, vs.g
+    if recipe.optim.in_backward:
+        return
+    # Each weight stepped inside the backward, its gradient freed at once (no full set of gradients). It needs
+    # one GPU, accumulation 1 (the global batch becomes the micro batch) and no global-norm clipping.
+    for ckpt in (False, True):
+        over = {
+            "optim.in_backward": True,
+            "optim.grad_clip": None,
+            "train.activation_checkpointing": ckpt,
+            "train.micro_batch_size": g,
+            "train.accumulate_grad_batches": 1,
+            "train.global_batch_size": None,
+            "devices": 1,
+            "num_nodes": 1,
+            "strategy": "single",
+        }
+        try:
+            r_b = simulation_recipe(_variant_recipe(recipe, over, cuda=vs.cuda), "single")
+        except RecipeError:
+            return  # the recipe's optimizer or precision cannot step in the backward
+        label = (
+            f"{recipe.precision}, optimizer in backward (optim.in_backward, no clipping), "
+            f"{'ckpt' if ckpt else 'no ckpt'}, micro {g} × acc 1"
+        )
+        vs.add(label, over, 1, "single", r_b, g)
+
+
+def _hidden_states_variant(vs: _Variants) -> None:
+    recipe, g, m0 = vs.recipe, vs.g, vs.m0
     if (
         recipe.model.quantize != "none"
         and recipe.model.upcast_unquantized
@@ -308,92 +367,76 @@ def alternatives(
         # peft's k-bit preparation runs the hidden states in fp32; keeping them 16-bit is litgpt's/torchtune's QLoRA.
         over = {"model.upcast_unquantized": False}
         r_u = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
-        k_u = sim_key(r_u, m0)
-        jobs[k_u] = (r_u, m0)
-        todo.append(
-            (
-                f"{recipe.precision}, 16-bit hidden states (model.upcast_unquantized=false), micro {m0} × "
-                f"acc {g // m0}",
-                over,
-                1,
-                "single",
-                k_u,
-            )
-        )
-    # Model states alone are a lower bound on the peak: variants whose states cannot fit are
-    # dropped before any simulation (for a 70B model that is most single-GPU variants).
-    n_evaluated = len(todo)
+        label = f"{recipe.precision}, 16-bit hidden states (model.upcast_unquantized=false), micro {m0} × acc {g // m0}"
+        vs.add(label, over, 1, "single", r_u, m0)
+
+
+def _hopeless(r: Recipe, gpus: int, strategy: str, numel: int, cap: int) -> bool:
+    """Whether the model states alone of ``r`` under ``strategy`` exceed ``cap`` bytes per GPU."""
+    if strategy.endswith("_offload"):  # only the 16-bit weights must stay (ZeRO-3: a shard of them)
+        es = 4 if r.precision == "32-true" else 2
+        return numel * es / (gpus if "stage_3" in strategy else 1) > cap
+    sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
+    return state_bytes_lower_bound(r, numel) / (gpus if sharded else 1) > cap
+
+
+def _drop_hopeless(vs: _Variants, config, cap: Optional[int]) -> None:
+    """Model states alone are a lower bound on the peak: variants whose states cannot fit are
+    dropped before any simulation (for a 70B model that is most single-GPU variants)."""
+    recipe = vs.recipe
     numel = count_parameters(config, recipe.model.family)
-    cap = target.capacity_bytes
-    if cap is not None:
+    if cap is None:
+        return
+    vs.todo = [t for t in vs.todo if not _hopeless(_variant_recipe(recipe, t[1], check=False), t[2], t[3], numel, cap)]
+    needed = {k for t in vs.todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
+    vs.jobs = {k: v for k, v in vs.jobs.items() if k in needed}
 
-        def hopeless(r: Recipe, gpus: int, strategy: str) -> bool:
-            if strategy.endswith("_offload"):  # only the 16-bit weights must stay (ZeRO-3: a shard of them)
-                es = 4 if r.precision == "32-true" else 2
-                return numel * es / (gpus if "stage_3" in strategy else 1) > cap
-            sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
-            return state_bytes_lower_bound(r, numel) / (gpus if sharded else 1) > cap
 
-        todo = [t for t in todo if not hopeless(_variant_recipe(recipe, t[1], check=False), t[2], t[3])]
-        needed = {k for t in todo for k in ((t[4][0], t[4][1]) if isinstance(t[4], tuple) else (t[4],))}
-        jobs = {k: v for k, v in jobs.items() if k in needed}
-    known = sims or {}
-    sims = {
-        **_run_sims({k: v for k, v in jobs.items() if k not in known}, config, cuda, workers, target_arch(target)),
-        **{k: known[k] for k in jobs if k in known},
-    }
+def _plan_variant(
+    recipe: Recipe, over: dict, target: Target, gpus: int, strategy: str, label: str, config, sim: Sim
+) -> Plan:
+    r = _variant_recipe(recipe, over, check=False)
+    return plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
+
+
+def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim]) -> tuple[list[Plan], list]:
+    """(plans that fit or cannot tell, (GPUs, strategy) of the multi-GPU variants that ran out of memory)."""
     plans, oom_several = [], []
-    for label, over, gpus, strategy, how in todo:
+    for label, over, gpus, strategy, how in vs.todo:
         if isinstance(how, tuple):
             key_lo, key_hi, m = how
-            sim = _interpolate(sims[key_lo], sims[key_hi], 1, m0, m)
+            sim = _interpolate(sims[key_lo], sims[key_hi], 1, vs.m0, m)
         else:
             sim = sims[how]
-        r = _variant_recipe(recipe, over, check=False)
-        p = plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
+        p = _plan_variant(vs.recipe, over, target, gpus, strategy, label, config, sim)
         if p.fits is None or p.fits:
             plans.append(p)
-        elif (gpus, strategy) in several:
+        elif (gpus, strategy) in vs.several:
             oom_several.append((gpus, strategy))
-    # Where several GPUs were not enough though their share of the model states would fit (those were
-    # simulated), the activations are what is left: the same GPUs and strategy with activation
-    # checkpointing. Only there, so a model that already fits costs no more simulations.
-    if oom_several and not recipe.train.activation_checkpointing:
-        extra = []
-        for gpus, strategy in oom_several:
-            o, m, label = several[(gpus, strategy)]
-            o = {**o, "train.activation_checkpointing": True}
-            try:
-                r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=cuda), strategy)
-            except RecipeError:
-                continue  # a combination training refuses is no alternative
-            extra.append(
-                (
-                    f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {g // gpus // m}",
-                    o,
-                    gpus,
-                    strategy,
-                    sim_key(r_c, m),
-                    r_c,
-                    m,
-                )
-            )
-        sims.update(
-            _run_sims(
-                {k: (r_c, m) for *_, k, r_c, m in extra if k not in sims}, config, cuda, workers, target_arch(target)
+    return plans, oom_several
+
+
+def _checkpointed_variants(vs: _Variants, oom_several: list) -> list[tuple]:
+    """(label, overrides, GPUs, strategy, sim_key, simulation recipe, micro) of the multi-GPU variants
+    that ran out of memory, now with activation checkpointing."""
+    recipe = vs.recipe
+    extra = []
+    for gpus, strategy in oom_several:
+        o, m, label = vs.several[(gpus, strategy)]
+        o = {**o, "train.activation_checkpointing": True}
+        try:
+            r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=vs.cuda), strategy)
+        except RecipeError:
+            continue  # a combination training refuses is no alternative
+        extra.append(
+            (
+                f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {vs.g // gpus // m}",
+                o,
+                gpus,
+                strategy,
+                sim_key(r_c, m),
+                r_c,
+                m,
             )
         )
-        n_evaluated += len(extra)
-        for label, o, gpus, strategy, k, _, _ in extra:
-            p = plan(
-                _variant_recipe(recipe, o, check=False),
-                Target(target.device, target.gpu, gpus, strategy),
-                label,
-                o,
-                config,
-                sim=sims[k],
-            )
-            if p.fits is None or p.fits:
-                plans.append(p)
-    plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
-    return Alternatives(plans, evaluated=n_evaluated)
+    return extra

@@ -49,6 +49,11 @@ from bigtune.plan.target import Plan, Target, target_arch
 from bigtune.plan.time import step_time
 from bigtune.recipe import Recipe
 
+_CUDA_CONTEXT_NOTE = (
+    f"CUDA context {CUDA_CONTEXT_BYTES / GIB:.1f} GiB is an assumption until calibrated on GPU "
+    "runs; the allocator replay has not been checked against a GPU yet"
+)
+
 
 def plan(
     recipe: Recipe,
@@ -82,107 +87,24 @@ def plan(
         if sims is not None and not padded:
             sims[sim_key(sim_recipe, sim_recipe.train.micro_batch_size)] = sim
     phases, peak, notes = shard_states(sim, recipe, target, total_blocks(config))
-    if "math" in sim.attention:
-        notes.append(
-            "attention: no fused CUDA kernel takes these inputs on this GPU (cuda_kernels.sdpa_backend), "
-            "so SDPA runs its math path: fp32 scores of seq × seq per head saved in every layer"
-        )
-    if sim_recipe.optim.name != recipe.optim.name:
-        notes.append(
-            f"{target.strategy} steps with DeepSpeed's CPU Adam, not optim.name={recipe.optim.name}: "
-            "planned with Adam state"
-        )
+    notes += _simulation_notes(recipe, sim_recipe, sim, target)
     simulated_host = max((ph.get("optimizer_cpu", 0) for ph in sim.phases.values()), default=0)
     if cuda and simulated_host:
-        # The simulation runs on one (fake) CPU, where an offloading optimizer's state shares the
-        # memory counters; on a GPU it lives in host RAM, so it leaves the device's allocated and peak.
-        # (State that shard_states moves off the device for ZeRO offload was never counted there.)
-        phases = copy.deepcopy(phases)
-        for name, ph in phases.items():
-            for c in ("allocated", "peak_allocated", "phase_peak"):
-                if ph.get(c) is not None:
-                    ph[c] -= sim.phases[name].get("optimizer_cpu", 0)
-        peak -= simulated_host
+        phases, peak = _host_state_off_device(phases, peak, sim, simulated_host)
     host = max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
     if cuda and host:
         notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
-    if recipe.model.quantize != "none":
-        from bigtune.models.build import weights_dtype
-
-        fp32_hidden = recipe.model.upcast_unquantized or weights_dtype(recipe.precision) == torch.float32
-        if recipe.model.quantize != "int8":
-            how = (
-                f"; 4-bit matmuls emulated ({'fp32' if fp32_hidden else '16-bit'} hidden states, dequantized "
-                "weight in backward)"
-            )
-        elif fp32_hidden:
-            how = "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
-        else:
-            how = ""
-        notes.append(f"{recipe.model.quantize} base: packed weight bytes analytic{how}")
-    if recipe.optim.in_backward:
-        notes.append(
-            "optim.in_backward: each weight steps inside the backward and its gradient is freed at once "
-            "(no full set of gradients; its optimizer kernels are timed in the backward)"
-        )
-    if sim_recipe.optim.zero_grad == "before_backward":
-        held = phases["before_forward"]["gradients"]
-        notes.append(
-            f"optim.zero_grad=before_backward (Lightning Trainer's order): the last step's gradients, "
-            f"{held / GIB:.2f} GiB per device, live through the next forward; after_step frees them first"
-        )
-    if recipe.train.compile:
-        notes.append(
-            "train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
-            "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)"
-        )
+    notes += _recipe_notes(recipe, sim_recipe, phases)
     if cuda:
-        # Forward runs on the main thread and backward on autograd's device thread: two cuBLAS handles
-        # on one stream, each with its own workspace from the caching allocator, alive from step 0 on.
-        from bigtune.core.gpus import cublas_workspace_bytes
-
-        workspaces = CUBLAS_HANDLES * cublas_workspace_bytes(target.gpu)
-        phases = copy.deepcopy(phases)
-        for ph in phases.values():
-            for c in ("activations", "allocated", "peak_allocated"):
-                ph[c] += workspaces
-        peak += workspaces
-        notes.append(
-            f"cuBLAS workspaces {workspaces / 2**20:.0f} MiB ({CUBLAS_HANDLES} handles: forward and "
-            "autograd threads) included under activations"
-        )
+        phases, peak, workspaces = _with_cublas_workspaces(phases, peak, target, notes)
+        # Replayed only for the recipe's own simulation, without a CPU-offloaded optimizer, where not a certain OOM.
         cap = target.capacity_bytes
-        if replay and own_sim and not simulated_host and not (cap is not None and peak > cap):
-            # The single-device step replayed through the caching allocator; several devices keep its
-            # reserved/allocated ratio (their sharded peak is analytic).
-            replayed, in_use, how = estimate_reserved(
-                sim_recipe, config, sim, target_arch(target), padded, workers=workers
-            )
-            if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
-                reserved, needed = replayed + workspaces, in_use + workspaces
-            else:
-                ratio = replayed / max(1, sim.peak_allocated)
-                reserved, needed = int(peak * ratio), int(peak * in_use / max(1, sim.peak_allocated))
-                how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
-            notes.extend(how)
-            notes.append(
-                f"FITS/OOM by the {needed / GIB:.2f} GiB of segments in use at the peak: near the capacity "
-                "PyTorch frees its wholly cached segments and retries, so the rest of reserved need not fit"
-            )
-            if not recipe.data.packing:
-                notes.append(
-                    "reserved replays full-length batches only; batches padded to their longest sample "
-                    "change shape each step and reserved creeps above this over a run (not what must "
-                    "fit: bench/varlen_reserved.py)"
-                )
-        else:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
-            reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
-            notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed)")
-        overhead = CUDA_CONTEXT_BYTES
-        notes.append(
-            f"CUDA context {CUDA_CONTEXT_BYTES / GIB:.1f} GiB is an assumption until calibrated on GPU "
-            "runs; the allocator replay has not been checked against a GPU yet"
+        replayed = replay and own_sim and not simulated_host and not (cap is not None and peak > cap)
+        reserved, needed = _reserved_and_needed(
+            recipe, sim_recipe, config, sim, target, peak, workspaces, padded, workers, replayed, notes
         )
+        overhead = CUDA_CONTEXT_BYTES
+        notes.append(_CUDA_CONTEXT_NOTE)
     else:
         reserved, overhead = None, 0
         needed = peak
@@ -211,6 +133,137 @@ def plan(
         plan_seconds=time.perf_counter() - t0,
     )
     return out
+
+
+def _simulation_notes(recipe: Recipe, sim_recipe: Recipe, sim: Sim, target: Target) -> list[str]:
+    """Where the simulated step differs from the recipe's: attention's math path, DeepSpeed's CPU Adam."""
+    notes = []
+    if "math" in sim.attention:
+        notes.append(
+            "attention: no fused CUDA kernel takes these inputs on this GPU (cuda_kernels.sdpa_backend), "
+            "so SDPA runs its math path: fp32 scores of seq × seq per head saved in every layer"
+        )
+    if sim_recipe.optim.name != recipe.optim.name:
+        notes.append(
+            f"{target.strategy} steps with DeepSpeed's CPU Adam, not optim.name={recipe.optim.name}: "
+            "planned with Adam state"
+        )
+    return notes
+
+
+def _host_state_off_device(phases: dict, peak: int, sim: Sim, simulated_host: int) -> tuple[dict, int]:
+    """The simulation runs on one (fake) CPU, where an offloading optimizer's state shares the
+    memory counters; on a GPU it lives in host RAM, so it leaves the device's allocated and peak.
+    (State that shard_states moves off the device for ZeRO offload was never counted there.)"""
+    phases = copy.deepcopy(phases)
+    for name, ph in phases.items():
+        for c in ("allocated", "peak_allocated", "phase_peak"):
+            if ph.get(c) is not None:
+                ph[c] -= sim.phases[name].get("optimizer_cpu", 0)
+    return phases, peak - simulated_host
+
+
+def _quantized_note(recipe: Recipe) -> str:
+    from bigtune.models.build import weights_dtype
+
+    fp32_hidden = recipe.model.upcast_unquantized or weights_dtype(recipe.precision) == torch.float32
+    if recipe.model.quantize != "int8":
+        how = (
+            f"; 4-bit matmuls emulated ({'fp32' if fp32_hidden else '16-bit'} hidden states, dequantized "
+            "weight in backward)"
+        )
+    elif fp32_hidden:
+        how = "; activations from a 16-bit simulation (the int8 path keeps fp32 hidden states: expect more)"
+    else:
+        how = ""
+    return f"{recipe.model.quantize} base: packed weight bytes analytic{how}"
+
+
+def _recipe_notes(recipe: Recipe, sim_recipe: Recipe, phases: dict) -> list[str]:
+    """What the recipe's settings (quantized base, in-backward optimizer, zero_grad order, compile) mean here."""
+    notes = []
+    if recipe.model.quantize != "none":
+        notes.append(_quantized_note(recipe))
+    if recipe.optim.in_backward:
+        notes.append(
+            "optim.in_backward: each weight steps inside the backward and its gradient is freed at once "
+            "(no full set of gradients; its optimizer kernels are timed in the backward)"
+        )
+    if sim_recipe.optim.zero_grad == "before_backward":
+        held = phases["before_forward"]["gradients"]
+        notes.append(
+            f"optim.zero_grad=before_backward (Lightning Trainer's order): the last step's gradients, "
+            f"{held / GIB:.2f} GiB per device, live through the next forward; after_step frees them first"
+        )
+    if recipe.train.compile:
+        notes.append(
+            "train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
+            "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)"
+        )
+    return notes
+
+
+def _with_cublas_workspaces(phases: dict, peak: int, target: Target, notes: list[str]) -> tuple[dict, int, int]:
+    """(phases, peak, workspace bytes) with the cuBLAS workspaces added under activations (a note to ``notes``).
+
+    Forward runs on the main thread and backward on autograd's device thread: two cuBLAS handles
+    on one stream, each with its own workspace from the caching allocator, alive from step 0 on."""
+    from bigtune.core.gpus import cublas_workspace_bytes
+
+    workspaces = CUBLAS_HANDLES * cublas_workspace_bytes(target.gpu)
+    phases = copy.deepcopy(phases)
+    for ph in phases.values():
+        for c in ("activations", "allocated", "peak_allocated"):
+            ph[c] += workspaces
+    notes.append(
+        f"cuBLAS workspaces {workspaces / 2**20:.0f} MiB ({CUBLAS_HANDLES} handles: forward and "
+        "autograd threads) included under activations"
+    )
+    return phases, peak + workspaces, workspaces
+
+
+def _reserved_and_needed(
+    recipe: Recipe,
+    sim_recipe: Recipe,
+    config,
+    sim: Sim,
+    target: Target,
+    peak: int,
+    workspaces: int,
+    padded: bool,
+    workers: int,
+    replayed: bool,
+    notes: list[str],
+) -> tuple[int, int]:
+    """(peak reserved, bytes of segments in use at the peak: what must fit) on a CUDA device, from an
+    allocator replay where ``replayed``, else a fixed ratio to the peak; its notes go to ``notes``."""
+    if not replayed:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
+        reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
+        notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed)")
+        return reserved, needed
+    # The single-device step replayed through the caching allocator; several devices keep its
+    # reserved/allocated ratio (their sharded peak is analytic).
+    replayed_bytes, in_use, how = estimate_reserved(
+        sim_recipe, config, sim, target_arch(target), padded, workers=workers
+    )
+    if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+        reserved, needed = replayed_bytes + workspaces, in_use + workspaces
+    else:
+        ratio = replayed_bytes / max(1, sim.peak_allocated)
+        reserved, needed = int(peak * ratio), int(peak * in_use / max(1, sim.peak_allocated))
+        how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
+    notes.extend(how)
+    notes.append(
+        f"FITS/OOM by the {needed / GIB:.2f} GiB of segments in use at the peak: near the capacity "
+        "PyTorch frees its wholly cached segments and retries, so the rest of reserved need not fit"
+    )
+    if not recipe.data.packing:
+        notes.append(
+            "reserved replays full-length batches only; batches padded to their longest sample "
+            "change shape each step and reserved creeps above this over a run (not what must "
+            "fit: bench/varlen_reserved.py)"
+        )
+    return reserved, needed
 
 
 def count_parameters(config, family: Optional[str] = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from bigtune.plan.constants import GIB
 from bigtune.plan.simulate import Sim, step_kind, zero_masters
@@ -129,6 +130,69 @@ def fsdp_unit_grad_elements(sim: Sim, trainable: int) -> int:
     return trainable
 
 
+@dataclass
+class _Sharding:
+    """How a strategy lays one device's model states (of the 1-device simulation ``sim``) over ``n`` devices:
+    the categories ``split`` across them and ``moved`` to CPU RAM, in ``es``-byte elements, and the
+    gather/reduce buffers beside them."""
+
+    sim: Sim
+    n: int
+    split: set[str]
+    moved: set[str]
+    es: int
+    deepspeed: bool
+    flat: bool  # one FSDP unit: the whole model
+    masters: bool  # ZeRO's fp32 master weights and optimizer state (zero_masters)
+    trainable: int  # elements that get gradients
+    grads_persist: bool
+    persistent_grads: int
+    grad_elements: int
+    window_grads: int
+    gather: int = 0
+    gathered_after_forward: int = 0
+    bucket: int = 0
+    persistent_bucket: int = 0
+
+    @property
+    def offload(self) -> bool:
+        return "optimizer_device" in self.moved
+
+    def full_states(self, ph: dict) -> dict[str, int]:
+        """The model states of one unsharded device under this strategy's precision handling."""
+        sim = self.sim
+        st = {c: ph[c] for c in STATES}
+        if sim.fsdp_upcast:
+            # FSDP *-mixed: simulated on 16-bit weights; the shards, their gradients (reduced in fp32,
+            # kept in the weights' dtype) and the optimizer state are in the real (fp32) dtypes.
+            sim_all, real_all, sim_train, real_train = sim.fsdp_upcast
+            st["parameters"] += real_all - sim_all
+            st["gradients"] = -(-st["gradients"] * real_train // max(1, sim_train))
+            if sim.fsdp_upcast_optimizer:
+                st["optimizer_device"] = -(-st["optimizer_device"] * real_train // max(1, sim_train))
+        if self.grad_elements != self.trainable and st["gradients"]:
+            st["gradients"] = self.grad_elements * self.es  # whole units' gradients (fsdp_unit_grad_elements)
+        if self.grads_persist:
+            st["gradients"] = self.persistent_grads
+        if self.masters:
+            # fp32 state: twice the simulated 16-bit optimizer state, plus the fp32 master weights
+            st["optimizer_device"] = 2 * ph["optimizer_device"] + 4 * self.trainable
+        return st
+
+    def on_device(self, st: dict, c: str) -> int:
+        if c in self.moved or (c == "gradients" and self.deepspeed and self.offload):
+            return 0
+        return -(-st[c] // self.n) if c in self.split else st[c]
+
+    def device_states(self, ph: dict) -> int:
+        st = self.full_states(ph)
+        return sum(self.on_device(st, c) for c in STATES)
+
+
+def _states(ph: dict) -> int:
+    return sum(ph[c] for c in STATES)
+
+
 def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tuple[dict, int, list[str]]:
     """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed") and not sim.fsdp_upcast:
@@ -153,27 +217,55 @@ def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tup
                 views=recipe.ddp_bucket_view,
             )
         return phases, sim.peak_allocated, notes
+    s = _sharding(sim, recipe, target, n_layers, split, moved, zero_offload)
+    f = sim.phases["after_forward"]
+    # the last micro-batch's forward holds the window's unsharded gradients, not shards of them
+    fwd_grads = s.window_grads - s.on_device(s.full_states(f), "gradients") if s.window_grads else 0
+    # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
+    fwd = _forward_high(s, target, fwd_grads)
+    bwd = _backward_high(s, recipe, fwd_grads)
+    opt = _optimizer_high(s)
+    peak = max(fwd, bwd, opt)
+    # Each phase's peak is the highest point of the step so far.
+    cumulative = {"after_forward": fwd, "after_backward": max(fwd, bwd), "after_optimizer": peak}
+    _split_phases(s, phases, cumulative, fwd_grads)
+    return phases, peak, notes + _sharding_notes(s, recipe, target)
+
+
+def _sharding(
+    sim: Sim, recipe: Recipe, target: Target, n_layers: int, split: set[str], moved: set[str], zero_offload: bool
+) -> _Sharding:
     es = 4 if recipe.precision == "32-true" else 2
-    gather = gathered_after_forward = bucket = persistent_bucket = 0
     deepspeed = target.strategy.startswith("deepspeed")
-    flat = target.strategy == "fsdp" and recipe.fsdp_wrap == "none"  # one FSDP unit: the whole model
+    trainable = sim.phases["after_backward"]["gradients"] // es  # elements that get gradients
+    fsdp = target.strategy == "fsdp"
+    # fsdp_grad_sync=step: every rank holds every unsharded gradient (fp32 under *-mixed, FSDP2 accumulates
+    # in the reduce dtype) from the window's first backward until the last one reduce-scatters them.
+    grad_elements = fsdp_unit_grad_elements(sim, trainable) if fsdp else trainable
+    window_grads = (
+        grad_elements * (4 if recipe.precision.endswith("-mixed") else es)
+        if fsdp and recipe.fsdp_grad_sync == "step" and recipe.accumulate > 1
+        else 0
+    )
+    s = _Sharding(
+        sim=sim,
+        n=target.gpus,
+        split=split,
+        moved=moved,
+        es=es,
+        deepspeed=deepspeed,
+        flat=fsdp and recipe.fsdp_wrap == "none",
+        masters=zero_masters(recipe, target.strategy),
+        trainable=trainable,
+        # ZeRO-2 keeps a gradient partition from backward to the step; ZeRO-3 one persistent flat
+        # buffer; with the optimizer offloaded, reduced gradients go straight to pinned fp32 host memory.
+        grads_persist=deepspeed and ("parameters" in split or zero_offload),
+        persistent_grads=4 * trainable if zero_offload else es * trainable,
+        grad_elements=grad_elements,
+        window_grads=window_grads,
+    )
     if "parameters" in split:
-        # Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
-        # and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
-        # norm, head) stay gathered from the root's forward through its backward: FSDP2 never
-        # reshards the root after its forward, nor (fsdp_sharding=grad_op) any block. With
-        # fsdp_wrap=none the root is everything. ZeRO-3 releases every gather after its use.
-        per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
-        root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
-        if flat:
-            gather = gathered_after_forward = int(sim.numel * es)
-        else:
-            gather = int((root + 2 * per_block) * es)
-            gathered_after_forward = (
-                gather
-                if deepspeed
-                else int((root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
-            )
+        s.gather, s.gathered_after_forward = _gathered(s, recipe, n_layers)
     if deepspeed:
         from bigtune.engine.strategies import BUCKET_ELEMENTS
 
@@ -184,153 +276,143 @@ def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tup
         # ZeRO-3's all-gathered weights live only from a block's forward to its backward.
         one = min(BUCKET_ELEMENTS, sim.numel) * es
         if "parameters" in split:
-            persistent_bucket = one
+            s.persistent_bucket = one
         else:
-            bucket = one
-    masters = zero_masters(recipe, target.strategy)
-    trainable = sim.phases["after_backward"]["gradients"] // es  # elements that get gradients
-    offload = "optimizer_device" in moved
-    # ZeRO-2 keeps a gradient partition from backward to the step; ZeRO-3 one persistent flat
-    # buffer; with the optimizer offloaded, reduced gradients go straight to pinned fp32 host memory.
-    grads_persist = deepspeed and ("parameters" in split or zero_offload)
-    persistent_grads = 4 * trainable if zero_offload else es * trainable
-    fsdp = target.strategy == "fsdp"
-    grad_elements = fsdp_unit_grad_elements(sim, trainable) if fsdp else trainable
-    # fsdp_grad_sync=step: every rank holds every unsharded gradient (fp32 under *-mixed, FSDP2 accumulates
-    # in the reduce dtype) from the window's first backward until the last one reduce-scatters them.
-    window_grads = (
-        grad_elements * (4 if recipe.precision.endswith("-mixed") else es)
-        if fsdp and recipe.fsdp_grad_sync == "step" and recipe.accumulate > 1
-        else 0
-    )
+            s.bucket = one
+    return s
 
-    def full_states(ph: dict) -> dict[str, int]:
-        """The model states of one unsharded device under this strategy's precision handling."""
-        st = {c: ph[c] for c in STATES}
-        if sim.fsdp_upcast:
-            # FSDP *-mixed: simulated on 16-bit weights; the shards, their gradients (reduced in fp32,
-            # kept in the weights' dtype) and the optimizer state are in the real (fp32) dtypes.
-            sim_all, real_all, sim_train, real_train = sim.fsdp_upcast
-            st["parameters"] += real_all - sim_all
-            st["gradients"] = -(-st["gradients"] * real_train // max(1, sim_train))
-            if sim.fsdp_upcast_optimizer:
-                st["optimizer_device"] = -(-st["optimizer_device"] * real_train // max(1, sim_train))
-        if grad_elements != trainable and st["gradients"]:
-            st["gradients"] = grad_elements * es  # whole units' gradients (fsdp_unit_grad_elements)
-        if grads_persist:
-            st["gradients"] = persistent_grads
-        if masters:
-            # fp32 state: twice the simulated 16-bit optimizer state, plus the fp32 master weights
-            st["optimizer_device"] = 2 * ph["optimizer_device"] + 4 * trainable
-        return st
 
-    def on_device(st: dict, c: str) -> int:
-        if c in moved or (c == "gradients" and deepspeed and offload):
-            return 0
-        return -(-st[c] // n) if c in split else st[c]
+def _gathered(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
+    """(bytes gathered at most, bytes still gathered after the forward) where the parameters are split.
 
-    def device_states(ph: dict) -> int:
-        st = full_states(ph)
-        return sum(on_device(st, c) for c in STATES)
+    Each rank all-gathers one block's full parameters at a time (two in flight with prefetch)
+    and reduce-scatters its gradients block by block; the root's own weights (embeddings, final
+    norm, head) stay gathered from the root's forward through its backward: FSDP2 never
+    reshards the root after its forward, nor (fsdp_sharding=grad_op) any block. With
+    fsdp_wrap=none the root is everything. ZeRO-3 releases every gather after its use."""
+    sim, es = s.sim, s.es
+    per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
+    root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
+    if s.flat:
+        return int(sim.numel * es), int(sim.numel * es)
+    gather = int((root + 2 * per_block) * es)
+    if s.deepspeed:
+        return gather, gather
+    return gather, int((root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
 
-    def states(ph: dict) -> int:
-        return sum(ph[c] for c in STATES)
 
-    f, b_, o = (sim.phases[x] for x in ("after_forward", "after_backward", "after_optimizer"))
-    # the last micro-batch's forward holds the window's unsharded gradients, not shards of them
-    fwd_grads = window_grads - on_device(full_states(f), "gradients") if window_grads else 0
-
-    # Split each phase's high-water mark into model states (sharded / offloaded) and the rest.
-    # The forward peaks at its end (logits and loss), where FSDP holds only what stays gathered.
-    fwd = device_states(f) + fwd_grads + _transient_high(f) + gathered_after_forward + persistent_bucket
-    if target.strategy == "fsdp" and "parameters" in split:
+def _forward_high(s: _Sharding, target: Target, fwd_grads: int) -> int:
+    """The forward's high on one device. It peaks at its end (logits and loss), where FSDP holds only
+    what stays gathered."""
+    f = s.sim.phases["after_forward"]
+    fwd = s.device_states(f) + fwd_grads + _transient_high(f) + s.gathered_after_forward + s.persistent_bucket
+    if target.strategy == "fsdp" and "parameters" in s.split:
         # The root's first all-gather (the whole model with fsdp_wrap=none): NCCL's output buffer, the
         # unsharded weights it is copied into and this rank's input shard, before any activation.
-        first = gathered_after_forward
-        fwd = max(fwd, device_states(f) + 2 * first + -(-first // n))
-    if flat:
+        first = s.gathered_after_forward
+        fwd = max(fwd, s.device_states(f) + 2 * first + -(-first // s.n))
+    if s.flat:
         # Measured (CPU, gloo, 2 ranks, micro-batches 2-8): the forward of one flat unit peaks a whole
         # model's gathered size above its own end, whatever the batch; per-block units do not. Where
         # FSDP2 allocates it is not identified, and it is not yet checked on a GPU.
-        fwd = max(fwd, device_states(f) + (f["allocated"] - states(f)) + 2 * gathered_after_forward + persistent_bucket)
-    # The backward has two highs. At its start (the loss and the logits' gradient, before any weight's
-    # gradient is stored) the states are the forward's and only what the forward left gathered is
-    # there; from the first stored gradient on, blocks are gathered and reduced one by one and at most
-    # all of this rank's gradient shards exist.
-    bwd_start = device_states(f) + fwd_grads + _transient_high(b_) + gathered_after_forward + persistent_bucket
+        fwd = max(
+            fwd,
+            s.device_states(f) + (f["allocated"] - _states(f)) + 2 * s.gathered_after_forward + s.persistent_bucket,
+        )
+    return fwd
+
+
+def _backward_high(s: _Sharding, recipe: Recipe, fwd_grads: int) -> int:
+    """The backward's high on one device. It has two. At its start (the loss and the logits' gradient,
+    before any weight's gradient is stored) the states are the forward's and only what the forward left
+    gathered is there; from the first stored gradient on, blocks are gathered and reduced one by one and
+    at most all of this rank's gradient shards exist."""
+    f, b_ = s.sim.phases["after_forward"], s.sim.phases["after_backward"]
+    bwd_start = s.device_states(f) + fwd_grads + _transient_high(b_) + s.gathered_after_forward + s.persistent_bucket
     late = _transient_high(b_, late=True)
     pending = b_.get("phase_gradients_pending_late") or 0
-    if flat:
+    if s.flat:
         # One unit: every gradient stays unsharded until the backward ends, growing as in the simulation
         # (so its late high, gradients included, with the whole model gathered); FSDP2 then frees the
         # gathered weights and copies the gradients into one reduce-scatter input (fp32 for *-mixed).
-        unsharded = trainable * es
-        scatter_in = trainable * (4 if recipe.precision.endswith("-mixed") else es)
+        unsharded = s.trainable * s.es
+        scatter_in = s.trainable * (4 if recipe.precision.endswith("-mixed") else s.es)
         bwd = max(
-            device_states(f) + late + max(0, unsharded - pending) + gather, device_states(b_) + unsharded + scatter_in
+            s.device_states(f) + late + max(0, unsharded - pending) + s.gather,
+            s.device_states(b_) + unsharded + scatter_in,
         )
     else:
-        if "gradients" in split and not grads_persist:
+        if "gradients" in s.split and not s.grads_persist:
             # Not every gradient shard exists yet at that high: each rank lacks 1/n of those to come.
-            late -= pending // n
+            late -= pending // s.n
         # fsdp_grad_sync=step: the unsharded gradients until each unit reduces them (then its shards
         # replace them): at most all of them and no shard.
-        shards = on_device(full_states(b_), "gradients") if window_grads else 0
-        bwd = device_states(b_) - shards + window_grads + late + gather + bucket + persistent_bucket
-    bwd = max(bwd_start, bwd)
-    # The optimizer's temporaries are proportional to the state it updates: its shard, on the CPU if offloaded.
-    update_tmp = 0 if "optimizer_device" in moved else -(-_transient_high(o) // n)
-    if masters and "optimizer_device" not in moved:
+        shards = s.on_device(s.full_states(b_), "gradients") if s.window_grads else 0
+        bwd = s.device_states(b_) - shards + s.window_grads + late + s.gather + s.bucket + s.persistent_bucket
+    return max(bwd_start, bwd)
+
+
+def _optimizer_high(s: _Sharding) -> int:
+    """The optimizer step's high on one device. Its temporaries are proportional to the state it
+    updates: its shard, on the CPU if offloaded."""
+    o = s.sim.phases["after_optimizer"]
+    update_tmp = 0 if "optimizer_device" in s.moved else -(-_transient_high(o) // s.n)
+    if s.masters and "optimizer_device" not in s.moved:
         # The update runs on fp32 state (temporaries twice the size) from an fp32 copy of the
         # gradient partition, made while the 16-bit partition still exists.
-        update_tmp = 2 * update_tmp + -(-4 * trainable // n)
-    opt = device_states(o) + update_tmp + persistent_bucket
-    peak = max(fwd, bwd, opt)
-    # Each phase's peak is the highest point of the step so far.
-    cumulative = {"after_forward": fwd, "after_backward": max(fwd, bwd), "after_optimizer": peak}
+        update_tmp = 2 * update_tmp + -(-4 * s.trainable // s.n)
+    return s.device_states(o) + update_tmp + s.persistent_bucket
+
+
+def _split_phases(s: _Sharding, phases: dict, cumulative: dict[str, int], fwd_grads: int) -> None:
+    """Each phase of ``phases`` (a copy of the simulation's) as one device holds it; ``cumulative``:
+    the step's highest point up to each phase."""
     for name, ph in phases.items():
-        full = states(ph)
-        st = full_states(ph)
-        cpu = st["optimizer_device"] if offload else 0
-        if deepspeed and offload:
-            cpu += persistent_grads  # the fp32 gradient partition the CPU update reads, pinned in host RAM
+        full = _states(ph)
+        st = s.full_states(ph)
+        cpu = st["optimizer_device"] if s.offload else 0
+        if s.deepspeed and s.offload:
+            cpu += s.persistent_grads  # the fp32 gradient partition the CPU update reads, pinned in host RAM
         for c in STATES:
-            ph[c] = on_device(st, c)
-        if deepspeed and not grads_persist and name in ("before_forward", "after_optimizer"):
+            ph[c] = s.on_device(st, c)
+        if s.deepspeed and not s.grads_persist and name in ("before_forward", "after_optimizer"):
             ph["gradients"] = 0  # ZeRO-2 frees its gradient partition in the step
-        ph["optimizer_cpu"] += -(-cpu // n)
+        ph["optimizer_cpu"] += -(-cpu // s.n)
         # Buffers alive at this phase boundary: what the forward leaves gathered, until the backward
         # reshards it; ZeRO-3 keeps its bucket throughout.
-        live = (gathered_after_forward if name == "after_forward" else 0) + persistent_bucket
+        live = (s.gathered_after_forward if name == "after_forward" else 0) + s.persistent_bucket
         if name == "after_forward" and fwd_grads:
             ph["gradients"] += fwd_grads
-        ph["allocated"] += states(ph) - full + live
+        ph["allocated"] += _states(ph) - full + live
         ph["activations"] += live
         ph["phase_peak"] = ph["phase_peak_activations"] = ph["phase_peak_activations_late"] = ph[
             "phase_gradients_pending_late"
         ] = None  # not meaningful after the analytic split
         ph["peak_allocated"] = max(ph["allocated"], cumulative.get(name, 0))
-    what = " and ".join(sorted(split))
-    notes.append(
-        f"{target.strategy}: {what} / {n}; + {(gather + bucket + persistent_bucket) / GIB:.2f} GiB "
+
+
+def _sharding_notes(s: _Sharding, recipe: Recipe, target: Target) -> list[str]:
+    what = " and ".join(sorted(s.split))
+    notes = [
+        f"{target.strategy}: {what} / {s.n}; + {(s.gather + s.bucket + s.persistent_bucket) / GIB:.2f} GiB "
         "gather/reduce buffers"
-    )
-    if window_grads:
+    ]
+    if s.window_grads:
         notes.append(
-            f"fsdp_grad_sync=step: {window_grads / GIB:.2f} GiB of unsharded gradients on every rank "
+            f"fsdp_grad_sync=step: {s.window_grads / GIB:.2f} GiB of unsharded gradients on every rank "
             f"through each window of {recipe.accumulate} micro-batches; micro_batch keeps only shards"
         )
-    if flat:
+    if s.flat:
         notes.append(
-            f"fsdp_wrap=none: one FSDP unit, the whole model ({gather / GIB:.2f} GiB) gathered from the "
+            f"fsdp_wrap=none: one FSDP unit, the whole model ({s.gather / GIB:.2f} GiB) gathered from the "
             f"forward through the backward and every gradient unsharded before one reduce-scatter; "
             "fsdp_wrap=block gathers and reduces one decoder block at a time"
         )
-    if masters:
+    if s.masters:
         notes.append(
             f"{target.strategy} with {recipe.precision}: 16-bit weights and gradients, fp32 master "
             "weights and optimizer state (DeepSpeed's mixed precision; no autocast)"
         )
-    if moved:
-        notes.append(f"{target.strategy}: {' and '.join(sorted(moved))} held in CPU RAM (not in device memory)")
-    return phases, peak, notes
+    if s.moved:
+        notes.append(f"{target.strategy}: {' and '.join(sorted(s.moved))} held in CPU RAM (not in device memory)")
+    return notes

@@ -208,87 +208,21 @@ def simulate(
     simulated with two micro-batches: from the second one on, gradients are held during forward,
     and a third micro-batch repeats the second one's memory exactly.
     """
-    from lightning.fabric import Fabric
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bigtune.core.stepmath import target_token_count
-    from bigtune.engine.loop import LoopState, train_step
-    from bigtune.engine.optim import make_optimizer
-    from bigtune.memory.monitor import MemoryMonitor
-    from bigtune.memory.tracker import LiveTensorTracker
-    from bigtune.models.build import (
-        apply_peft,
-        auto_class,
-        compute_dtype,
-        enable_activation_checkpointing,
-        freeze_parts,
-        label_config,
-        recast_parameters,
-        weights_dtype,
-    )
     from bigtune.plan.kernels import cuda_attention, cuda_autocast, cuda_dropout
-    from bigtune.plan.roofline import OpCounter, scale
+    from bigtune.plan.roofline import scale
 
-    cfg = copy.deepcopy(config)
-    for st in model_stacks(cfg):
-        set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
-    cfg.use_cache = False
+    cfg = _shallow_config(config, depths, recipe)
     family = recipe.model.family
-    if family == "image-to-text":
-        cfg.text_config.use_cache = False
-    if family == "sequence-classification":  # a head with the recipe's classes (2 when inferred at train time)
-        for key, value in label_config(recipe.data.label_names or ["0", "1"]).items():
-            setattr(cfg, key, value)
-        if getattr(cfg, "pad_token_id", None) is None:
-            cfg.pad_token_id = 0  # Llama-style heads look for padding; the simulated ids (>= 3) have none
-    cfg._attn_implementation = recipe.model.attn_implementation
-    r = copy.deepcopy(recipe)
-    if cuda and r.optim.implementation == "auto":
-        r.optim.implementation = "foreach"  # torch's default for CUDA tensors
-    quantize = r.model.quantize
-    r.model.quantize = "none"  # bitsandbytes cannot quantize fake tensors: simulate, then swap the bytes
-    eight_bit = r.optim.name in EIGHT_BIT
-    if eight_bit:
-        # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
-        # state analytically below (its update works in place, block by block).
-        r.optim.name, r.optim.momentum, r.optim.implementation = "sgd", 0.0, "for-loop"
-    if r.optim.name == "deepspeed_cpu_adam":
-        # DeepSpeed's C++ Adam reads raw data pointers (a segfault on fake tensors); torch's CPU
-        # AdamW in the same wrapper keeps exactly the same tensors in the same places.
-        r.optim.name = "cpu_offload_adamw"
-    with _quiet_lightning():  # no "Using bfloat16 AMP" per simulation
-        fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
-    # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
-    # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
-    fabric._precision.convert_module = lambda module: module
-    fabric._strategy.module_to_device = lambda module: None  # already on the (fake) CPU
-    b_size = micro_batch or r.train.micro_batch_size
-    k = min(r.accumulate, 2)
-    # distinct storages, like distinct real micro-batches
-    batches = [_synthetic_batch(r, cfg, family, b_size, padded) for _ in range(k)]
-    if family == "sequence-classification":  # one label per sample: the loss is normalised by samples
-        tokens = b_size * r.accumulate
-    else:
-        shift = family == "causal-lm" or not getattr(cfg.text_config, "is_encoder_decoder", False)
-        tokens = int(target_token_count(batches[0]["labels"], shift)) * r.accumulate
-    # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
-    # sequences, which the real run (one sequence per row, checked on real values) drops.
-    no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
-    # peft moves new adapters to the base layer's device with module.to(); torch cannot swap fake
-    # parameters, and everything here already lives on the one (fake) CPU: make it a no-op. No
-    # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
-    no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
+    r, quantize, eight_bit = _simulated_recipe(recipe, cuda)
+    fabric = _fake_fabric(r)
+    batches, tokens = _batches_and_tokens(r, cfg, family, micro_batch or r.train.micro_batch_size, padded)
+    no_packing, no_move, foreach_clip = _engine_patches(cuda)
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
     # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
     on_cuda = arch if arch is not None else ((8, 0) if cuda else None)
     kernels = cuda_attention(on_cuda, bf16_is_fp16=recipe.precision == "16-mixed")
-    # Gradient clipping takes its foreach kernels only for plain tensors; on a GPU it takes them (one
-    # norm and one scale over all gradients, the same bytes as per tensor but far fewer launches).
-    foreach_clip = (
-        mock.patch("torch.nn.utils.clip_grad._has_foreach_support", lambda tensors, device: True)
-        if cuda
-        else contextlib.nullcontext()
-    )
     with (
         FakeTensorMode(allow_non_fake_inputs=True),
         no_packing,
@@ -300,114 +234,19 @@ def simulate(
         cuda_dropout(on_cuda is not None),
         cuda_autocast(on_cuda is not None),
     ):
-        model = auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
-        model.config.use_cache = False
-        if quantize in ("nf4", "fp4"):
-            emulate_4bit(model, compute_dtype(recipe.model, r.precision), r.model.upcast_unquantized)
-        if family == "image-to-text":
-            freeze_parts(model, r.model)
-        model.train()
-        if r.train.activation_checkpointing:
-            enable_activation_checkpointing(model)
-        if r.peft.method != "none":
-            # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
-            model = apply_peft(
-                model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing, family=family
-            )
-        ds_cast, _, fsdp_mixed = step_kind(r, r.strategy)
-        if ds_cast:
-            # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32
-            # adapters and BLIP-2's fp32 Q-Former become 16-bit, with no fp32 input copy per adapted layer.
-            recast_parameters(model, weights_dtype(r.precision), lambda name, p: p.dtype == torch.float32)
-        fsdp_upcast: tuple[int, ...] = ()
-        if fsdp_mixed:
-            # FSDP2's MixedPrecisionPolicy gathers every weight as a 16-bit copy of its shard, so the
-            # forward and backward run autocast over 16-bit weights: no autocast copy of each weight,
-            # a 16-bit residual stream, 16-bit norm outputs. Simulate that step on 16-bit weights and
-            # keep both byte counts: the shards, gradients and optimizer state stay in the real dtypes.
-            def nbytes(trainable: bool) -> int:
-                return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
-
-            real = (nbytes(False), nbytes(True))
-            low = torch.bfloat16 if r.precision.startswith("bf16") else torch.float16
-            recast_parameters(model, low, lambda name, p: p.dtype == torch.float32)
-            fsdp_upcast = (nbytes(False), real[0], nbytes(True), real[1])
-        numel = sum(p.numel() for p in model.parameters())
-        matmul_numel = _matmul_numel(model)
-        from bigtune.models.build import decoder_blocks
-
-        try:
-            block_numel = sum(p.numel() for blk in decoder_blocks(model) for p in blk.parameters())
-        except ValueError:
-            block_numel = 0
-        for batch in batches:
-            if "pixel_values" in batch:
-                # Fake pixels: a real tensor would be really converted (Fabric casts float inputs), and
-                # that parallel work starts OpenMP's threads, after which a forked worker hangs.
-                batch["pixel_values"] = torch.empty(batch["pixel_values"].shape)
+        model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
+        numel, matmul_numel, block_numel = _model_numels(model)
+        _fake_pixels(batches)
         wrapped = fabric.setup_module(model)
-        opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
-        # On a CUDA target every storage's birth and death is recorded from the weights on, through
-        # a real step 0 (the optimizer state is then created where a GPU creates it: after a
-        # backward), for the caching-allocator replay below.
-        events: Optional[list] = [] if cuda and trace else None
-        trace_mode = LiveTensorTracker(events=events) if events is not None else contextlib.nullcontext()
-        if events is not None:
-            trace_mode.track(list(wrapped.parameters()) + list(wrapped.buffers()))  # loaded in this order
-        with trace_mode:
-            if family == "image-to-text" or events is not None:
-                # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
-                # encoder's own token table is never used) and so no optimizer state: take a real step 0.
-                train_step(built, batches, None, False, LoopState(step=0), tokens)
-            else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
-                for p in wrapped.parameters():
-                    if p.requires_grad:  # frozen (base) weights never get gradients
-                        p.grad = torch.zeros_like(p)
-                opt.step()
-                if r.optim.zero_grad == "after_step":  # else they live into the next forward, as in the engine
-                    opt.zero_grad(set_to_none=True)
-            step1 = len(events) if events is not None else 0
-            monitor = MemoryMonitor(torch.device("cpu"), round_to=512 if cuda else 1)
-            state = LoopState(step=1)
-            counter = OpCounter(state)  # what each kernel of the step costs (the time model)
-            monitor.tracker.observer = counter.observe
-            try:
-                blocks = decoder_blocks(model)
-            except ValueError:
-                blocks = []
-            hooks = monitor.follow_gradients(wrapped.parameters(), blocks)
-            try:
-                with warnings.catch_warnings():
-                    # the block hooks fire on outputs alone where no block input needs a gradient (LoRA)
-                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                    _, snaps = train_step(built, batches, monitor, True, state, tokens)
-            finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
-                monitor.end_step()
-                for h in hooks:
-                    h.remove()
+        snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
     reserved = in_use = 0
     if events is not None:
         reserved, in_use = _replay_steady(events, step1)
-    if quantize != "none":
-        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
-        for ph in steady.values():
-            for c in ("parameters", "allocated", "peak_allocated", "phase_peak"):
-                ph[c] += delta
-        peak += delta
-        # weights are whole long-lived blocks: the allocator holds about as much less
-        reserved, in_use = (max(0, x + delta) if x else 0 for x in (reserved, in_use))
-    if eight_bit:
-        shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
-        extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
-        for ph in steady.values():
-            for c in ("optimizer_device", "allocated", "peak_allocated", "phase_peak"):
-                ph[c] += extra
-        peak += extra
-        reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
+    peak, reserved, in_use = _analytic_bytes(
+        steady, peak, reserved, in_use, wrapped, recipe, r, quantize, eight_bit, cuda
+    )
     # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
     ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
     return Sim(
@@ -423,6 +262,263 @@ def simulate(
         fsdp_upcast,
         not eight_bit,
     )
+
+
+def _engine_patches(cuda: bool) -> tuple:
+    """(no_packing, no_move, foreach_clip): patches that make the engine's code take, on fake tensors,
+    the path it takes on real ones."""
+    # transformers treats fake tensors as "tracing" and then keeps an explicit mask for packed
+    # sequences, which the real run (one sequence per row, checked on real values) drops.
+    no_packing = mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+    # peft moves new adapters to the base layer's device with module.to(); torch cannot swap fake
+    # parameters, and everything here already lives on the one (fake) CPU: make it a no-op. No
+    # dtype change goes through module.to() in the engine (Fabric's conversion is skipped there too).
+    no_move = mock.patch("torch.nn.Module.to", lambda self, *a, **k: self)
+    # Gradient clipping takes its foreach kernels only for plain tensors; on a GPU it takes them (one
+    # norm and one scale over all gradients, the same bytes as per tensor but far fewer launches).
+    foreach_clip = (
+        mock.patch("torch.nn.utils.clip_grad._has_foreach_support", lambda tensors, device: True)
+        if cuda
+        else contextlib.nullcontext()
+    )
+    return no_packing, no_move, foreach_clip
+
+
+def _fake_pixels(batches: list[dict]) -> None:
+    """Fake pixels: a real tensor would be really converted (Fabric casts float inputs), and that
+    parallel work starts OpenMP's threads, after which a forked worker hangs. Call under FakeTensorMode."""
+    for batch in batches:
+        if "pixel_values" in batch:
+            batch["pixel_values"] = torch.empty(batch["pixel_values"].shape)
+
+
+def _analytic_bytes(
+    steady: dict,
+    peak: int,
+    reserved: int,
+    in_use: int,
+    wrapped,
+    recipe: Recipe,
+    r: Recipe,
+    quantize: str,
+    eight_bit: bool,
+    cuda: bool,
+) -> tuple[int, int, int]:
+    """(peak, reserved, in use) with what fake tensors could not hold added to ``steady``: the quantized
+    base's packed bytes in place of its simulated 16-bit weights, and the 8-bit optimizer's state."""
+    if quantize != "none":
+        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
+        peak = _add_bytes(steady, peak, ("parameters", "allocated", "peak_allocated", "phase_peak"), delta)
+        # weights are whole long-lived blocks: the allocator holds about as much less
+        reserved, in_use = (max(0, x + delta) if x else 0 for x in (reserved, in_use))
+    if eight_bit:
+        shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
+        extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
+        peak = _add_bytes(steady, peak, ("optimizer_device", "allocated", "peak_allocated", "phase_peak"), extra)
+        reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
+    return peak, reserved, in_use
+
+
+def _add_bytes(steady: dict, peak: int, categories: tuple[str, ...], extra: int) -> int:
+    """Add ``extra`` bytes to ``categories`` of every phase of ``steady``; returns the peak so raised."""
+    for ph in steady.values():
+        for c in categories:
+            ph[c] += extra
+    return peak + extra
+
+
+def _shallow_config(config, depths: "int | dict[Stack, int]", recipe: Recipe):
+    """A copy of ``config`` with each repeated stack cut to ``depths`` blocks, no KV cache, and the
+    recipe's attention implementation (and classification head)."""
+    from bigtune.models.build import label_config
+
+    cfg = copy.deepcopy(config)
+    for st in model_stacks(cfg):
+        set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
+    cfg.use_cache = False
+    family = recipe.model.family
+    if family == "image-to-text":
+        cfg.text_config.use_cache = False
+    if family == "sequence-classification":  # a head with the recipe's classes (2 when inferred at train time)
+        for key, value in label_config(recipe.data.label_names or ["0", "1"]).items():
+            setattr(cfg, key, value)
+        if getattr(cfg, "pad_token_id", None) is None:
+            cfg.pad_token_id = 0  # Llama-style heads look for padding; the simulated ids (>= 3) have none
+    cfg._attn_implementation = recipe.model.attn_implementation
+    return cfg
+
+
+def _simulated_recipe(recipe: Recipe, cuda: bool) -> tuple[Recipe, str, bool]:
+    """(the recipe the fake step runs, the real base quantization, whether the real optimizer is 8-bit):
+    what fake tensors cannot run is swapped for what keeps the same tensors, and added back analytically."""
+    r = copy.deepcopy(recipe)
+    if cuda and r.optim.implementation == "auto":
+        r.optim.implementation = "foreach"  # torch's default for CUDA tensors
+    quantize = r.model.quantize
+    r.model.quantize = "none"  # bitsandbytes cannot quantize fake tensors: simulate, then swap the bytes
+    eight_bit = r.optim.name in EIGHT_BIT
+    if eight_bit:
+        # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
+        # state analytically below (its update works in place, block by block).
+        r.optim.name, r.optim.momentum, r.optim.implementation = "sgd", 0.0, "for-loop"
+    if r.optim.name == "deepspeed_cpu_adam":
+        # DeepSpeed's C++ Adam reads raw data pointers (a segfault on fake tensors); torch's CPU
+        # AdamW in the same wrapper keeps exactly the same tensors in the same places.
+        r.optim.name = "cpu_offload_adamw"
+    return r, quantize, eight_bit
+
+
+def _fake_fabric(r: Recipe):
+    """A one-CPU Fabric with the recipe's precision plugin, that leaves fake modules where they are."""
+    from lightning.fabric import Fabric
+
+    with _quiet_lightning():  # no "Using bfloat16 AMP" per simulation
+        fabric = Fabric(accelerator="cpu", devices=1, precision=_sim_precision(r.precision))
+    # The model is built directly in its storage dtype, so Fabric's module.to(dtype) is a no-op for
+    # real tensors; on fake parameters torch would try (and fail) to swap them, so skip it.
+    fabric._precision.convert_module = lambda module: module
+    fabric._strategy.module_to_device = lambda module: None  # already on the (fake) CPU
+    return fabric
+
+
+def _batches_and_tokens(r: Recipe, cfg, family: str, b_size: int, padded: bool) -> tuple[list[dict], int]:
+    """The micro-batches of one simulated window (at most two) and the window's target token count."""
+    from bigtune.core.stepmath import target_token_count
+
+    k = min(r.accumulate, 2)
+    # distinct storages, like distinct real micro-batches
+    batches = [_synthetic_batch(r, cfg, family, b_size, padded) for _ in range(k)]
+    if family == "sequence-classification":  # one label per sample: the loss is normalised by samples
+        tokens = b_size * r.accumulate
+    else:
+        shift = family == "causal-lm" or not getattr(cfg.text_config, "is_encoder_decoder", False)
+        tokens = int(target_token_count(batches[0]["labels"], shift)) * r.accumulate
+    return batches, tokens
+
+
+def _fake_model(r: Recipe, recipe: Recipe, cfg, quantize: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """(the model as the engine builds it, on fake tensors, fsdp_upcast: see Sim). Call under FakeTensorMode."""
+    from bigtune.models.build import (
+        apply_peft,
+        auto_class,
+        compute_dtype,
+        enable_activation_checkpointing,
+        freeze_parts,
+        recast_parameters,
+        weights_dtype,
+    )
+
+    family = recipe.model.family
+    model = auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
+    model.config.use_cache = False
+    if quantize in ("nf4", "fp4"):
+        emulate_4bit(model, compute_dtype(recipe.model, r.precision), r.model.upcast_unquantized)
+    if family == "image-to-text":
+        freeze_parts(model, r.model)
+    model.train()
+    if r.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if r.peft.method != "none":
+        # A quantized base is simulated in its compute dtype; plan() then swaps in 4/8-bit bytes.
+        model = apply_peft(
+            model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing, family=family
+        )
+    ds_cast, _, fsdp_mixed = step_kind(r, r.strategy)
+    if ds_cast:
+        # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32
+        # adapters and BLIP-2's fp32 Q-Former become 16-bit, with no fp32 input copy per adapted layer.
+        recast_parameters(model, weights_dtype(r.precision), lambda name, p: p.dtype == torch.float32)
+    fsdp_upcast: tuple[int, ...] = ()
+    if fsdp_mixed:
+        # FSDP2's MixedPrecisionPolicy gathers every weight as a 16-bit copy of its shard, so the
+        # forward and backward run autocast over 16-bit weights: no autocast copy of each weight,
+        # a 16-bit residual stream, 16-bit norm outputs. Simulate that step on 16-bit weights and
+        # keep both byte counts: the shards, gradients and optimizer state stay in the real dtypes.
+        real = (_parameter_bytes(model, False), _parameter_bytes(model, True))
+        low = torch.bfloat16 if r.precision.startswith("bf16") else torch.float16
+        recast_parameters(model, low, lambda name, p: p.dtype == torch.float32)
+        fsdp_upcast = (_parameter_bytes(model, False), real[0], _parameter_bytes(model, True), real[1])
+    return model, fsdp_upcast
+
+
+def _parameter_bytes(model: torch.nn.Module, trainable: bool) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
+
+
+def _model_numels(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(elements of all weights, of the nn.Linear weights, inside the repeated blocks)."""
+    from bigtune.models.build import decoder_blocks
+
+    numel = sum(p.numel() for p in model.parameters())
+    matmul_numel = _matmul_numel(model)
+    try:
+        block_numel = sum(p.numel() for blk in decoder_blocks(model) for p in blk.parameters())
+    except ValueError:
+        block_numel = 0
+    return numel, matmul_numel, block_numel
+
+
+def _run_steps(fabric, model, wrapped, r: Recipe, batches: list, tokens: int, cuda: bool, trace: bool) -> tuple:
+    """Step 0 (creates the optimizer state) and the measured step 1 on the fake model: (step 1's
+    snapshots, its OpCounter, the storage events traced from the weights on or None, where step 1's begin).
+
+    On a CUDA target with ``trace`` every storage's birth and death is recorded from the weights on, through
+    a real step 0 (the optimizer state is then created where a GPU creates it: after a backward), for the
+    caching-allocator replay. Call under FakeTensorMode."""
+    from bigtune.engine.loop import LoopState, train_step
+    from bigtune.engine.optim import make_optimizer
+    from bigtune.memory.tracker import LiveTensorTracker
+
+    opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
+    events: Optional[list] = [] if cuda and trace else None
+    trace_mode = LiveTensorTracker(events=events) if events is not None else contextlib.nullcontext()
+    if events is not None:
+        trace_mode.track(list(wrapped.parameters()) + list(wrapped.buffers()))  # loaded in this order
+    with trace_mode:
+        if r.model.family == "image-to-text" or events is not None:
+            # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
+            # encoder's own token table is never used) and so no optimizer state: take a real step 0.
+            train_step(built, batches, None, False, LoopState(step=0), tokens)
+        else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
+            for p in wrapped.parameters():
+                if p.requires_grad:  # frozen (base) weights never get gradients
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            if r.optim.zero_grad == "after_step":  # else they live into the next forward, as in the engine
+                opt.zero_grad(set_to_none=True)
+        step1 = len(events) if events is not None else 0
+        snaps, counter = _measured_step(built, model, wrapped, batches, tokens, round_to=512 if cuda else 1)
+    return snaps, counter, events, step1
+
+
+def _measured_step(built, model, wrapped, batches: list, tokens: int, round_to: int) -> tuple:
+    """Step 1 under the MemoryMonitor, its operators counted: (phase snapshots, OpCounter)."""
+    from bigtune.engine.loop import LoopState, train_step
+    from bigtune.memory.monitor import MemoryMonitor
+    from bigtune.models.build import decoder_blocks
+    from bigtune.plan.roofline import OpCounter
+
+    monitor = MemoryMonitor(torch.device("cpu"), round_to=round_to)
+    state = LoopState(step=1)
+    counter = OpCounter(state)  # what each kernel of the step costs (the time model)
+    monitor.tracker.observer = counter.observe
+    try:
+        blocks = decoder_blocks(model)
+    except ValueError:
+        blocks = []
+    hooks = monitor.follow_gradients(wrapped.parameters(), blocks)
+    try:
+        with warnings.catch_warnings():
+            # the block hooks fire on outputs alone where no block input needs a gradient (LoRA)
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            _, snaps = train_step(built, batches, monitor, True, state, tokens)
+    finally:  # a failed simulation must not leave the tracker (and its eager compile stance) on
+        monitor.end_step()
+        for h in hooks:
+            h.remove()
+    return snaps, counter
 
 
 def _replay_steady(events: list, step1: int) -> tuple[int, int]:
