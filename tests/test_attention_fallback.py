@@ -41,12 +41,28 @@ def _tiny_folder(tmp_path, kind: str):
 def test_a_model_without_sdpa_trains_with_eager_attention_and_says_so(tmp_path, kind):
     folder = _tiny_folder(tmp_path, kind)
     run = tmp_path / "run"
-    over = [f"model.name={folder}", "model.init=random", "train.max_steps=10", "train.log_every_steps=1", f"output_dir={run}", "memory.plan=false"]
+    over = [
+        f"model.name={folder}",
+        "model.init=random",
+        "train.max_steps=10",
+        "train.log_every_steps=1",
+        f"output_dir={run}",
+    ]
     res = run_cli("train", *[a for o in over for a in ("--set", o)], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "eager attention is used" in res.stdout and "scaled_dot_product_attention" not in res.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["final_loss"] < summary["first_loss"]
+    # the plan printed before step 0 ran the same eager step: it matches the measured CPU peak
+    assert any("eager attention is used" in n for n in summary["plan"]["notes"])
+    assert abs(summary["plan"]["peak_error_pct"]) < 2.0, summary["plan"]["peak_error_pct"]
+
+
+@pytest.mark.parametrize("name", ["google/gemma-2-2b", "bigscience/bloom-560m"])
+def test_plan_of_a_model_without_sdpa_with_default_settings(name, tmp_path):
+    res = run_cli("plan", "--set", f"model.name={name}", "--gpu", "a100-80gb", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FITS" in res.stdout and "eager attention is used" in res.stdout
 
 
 def test_an_explicit_eager_recipe_gets_no_note():

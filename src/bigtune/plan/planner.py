@@ -94,7 +94,7 @@ def plan(
     host = max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
     if cuda and host:
         notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
-    notes += _recipe_notes(recipe, sim_recipe, phases)
+    notes += _recipe_notes(recipe, sim_recipe, phases) + _model_notes(recipe, config)
     if cuda:
         phases, peak, workspaces = _with_cublas_workspaces(phases, peak, target, notes)
         # Replayed only for the recipe's own simulation, without a CPU-offloaded optimizer, where not a certain OOM.
@@ -200,6 +200,21 @@ def _recipe_notes(recipe: Recipe, sim_recipe: Recipe, phases: dict) -> list[str]
             "train.compile: planned as the eager step (compiled blocks usually save fewer intermediates for "
             "backward, so expect the same or less activation memory; on the CPU, measured steps run eager)"
         )
+    return notes
+
+
+def _model_notes(recipe: Recipe, config) -> list[str]:
+    """What the model's architecture changes about the recipe: no SDPA attention, no chunked loss."""
+    from bigtune.engine.loop import loss_chunk_skipped
+    from bigtune.models.build import attention_for
+
+    notes = []
+    attn_note = attention_for(recipe.model, config)[1]
+    if attn_note:
+        notes.append(attn_note)
+    why = loss_chunk_skipped(recipe, getattr(config, "model_type", None))
+    if why:
+        notes.append(f"train.loss_chunk_tokens={recipe.train.loss_chunk_tokens} is not used: {why}")
     return notes
 
 

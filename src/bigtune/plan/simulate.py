@@ -330,7 +330,7 @@ def _add_bytes(steady: dict, peak: int, categories: tuple[str, ...], extra: int)
 def _shallow_config(config, depths: "int | dict[Stack, int]", recipe: Recipe):
     """A copy of ``config`` with each repeated stack cut to ``depths`` blocks, no KV cache, and the
     recipe's attention implementation (and classification head)."""
-    from bigtune.models.build import label_config
+    from bigtune.models.build import attention_for, label_config
 
     cfg = copy.deepcopy(config)
     for st in model_stacks(cfg):
@@ -344,7 +344,7 @@ def _shallow_config(config, depths: "int | dict[Stack, int]", recipe: Recipe):
             setattr(cfg, key, value)
         if getattr(cfg, "pad_token_id", None) is None:
             cfg.pad_token_id = 0  # Llama-style heads look for padding; the simulated ids (>= 3) have none
-    cfg._attn_implementation = recipe.model.attn_implementation
+    cfg._attn_implementation = attention_for(recipe.model, config)[0]  # eager where there is no SDPA
     return cfg
 
 
