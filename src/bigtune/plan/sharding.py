@@ -13,15 +13,18 @@ from bigtune.recipe import Recipe
 STATES = ("parameters", "gradients", "optimizer_device")
 
 
-def shard_layout(strategy: str) -> tuple[set[str], set[str]]:
+def shard_layout(strategy: str, fsdp_cpu_offload: bool = False) -> tuple[set[str], set[str]]:
     """(model-state categories split across the ranks, categories moved to CPU RAM) for a strategy.
 
     ddp replicates everything; fsdp and ZeRO-3 split all three; ZeRO-2 splits gradients and
     optimizer state (the fp32 masters of mixed precision belong to the latter); *_offload keeps the
-    optimizer state (ZeRO-3: also the parameters) in CPU RAM.
+    optimizer state (ZeRO-3: also the parameters) in CPU RAM. FSDP2's CPUOffloadPolicy
+    (``fsdp_cpu_offload``) keeps all three shards in host RAM: each unit's parameter shard is copied
+    to the device for its all-gather, each reduce-scattered gradient shard back to the host, and the
+    optimizer steps on the CPU.
     """
     if strategy == "fsdp":
-        return set(STATES), set()
+        return set(STATES), set(STATES) if fsdp_cpu_offload else set()
     if strategy.startswith("deepspeed_stage_"):
         from bigtune.engine.strategies import zero_layout
 
@@ -184,6 +187,10 @@ class _Sharding:
             return 0
         return -(-st[c] // self.n) if c in self.split else st[c]
 
+    def on_device_if_kept(self, st: dict, c: str) -> int:
+        """This rank's bytes of category ``c`` wherever they live (its shard where ``c`` is split)."""
+        return -(-st[c] // self.n) if c in self.split else st[c]
+
     def device_states(self, ph: dict) -> int:
         st = self.full_states(ph)
         return sum(self.on_device(st, c) for c in STATES)
@@ -199,7 +206,7 @@ def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tup
         return sim.phases, sim.peak_allocated, []
     n = target.gpus
     notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
-    split, moved = shard_layout(target.strategy)
+    split, moved = shard_layout(target.strategy, recipe.fsdp_cpu_offload)
     zero_offload = target.strategy.startswith("deepspeed") and "optimizer_device" in moved
     if target.device != "cuda":
         moved = set()  # on a CPU, "offloaded" state shares the one memory (and the engine counts it so)
@@ -342,8 +349,9 @@ def _backward_high(s: _Sharding, recipe: Recipe, fwd_grads: int) -> int:
             s.device_states(b_) + unsharded + scatter_in,
         )
     else:
-        if "gradients" in s.split and not s.grads_persist:
+        if "gradients" in s.split and not s.grads_persist and "gradients" not in s.moved:
             # Not every gradient shard exists yet at that high: each rank lacks 1/n of those to come.
+            # (Offloaded shards go to the host as each unit reduces: none of them is on the device.)
             late -= pending // s.n
         # fsdp_grad_sync=step: the unsharded gradients until each unit reduces them (then its shards
         # replace them): at most all of them and no shard.
@@ -413,6 +421,13 @@ def _sharding_notes(s: _Sharding, recipe: Recipe, target: Target) -> list[str]:
             f"{target.strategy} with {recipe.precision}: 16-bit weights and gradients, fp32 master "
             "weights and optimizer state (DeepSpeed's mixed precision; no autocast)"
         )
-    if s.moved:
+    if s.moved and not s.deepspeed:
+        host = sum(s.on_device_if_kept(s.full_states(s.sim.phases["after_backward"]), c) for c in sorted(s.moved))
+        notes.append(
+            f"fsdp_cpu_offload: parameter, gradient and optimizer-state shards in pinned host RAM, {host / GIB:.2f} "
+            "GiB per rank (not in device memory); each unit's shard is copied to the device for its all-gather "
+            "and each gradient shard back, and the optimizer steps on the CPU"
+        )
+    elif s.moved:
         notes.append(f"{target.strategy}: {' and '.join(sorted(s.moved))} held in CPU RAM (not in device memory)")
     return notes

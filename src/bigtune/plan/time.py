@@ -23,7 +23,8 @@ def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float]
     if not sim.ops:
         return None, None, ["time: this simulation recorded no operators"]
     states = sim.phases["after_backward"]
-    split, moved = shard_layout(target.strategy)
+    fsdp_offload = target.strategy == "fsdp" and recipe.fsdp_cpu_offload and target.gpus > 1
+    split, moved = shard_layout(target.strategy, fsdp_offload)
     host = states.get("optimizer_cpu", 0)
     if "optimizer_device" in moved:  # ZeRO offload: each process updates its shard on the CPU
         host += states["optimizer_device"] / target.gpus
@@ -37,6 +38,9 @@ def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float]
     except ValueError as exc:
         return None, None, [f"time: {exc}; no step time"]
     t_opt = 0.0
+    if fsdp_offload:
+        t_opt += _fsdp_offload_seconds(recipe, target, states, t)
+        host = 0.0  # priced there, with the transfers' real count
     if host:
         # CPU-offloaded update: the CPU reads and writes its state once, gradients go down and the
         # updated weights come back over PCIe (both assumed rates, see the constants).
@@ -60,6 +64,22 @@ def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float]
             "train.compile (fewer, fused kernels) would keep it busier"
         )
     return step, tokens * target.gpus / step, notes
+
+
+def _fsdp_offload_seconds(recipe: Recipe, target: Target, states: dict, t: dict) -> float:
+    """FSDP2 with CPUOffloadPolicy: the CPU's update of this rank's shard, and the PCIe traffic that
+    compute does not hide. Each micro-batch copies every unit's parameter shard to the device for its
+    forward all-gather and again for its backward one (once with fsdp_sharding=grad_op), and each
+    reduce-scattered gradient shard back (once per window with fsdp_grad_sync=step). The copies run on
+    FSDP2's own streams ahead of the compute that needs them (prefetch), so only what exceeds the
+    forward and backward is counted (an assumption, like the rates: constants.py)."""
+    n, k = target.gpus, recipe.accumulate
+    update = 2 * (states["optimizer_device"] / n) / (HOST_UPDATE_GBS * 1e9)
+    gathers = 1 if recipe.fsdp_sharding == "grad_op" else 2
+    reduces = 1 if recipe.fsdp_grad_sync == "step" else k
+    pcie_bytes = (k * gathers * states["parameters"] + reduces * states["gradients"]) / n
+    pcie = pcie_bytes / (PCIE_GBS * 1e9)
+    return update + max(0.0, pcie - (t["forward_s"] + t["backward_s"]))
 
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the last one is reduced after backward ends
