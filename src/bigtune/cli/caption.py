@@ -1,4 +1,4 @@
-"""cli.caption."""
+"""``bigtune caption``: alt text for image files with a trained image-to-text model (parse, call, print)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""cli.predict."""
+"""``bigtune predict``: labels and class probabilities for a file of texts with a trained classifier."""
 
 from __future__ import annotations
 

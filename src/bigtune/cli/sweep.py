@@ -1,4 +1,4 @@
-"""cli.sweep."""
+"""``bigtune sweep`` and ``bigtune report``: run a ladder of variants, plan it, or report on it."""
 
 from __future__ import annotations
 

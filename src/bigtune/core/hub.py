@@ -1,4 +1,4 @@
-"""core.hub."""
+"""Whether the Hugging Face hub answers, asked once per process, and the loading keywords that follow."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""data.labels."""
+"""Labelled text for ``model.family: sequence-classification``: label names, encoding and the collator.
+
+A label is a class name from ``data.label_names`` or an integer index into them; with no label_names the
+classes are the sorted distinct labels of the training data. A record with no text or no label is skipped
+and counted; a label outside the classes is an error naming the file, record and line.
+"""
 
 from __future__ import annotations
 

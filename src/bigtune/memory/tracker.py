@@ -1,4 +1,6 @@
-"""memory.tracker."""
+"""A tracker of live tensor storages (a TorchDispatchMode): on a CPU it measures what CUDA's allocator
+would report, and under fake tensors it records the planner's allocation trace.
+"""
 
 from __future__ import annotations
 

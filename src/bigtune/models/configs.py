@@ -1,4 +1,4 @@
-"""models.configs."""
+"""A model's Hugging Face config from a preset, a local folder, a bundled copy (assets/configs) or the hub."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""plan.alternatives."""
+"""``bigtune plan --alternatives``: variants of a recipe (precision, checkpointing, optimizer, micro batch,
+adapters, GPU counts and sharding) that fit the target, fastest first.
+"""
 
 from __future__ import annotations
 

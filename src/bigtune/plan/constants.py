@@ -1,4 +1,4 @@
-"""plan.constants."""
+"""The planner's assumed constants (each until calibrated on GPU runs) and its error type."""
 
 from __future__ import annotations
 

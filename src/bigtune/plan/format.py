@@ -1,4 +1,4 @@
-"""plan.format."""
+"""A plan and its alternatives as text: the phase table, the verdict and the notes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""plan.quantized."""
+"""Quantized weights in the simulation: packed 4-bit/8-bit bytes, emulated 4-bit matmuls, 8-bit optimizer state."""
 
 from __future__ import annotations
 

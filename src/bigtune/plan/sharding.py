@@ -1,4 +1,6 @@
-"""plan.sharding."""
+"""Several devices from the one-device simulation: how DDP, FSDP and DeepSpeed ZeRO lay out (and offload)
+the model states, and the gather and reduce buffers beside them, phase by phase.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""plan.simulate."""
+"""One training step of the engine on fake tensors: the shallow model (a few blocks of each stack), the
+fake Fabric, the measured phases, and the extrapolation to full depth.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""plan.target."""
+"""What a plan is for (a device, a GPU model, a count, a strategy) and what it predicts (``Plan``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""plan.time."""
+"""Step time: the simulated step's kernels priced on the target GPU, plus CPU updates, PCIe and the
+communication between GPUs that compute does not hide.
+"""
 
 from __future__ import annotations
 

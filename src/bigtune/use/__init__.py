@@ -1,1 +1,1 @@
-"""use."""
+"""Using a trained result: generate, evaluate, caption, classify and export to Hugging Face format."""

@@ -1,13 +1,6 @@
-"""Text classification (``model.family: sequence-classification``): labelled data, `bigtune predict`,
-and the classifier side of `bigtune eval`.
-
-Data: records with a text column (``data.text_field``) and a label column (``data.label_field``),
-from any source bigtune reads (``demo`` is the bundled food-review sentiment set). A label is a
-class name from ``data.label_names`` or an integer index into them; with no label_names the classes
-are the sorted distinct labels of the training data (integers sort as numbers), and the resolved
-names are written back into the run's recipe.yaml so validation, eval and predict use the same ones.
-A record with no text or no label is skipped and counted; a label that is not a known class is an
-error naming the file, record and line, because it usually means the names do not match the data.
+"""A trained classifier (``model.family: sequence-classification``) in use: loading it, class
+probabilities for texts (``bigtune predict``) and its side of ``bigtune eval`` (accuracy, macro-F1,
+confusion matrix). The labelled training data is ``bigtune.data.labels``.
 
 A sample is ``BOS + text + EOS`` (truncated to ``data.max_seq_length``): BERT's pooler reads position
 0, where BOS stands in for [CLS]; Llama-style heads pool the last non-pad token.

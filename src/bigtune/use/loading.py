@@ -1,4 +1,6 @@
-"""use.loading."""
+"""Loading what a user points at for inference: a Hugging Face folder, a bigtune run directory (its model
+or its base plus adapter) or an adapter folder; safetensors only, no remote code.
+"""
 
 from __future__ import annotations
 
