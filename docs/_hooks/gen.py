@@ -6,7 +6,8 @@ with Markdown built from bigtune itself, so the reference cannot drift from the 
 - ``recipe-keys``: every recipe key, from ``bigtune.recipe.schema_markdown()``;
 - ``cli``: every command and flag, from the argparse parser (``bigtune.cli.build_parser``);
 - ``exit-codes``: the exit codes the CLI defines;
-- ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus``).
+- ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus``);
+- ``modules``: every module of the package by layer, with its docstring's first paragraph.
 
 The hook imports bigtune, so build the site from an environment where it is installed (``pip install -e
 '.[docs]'``).
@@ -170,7 +171,39 @@ def _gpu_catalog() -> str:
     return "\n".join(rows) + "\n"
 
 
-GENERATORS = {"recipe-keys": _recipe_keys, "cli": _cli, "exit-codes": _exit_codes, "gpu-catalog": _gpu_catalog}
+LAYERS = ("core", "recipe", "data", "models", "memory", "engine", "plan", "run", "sweep", "use", "cli")
+
+
+def _modules() -> str:
+    """Every module of the package, layer by layer, with the first sentence of its docstring (read from
+    the source, not imported)."""
+    import ast
+    from pathlib import Path
+
+    import bigtune
+
+    root = Path(bigtune.__file__).resolve().parent
+    rows = ["| layer | module | what it holds |", "|---|---|---|"]
+    for layer in LAYERS:
+        path = root / f"{layer}.py"
+        files = [path] if path.is_file() else sorted((root / layer).glob("*.py"))
+        for f in files:
+            if f.name == "__init__.py" and len(files) > 1:
+                continue
+            doc = ast.get_docstring(ast.parse(f.read_text())) or ""
+            first = " ".join(doc.split("\n\n")[0].split())
+            name = "bigtune." + ".".join(f.relative_to(root).with_suffix("").parts)
+            rows.append(f"| `{layer}` | `{name}` | {_cell(first)} |")
+    return "\n".join(rows) + "\n"
+
+
+GENERATORS = {
+    "recipe-keys": _recipe_keys,
+    "cli": _cli,
+    "exit-codes": _exit_codes,
+    "gpu-catalog": _gpu_catalog,
+    "modules": _modules,
+}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
