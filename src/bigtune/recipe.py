@@ -41,7 +41,7 @@ DEEPSPEED_STRATEGIES = (
 STRATEGIES = ("auto", "single", "ddp", "fsdp") + DEEPSPEED_STRATEGIES
 LR_SCALINGS = ("none", "linear", "sqrt")
 ACCELERATORS = ("auto", "cpu", "cuda")
-DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text", "classification")
+DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text", "classification", "chat")
 FAMILIES = ("causal-lm", "image-to-text", "sequence-classification")
 BEST_METRICS = ("val_loss", "accuracy", "macro_f1")
 
@@ -115,14 +115,28 @@ class ModelConfig:
 class DataConfig:
     source: str = _f(
         "demo",
-        "`demo` (bundled instruction set; for model.family image-to-text the bundled "
-        "food-photo caption set), a .json/.jsonl/.csv/.parquet/.txt file, a folder "
-        "written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; needs the hub).",
+        "`demo` (bundled instruction set; with data.format chat the bundled food conversations; for "
+        "model.family image-to-text the bundled food-photo caption set), a .json/.jsonl/.csv/.parquet/.txt "
+        "file, a folder written by datasets' save_to_disk, or `hf:<dataset id>` (datasets.load_dataset; "
+        "needs the hub).",
     )
-    format: Literal["auto", "alpaca", "text", "jsonl-text", "classification"] = _f(
+    format: Literal["auto", "alpaca", "text", "jsonl-text", "classification", "chat"] = _f(
         "auto",
-        "auto: alpaca if records have instruction/output, plain text for .txt or a `text` column; "
+        "auto: chat if records have `messages` ([{role, content}]) or ShareGPT `conversations` ([{from, value}]), "
+        "alpaca if records have instruction/output, plain text for .txt or a `text` column; "
         "classification (text_field + label_field per record) for model.family sequence-classification.",
+    )
+    chat_template: Optional[str] = _f(
+        None,
+        "chat: the template conversations are rendered with. null: the tokenizer's own (chat_template in the "
+        "model's tokenizer_config.json or chat_template.jinja; the tiny presets carry Zephyr's). Or a built-in: "
+        "chatml, qwen, llama-3, gemma, mistral, phi-3, zephyr; or a Jinja file in the Hugging Face chat-template "
+        "dialect. The run's saved tokenizer keeps the template, so `generate --chat` uses the same one.",
+    )
+    train_on: Literal["assistant", "last_assistant", "all"] = _f(
+        "assistant",
+        "chat: which tokens carry the loss. assistant: every assistant turn (its text and the template's "
+        "end-of-turn tokens); last_assistant: the final assistant turn only; all: every token, prompts included.",
     )
     split: str = _f("train", "Split to train on when the source holds several (DatasetDict).")
     text_field: str = _f("text", "Column holding raw text for the text format (image-to-text: the caption).")

@@ -7,7 +7,7 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from bigtune.use.generate import check_generate_args, evaluate, format_eval, generate, read_prompt_file
 from bigtune.use.loading import DTYPE_NAMES, InferError, load_for_inference, model_family, write_text_atomically
@@ -26,7 +26,11 @@ def _out_kind(out: Optional[str]) -> Optional[str]:
 
 def main_generate(args) -> int:
     """``bigtune generate``: continue each prompt; print the outputs or write them to --out."""
-    items: list[tuple[str, str]] = []
+    if args.chat and args.instruction:
+        raise InferError("--chat and --instruction exclude each other: a prompt gets one template")
+    if (args.system or args.chat_template) and not args.chat:
+        raise InferError("--system and --chat-template apply to chat prompts; add --chat")
+    items: list[tuple[str, Any]] = []
     if args.instruction:
         from bigtune.data.text import format_prompt
 
@@ -34,7 +38,7 @@ def main_generate(args) -> int:
     else:
         items += [(p, p) for p in args.prompts]
     if args.file:
-        items += read_prompt_file(args.file, instruction=args.instruction)
+        items += read_prompt_file(args.file, instruction=args.instruction, chat=args.chat)
     if not items:
         raise InferError(
             'no prompts: give them as arguments (bigtune generate --model M "Once upon") or with --file FILE'
@@ -54,6 +58,9 @@ def main_generate(args) -> int:
         top_k=args.top_k,
         seed=args.seed,
         instruction_format=False,
+        chat=args.chat,
+        system=args.system,
+        chat_template=args.chat_template,
     )
     rows = [{"prompt": shown, "output": out} for (shown, _), out in zip(items, outputs)]
     if kind == "jsonl":
@@ -171,6 +178,19 @@ def add_cli(subparsers) -> None:
         "--instruction",
         action="store_true",
         help="wrap each prompt in the instruction template bigtune trains alpaca data with",
+    )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="render each prompt as a user turn with the model's chat template and its generation prompt "
+        '(a --file .jsonl line may hold a whole conversation: "messages" ending with the user\'s turn)',
+    )
+    g.add_argument("--system", metavar="TEXT", help="with --chat: a system prompt before each prompt")
+    g.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="with --chat: a built-in template (chatml, qwen, llama-3, gemma, mistral, phi-3, zephyr) or a Jinja "
+        "file, instead of the tokenizer's own",
     )
     g.add_argument(
         "--out",

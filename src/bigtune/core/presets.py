@@ -18,6 +18,20 @@ DEMO_DATA = ASSETS / "demo_alpaca.jsonl"
 
 DEMO_CLASSIFICATION_DATA = ASSETS / "demo_reviews.jsonl"  # made by scripts/make_reviews_demo.py
 
+DEMO_CHAT_DATA = ASSETS / "demo_chat.jsonl"  # made by scripts/make_chat_demo.py
+
+# The tiny tokenizer's chat template: Zephyr's published layout (HuggingFaceH4/zephyr-7b-beta:
+# "<|role|>\n" + content + EOS + "\n" per turn, "<|assistant|>\n" as the generation prompt). Zephyr ends
+# every turn with the tokenizer's own EOS and writes its role markers as plain text, so the bundled
+# tokenizer needs no new tokens: the vocabulary, and every non-chat run, stay exactly as they were, and
+# generation stops at EOS as it always does.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -37,6 +51,7 @@ def tiny_tokenizer():
         pad_token="<pad>",
         model_max_length=2048,
         padding_side="right",
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 

@@ -2,8 +2,8 @@
 
 Sources: the bundled demo, JSON/JSONL/CSV/Parquet files, plain text, and folders written by
 ``datasets.save_to_disk``. Formats: alpaca-style instruction records (instruction / input /
-output, prompt masked out of the loss by default) and raw text (a ``text`` column, or a .txt file
-cut into max_seq_length blocks).
+output, prompt masked out of the loss by default), raw text (a ``text`` column, or a .txt file
+cut into max_seq_length blocks) and chat conversations (``bigtune.data.chat``).
 
 A record that cannot be used (missing or empty fields, nothing left to learn after truncation) is
 skipped, counted and reported with its index and reason; a file that cannot be parsed is an error
@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from bigtune.core.presets import DEMO_DATA
+from bigtune.core.presets import DEMO_CHAT_DATA, DEMO_DATA
 from bigtune.core.stepmath import IGNORE_INDEX
 from bigtune.recipe import DataConfig
 
@@ -41,6 +41,7 @@ class DataReport:
     val_examples: list = field(default_factory=list, repr=False)
     label_names: list = field(default_factory=list)  # classification: class names in index order
     label_counts: dict = field(default_factory=dict)  # classification: usable records per class
+    notes: list = field(default_factory=list)  # how the format was applied (chat: template, loss tokens)
 
     def summary(self) -> dict:
         out = {
@@ -53,6 +54,8 @@ class DataReport:
             "truncated": self.truncated,
             "skipped_examples": [{"index": i, "reason": r} for i, r in self.skipped[:20]],
         }
+        if self.notes:
+            out["notes"] = list(self.notes)
         if self.label_names:
             out.update(label_names=list(self.label_names), label_counts=dict(self.label_counts))
         return out
@@ -62,6 +65,7 @@ class DataReport:
             f"data: {self.source} ({self.format}): {self.records} records, {self.used} used for training, "
             f"{self.validation} for validation, {len(self.skipped)} skipped, {self.truncated} truncated"
         ]
+        out += [f"  {n}" for n in self.notes]
         if self.label_names:
             out.append("  labels: " + ", ".join(f"{n} ({self.label_counts.get(n, 0)})" for n in self.label_names))
         for i, r in self.skipped[:10]:
@@ -70,6 +74,12 @@ class DataReport:
             out.append(f"  ... and {len(self.skipped) - 10} more (all listed in summary.json up to 20)")
         return out
 
+
+TRAIN_ON = {
+    "assistant": "every assistant turn",
+    "last_assistant": "the last assistant turn",
+    "all": "every token",
+}
 
 PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
@@ -166,7 +176,8 @@ def _read_hub(dataset_id: str, split: str) -> list[Any]:
 def read_source(cfg: DataConfig) -> tuple[str, list[Any]]:
     """(source label, raw records). Plain .txt files come back as one string."""
     if cfg.source == "demo":
-        return str(DEMO_DATA), read_jsonl(DEMO_DATA)
+        demo = DEMO_CHAT_DATA if cfg.format == "chat" else DEMO_DATA
+        return str(demo), read_jsonl(demo)
     if cfg.source.startswith("hf:"):
         return cfg.source, _read_hub(cfg.source[3:], cfg.split)
     path = Path(cfg.source).expanduser()
@@ -196,6 +207,8 @@ def detect_format(cfg: DataConfig, source: str, records: list[Any]) -> str:
         return "text"
     # Look past malformed leading records: one bad record must be skipped, not break detection.
     dicts = [r for r in records[:1000] if isinstance(r, dict)]
+    if any(isinstance(r.get("messages"), list) or isinstance(r.get("conversations"), list) for r in dicts):
+        return "chat"
     if any("instruction" in r and "output" in r for r in dicts):
         return "alpaca"
     if any(cfg.text_field in r for r in dicts):
@@ -203,9 +216,9 @@ def detect_format(cfg: DataConfig, source: str, records: list[Any]) -> str:
     first = dicts[0] if dicts else None
     keys = sorted(first) if first is not None else []
     raise DataError(
-        f"data.source {source}: cannot tell the format from keys {keys}; records need "
-        f"instruction/output (alpaca) or a {cfg.text_field!r} field (set data.text_field), or set "
-        "data.format"
+        f"data.source {source}: cannot tell the format from keys {keys}; records need a messages or "
+        f"conversations list (chat), instruction/output (alpaca) or a {cfg.text_field!r} field (set "
+        "data.text_field), or set data.format"
     )
 
 
@@ -290,8 +303,19 @@ def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], Data
         report.records = len(examples)
     else:
         make = _alpaca_example if fmt == "alpaca" else _text_example
+        if fmt == "chat":
+            from bigtune.data.chat import ChatFormatter
+
+            try:
+                make = ChatFormatter(cfg, tok)
+            except DataError as e:
+                raise DataError(f"{source}: {e}") from None
+            report.notes.append(f"rendered with {make.label}; loss on {TRAIN_ON[cfg.train_on]}")
         for i, rec in enumerate(records):
-            ex, reason, truncated = make(rec, tok, cfg)
+            try:
+                ex, reason, truncated = make(rec, tok, cfg)
+            except DataError as e:  # a problem of the template or tokenizer, not of this one record
+                raise DataError(f"{source} record {i}: {e}") from None
             if ex is None:
                 if not cfg.skip_bad_records:
                     raise DataError(f"{source} record {i}: {reason}; fix the record or set data.skip_bad_records=true")

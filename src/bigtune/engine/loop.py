@@ -787,6 +787,8 @@ CHECKPOINT_KEYS = (
     "data.packing",
     "data.max_seq_length",
     "data.num_train_samples",
+    "data.chat_template",
+    "data.train_on",
 )
 
 

@@ -50,6 +50,34 @@ def _encode(tokenizer, text: str) -> list[int]:
     return ([bos] if bos is not None else []) + list(ids)
 
 
+def _encode_prompts(tokenizer, prompts, instruction_format: bool, chat: bool, system, chat_template):
+    """(token ids per prompt, extra stop ids): plain text after BOS, the instruction template, or the chat template."""
+    if chat and instruction_format:
+        raise InferError("chat and instruction_format exclude each other: a prompt gets one template")
+    if chat:
+        from bigtune.data.chat import ChatError, chat_messages, encode_prompt, resolve_template, turn_end_ids
+
+        try:
+            template, _ = resolve_template(tokenizer, chat_template, key="chat_template")
+            encoded = []
+            for i, p in enumerate(prompts):
+                try:
+                    encoded.append(encode_prompt(tokenizer, template, chat_messages(p, system)))
+                except ChatError as e:
+                    raise ChatError(f"prompt {i}: {e}") from None
+        except ChatError as e:
+            raise InferError(str(e)) from None
+        return encoded, turn_end_ids(tokenizer, template)
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise InferError(f"prompt {i} is {type(p).__name__}, not text (a conversation needs chat=True)")
+    if instruction_format:
+        from bigtune.data.text import format_prompt
+
+        prompts = [format_prompt(p) for p in prompts]
+    return [_encode(tokenizer, p) for p in prompts], []
+
+
 def _left_pad(rows: list[list[int]], pad_id: int):
     import torch
 
@@ -84,6 +112,9 @@ def generate_ids(
     top_k: int = 0,
     seed: int = 0,
     instruction_format: bool = False,
+    chat: bool = False,
+    system: Optional[str] = None,
+    chat_template: Optional[str] = None,
 ) -> list[list[int]]:
     """The new token ids per prompt (stopping at, and without, the end-of-sequence token), in input order.
 
@@ -99,21 +130,16 @@ def generate_ids(
     if isinstance(prompts, str):
         raise InferError("prompts must be a list of strings, not one string; wrap it: [prompt]")
     prompts = list(prompts)
-    for i, p in enumerate(prompts):
-        if not isinstance(p, str):
-            raise InferError(f"prompt {i} is {type(p).__name__}, not text")
     check_generate_args(max_new_tokens, batch_size, do_sample, temperature, top_p, top_k)
     if not prompts:
         return []
-    if instruction_format:
-        from bigtune.data.text import format_prompt
-
-        prompts = [format_prompt(p) for p in prompts]
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    encoded, turn_end = _encode_prompts(tokenizer, prompts, instruction_format, chat, system, chat_template)
     eos = _eos_ids(model, tokenizer)
-    encoded = [_encode(tokenizer, p) for p in prompts]
+    # A chat template's end-of-turn token (ChatML's <|im_end|>, ...) ends an answer as EOS does.
+    eos += [t for t in turn_end if t not in eos]
     for i, e in enumerate(encoded):
         if not e:
             raise InferError(f"prompt {i} is empty and the tokenizer has no BOS token to start from; give some text")
@@ -186,6 +212,9 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     instruction_format: bool = False,
+    chat: bool = False,
+    system: Optional[str] = None,
+    chat_template: Optional[str] = None,
 ) -> list[str]:
     """Generate a continuation of each prompt; return only the new text, one string per prompt, in order.
 
@@ -193,8 +222,11 @@ def generate(
     the same output whatever the batch size); with ``do_sample`` the ``temperature`` / ``top_p`` /
     ``top_k`` (0: off) filters apply and ``seed`` makes the draw repeatable without touching the
     caller's global RNG. ``instruction_format`` wraps each prompt in the template bigtune trains
-    instruction data with (``bigtune.data.format_prompt``). A progress line per batch goes to stderr
-    when there is more than one batch.
+    instruction data with (``bigtune.data.format_prompt``). ``chat`` renders each prompt with the chat
+    template instead (``chat_template``: a built-in name or Jinja file; None: the tokenizer's own) and its
+    generation prompt: a string is one user turn (after ``system``, if given), a list of
+    ``{"role", "content"}`` dicts a conversation ending with the user's turn; the answer stops at the
+    template's end-of-turn token. A progress line per batch goes to stderr when there is more than one batch.
     """
     ids = generate_ids(
         model,
@@ -208,6 +240,9 @@ def generate(
         top_k=top_k,
         seed=seed,
         instruction_format=instruction_format,
+        chat=chat,
+        system=system,
+        chat_template=chat_template,
     )
     return [tokenizer.decode(r, skip_special_tokens=True) for r in ids]
 
@@ -283,12 +318,14 @@ def evaluate(
     }
 
 
-def read_prompt_file(path: str, instruction: bool = False) -> list[tuple[str, str]]:
+def read_prompt_file(path: str, instruction: bool = False, chat: bool = False) -> list[tuple[str, Any]]:
     """[(prompt as shown, text to generate from)] from a .jsonl (``instruction``/``prompt`` field, optional
     ``input``) or a text file (one prompt per non-empty line).
 
     With ``instruction`` the text is already wrapped in the training template (so a record's ``input``
     lands in its own section); without it, ``input`` is appended to the instruction after a blank line.
+    With ``chat`` a .jsonl line may instead hold a conversation (``messages`` or ShareGPT ``conversations``,
+    ending with the user's turn), returned as that list for the chat template.
     """
     from bigtune.data.text import format_prompt
 
@@ -311,6 +348,11 @@ def read_prompt_file(path: str, instruction: bool = False) -> list[tuple[str, st
                 text = None
                 if isinstance(rec, dict):
                     text = rec.get("instruction", rec.get("prompt"))
+                    turns = rec.get("messages", rec.get("conversations"))
+                    if chat and text is None and isinstance(turns, list) and turns:
+                        last = turns[-1] if isinstance(turns[-1], dict) else {}
+                        out.append((str(last.get("content", last.get("value", ""))), turns))
+                        continue
                 if not isinstance(text, str):
                     raise InferError(f'{p} line {lineno}: no text "instruction" or "prompt" field; add one')
                 inp = rec.get("input") or ""
