@@ -107,6 +107,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument(
+        "--compare-gpus",
+        nargs="?",
+        const="all",
+        metavar="GPU,GPU...",
+        help="which GPU and how many: for every catalog GPU (or those listed) and count, the fastest variant "
+        "that fits (--alternatives' search), the whole run's time and its cost, ranked by cost and by time",
+    )
+    pl.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="compare the partitions of a cluster profile (YAML: partition -> GPU type, GPUs per node, CPU "
+        "cores and RAM per node, wall-time limit, price or allocation units per GPU-hour) instead of the catalog",
+    )
+    pl.add_argument(
+        "--prices",
+        metavar="FILE",
+        help="--compare-gpus: your prices per GPU-hour (YAML: GPU name -> price) over the bundled defaults "
+        "(published on-demand list prices with their date and source)",
+    )
+    pl.add_argument(
+        "--samples",
+        type=int,
+        metavar="N",
+        help="--compare-gpus: the data source's size in samples, instead of reading and tokenizing it as train does",
+    )
+    pl.add_argument("--max-hours", type=float, metavar="H", help="--compare-gpus: leave out runs longer than H hours")
+    pl.add_argument(
+        "--budget", type=float, metavar="AMOUNT", help="--compare-gpus: leave out runs that cost more (price units)"
+    )
+    pl.add_argument(
         "--for",
         dest="for_task",
         choices=["train", "generate", "caption", "predict"],
@@ -250,8 +280,13 @@ def _cmd_plan(args) -> int:
     from bigtune.plan.target import Target, run_strategy
     from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
+    if args.compare_gpus or args.cluster:
+        return _cmd_compare(args)
+    compare_only = ("prices", "samples", "max_hours", "budget")
+    if given := [f"--{k.replace('_', '-')}" for k in compare_only if getattr(args, k) is not None]:
+        raise PlanError(f"{', '.join(given)} belong(s) to --compare-gpus or --cluster; add one")
     if args.adapters and not args.alternatives:
-        raise SystemExit("bigtune plan: --adapters widens --alternatives; add --alternatives")
+        raise PlanError("--adapters widens --alternatives or --compare-gpus; add one")
     for_gpu = bool(args.gpu or args.gpu_memory)
     # The plan simulates on this machine (accelerator=cpu); for a GPU target, rules that only say this
     # machine could not run the recipe (16-mixed without CUDA, DeepSpeed not installed...) do not apply.
@@ -305,4 +340,46 @@ def _cmd_plan(args) -> int:
                 "fastest first:"
             )
             print(format_alternatives(alts))
+    return EXIT_OK
+
+
+def _cmd_compare(args) -> int:
+    """``plan --compare-gpus`` / ``--cluster``: which GPU, how many, how long, what cost."""
+    import json
+
+    from bigtune.plan.choose import compare, format_comparison
+    from bigtune.plan.constants import PlanError
+    from bigtune.plan.offers import catalog_offers, load_cluster, load_prices
+    from bigtune.plan.runlength import data_size
+    from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
+
+    clash = [f for f, on in (("--gpu", args.gpu), ("--gpus", args.gpus), ("--strategy", args.strategy),
+             ("--gpu-memory", args.gpu_memory), ("--alternatives", args.alternatives),
+             ("--data-lengths", args.data_lengths), ("--for", args.for_task != "train")) if on]  # fmt: skip
+    if args.compare_gpus and args.cluster:
+        clash.append("--compare-gpus with --cluster")
+    if clash:
+        raise PlanError(
+            f"--compare-gpus/--cluster choose the GPUs themselves; drop {', '.join(clash)} "
+            "(a cluster profile's partitions replace --compare-gpus)"
+        )
+    r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu"], check=False)
+    if problems := gpu_plan_problems(r):
+        raise RecipeError(problems, args.recipe)
+    if args.cluster:
+        if args.prices:
+            raise PlanError("a cluster profile prices its own partitions; drop --prices")
+        name, offers = load_cluster(args.cluster, args.max_gpus)
+        label = f"cluster {name} ({args.cluster}), per partition"
+    else:
+        prices = load_prices(args.prices)
+        names = None if args.compare_gpus == "all" else [n.strip() for n in args.compare_gpus.split(",") if n.strip()]
+        offers = catalog_offers(names, prices, args.max_gpus)
+        label = prices.label
+    cmp = compare(r, offers, data_size(r, args.samples), adapters=args.adapters, max_hours=args.max_hours,
+                  budget=args.budget)  # fmt: skip
+    if args.json:
+        print(json.dumps({**cmp.to_dict(), "prices": label}, indent=2))
+    else:
+        print(format_comparison(cmp, label))
     return EXIT_OK

@@ -1,4 +1,4 @@
-"""cli.launch."""
+"""cli.launch: ``bigtune launch slurm``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,18 @@ import subprocess
 from pathlib import Path
 
 from bigtune.recipe import load_recipe
-from bigtune.run.launch import slurm_script
+from bigtune.run.launch import launch_shape, slurm_script
+
+_STRATEGIES = [
+    "auto",
+    "single",
+    "ddp",
+    "fsdp",
+    "deepspeed_stage_2",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_offload",
+]
 
 
 def add_cli(sub) -> None:
@@ -15,26 +26,25 @@ def add_cli(sub) -> None:
     p.add_argument("system", choices=["slurm"])
     p.add_argument("recipe", nargs="?")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument(
-        "--strategy",
-        choices=[
-            "ddp",
-            "fsdp",
-            "deepspeed_stage_2",
-            "deepspeed_stage_2_offload",
-            "deepspeed_stage_3",
-            "deepspeed_stage_3_offload",
-        ],
-        default="fsdp",
-    )
-    p.add_argument("--time", default="02:00:00", help="Slurm time limit, e.g. 02:00:00")
+    p.add_argument("--nodes", type=int, help="default: the recipe's num_nodes")
+    p.add_argument("--gpus-per-node", type=int, help="tasks (one per GPU) per node; default: the recipe's devices")
+    p.add_argument("--strategy", choices=_STRATEGIES, help="default: the recipe's strategy")
+    p.add_argument("--time", help="Slurm time limit, e.g. 02:00:00 (default 02:00:00; with --cluster: planned)")
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--cpus-per-task", type=int, help="default: from bigtune's host plan (1 + data.num_workers)")
     p.add_argument(
         "--mem", help="memory per node, e.g. 200G (default: from bigtune's host plan: each task loads the weights once)"
+    )
+    p.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="choose the partition from a cluster profile (as `bigtune plan --cluster`): the cheapest that fits, "
+        "and fill --partition, --gres, --nodes, --ntasks-per-node, --cpus-per-task, --mem and --time (the "
+        "estimate x 1.5 + 15 min) from the plan; refused with the reason when no partition fits",
+    )
+    p.add_argument(
+        "--samples", type=int, metavar="N", help="with --cluster: the data's size, instead of reading it as train does"
     )
     p.add_argument("--job-name")
     p.add_argument("--out", help="script path (default: <output_dir>/job.sbatch)")
@@ -42,20 +52,96 @@ def add_cli(sub) -> None:
     p.set_defaults(func=main_launch)
 
 
-def main_launch(args) -> int:
-    text = slurm_script(
+def _script(args) -> str:
+    if args.cluster:
+        return _cluster_script(args)
+    from bigtune.plan.constants import PlanError
+
+    if args.samples is not None:
+        raise PlanError("--samples sizes the run for --cluster's time estimate; add --cluster FILE or drop it")
+    nodes, gpus_per_node, strategy = launch_shape(
+        args.recipe, args.overrides, args.nodes, args.gpus_per_node, args.strategy
+    )
+    return slurm_script(
         args.recipe,
         args.overrides,
-        args.nodes,
-        args.gpus_per_node,
-        args.time,
+        nodes,
+        gpus_per_node,
+        args.time or "02:00:00",
         args.partition,
         args.account,
         args.cpus_per_task,
         args.mem,
         args.job_name,
-        args.strategy,
+        strategy,
     )
+
+
+def _set_value(v) -> str:
+    """A recipe value as --set text (YAML)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "null" if v is None else str(v)
+
+
+def _not_here(strategy: str) -> str | None:
+    """Why a strategy cannot be launched from here: the script is validated on this machine (as without
+    --cluster), and DeepSpeed strategies need DeepSpeed installed."""
+    import importlib.util
+
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed here (pip install 'bigtune[deepspeed]')"
+    return None
+
+
+def _cluster_script(args) -> str:
+    """The script for the cheapest partition of ``args.cluster`` that fits (plan/choose.py)."""
+    from bigtune.plan.choose import TIME_MARGIN, TIME_STARTUP_S, compare, pick_partition
+    from bigtune.plan.constants import GIB, PlanError
+    from bigtune.plan.offers import format_slurm_time, load_cluster
+    from bigtune.plan.runlength import data_size, hours
+    from bigtune.recipe import RecipeError, gpu_plan_problems
+
+    flags = ("partition", "nodes", "gpus_per_node", "strategy", "time", "mem", "cpus_per_task")
+    if given := [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) is not None]:
+        raise PlanError(f"--cluster fills {', '.join(given)} from the plan; drop them, or drop --cluster")
+    r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu"], check=False)
+    if problems := gpu_plan_problems(r):
+        raise RecipeError(problems, args.recipe)
+    name, offers = load_cluster(args.cluster)
+    c = pick_partition(compare(r, offers, data_size(r, args.samples), skip=_not_here), r)
+    variant = [
+        f"{k}={_set_value(v)}" for k, v in c.plan.overrides.items() if k not in ("devices", "num_nodes", "strategy")
+    ]
+    cost = "" if c.cost is None else f", cost {c.cost:,.2f} {c.offer.unit}"
+    notes = [
+        f"partition chosen by bigtune from cluster {name} ({args.cluster}): the cheapest that fits; "
+        f"{c.gpus} x {c.offer.gpu.key}, variant: {c.plan.variant}",
+        f"estimate {hours(c.seconds)} ({c.length.steps} steps x {c.plan.step_time_s:.3g} s + evaluation){cost}; "
+        f"--time = estimate x {1 + TIME_MARGIN:g} + {TIME_STARTUP_S // 60} min (the time model is uncalibrated)",
+        "--mem / --cpus-per-task from bigtune's host plan: each task loads the weights once (+ any optimizer "
+        "state in CPU RAM); cpus = 1 + data.num_workers, at least 2",
+    ]
+    print(f"cluster {name}: {c.offer.name}, {c.nodes} node(s) x {c.gpus // c.nodes} GPU(s), {hours(c.seconds)}{cost}")
+    return slurm_script(
+        args.recipe,
+        list(args.overrides) + variant,
+        c.nodes,
+        c.gpus // c.nodes,
+        format_slurm_time(c.slurm_time_s),
+        c.offer.name,
+        args.account,
+        c.cpus_per_task,
+        f"{-(-c.host_mem_bytes // GIB)}G",
+        args.job_name,
+        c.strategy,
+        gres=c.offer.partition.gres,
+        notes=notes,
+    )
+
+
+def main_launch(args) -> int:
+    text = _script(args)
     r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu", "strategy=ddp"])  # for output_dir only
     path = Path(args.out or Path(r.output_dir or f"runs/{r.name}") / "job.sbatch")
     path.parent.mkdir(parents=True, exist_ok=True)

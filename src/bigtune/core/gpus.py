@@ -139,6 +139,32 @@ _ENTRIES: tuple[GPU, ...] = (
         sms=40,
         source="NVIDIA T4 datasheet (2019)",
     ),
+    GPU(
+        key="rtx-2080-ti-11gb",
+        name="NVIDIA GeForce RTX 2080 Ti",
+        aliases=(
+            "rtx-2080-ti",
+            "rtx 2080 ti",
+            "2080 ti",
+            "2080ti",
+            "geforce rtx 2080 ti",
+            "nvidia geforce rtx 2080 ti",
+        ),
+        # Estimated, not observed here: 10.76 GiB is the "total capacity" PyTorch's out-of-memory
+        # messages report on 11 GB Turing cards (nvidia-smi: 11264 MiB). Common in university clusters.
+        memory_gib=10.76,
+        bf16_tflops=None,  # Turing tensor cores have no bf16 mode.
+        # Turing whitepaper, RTX 2080 Ti (reference clocks): fp16 107.6 TFLOPS with FP16 accumulate,
+        # 53.8 with FP32 accumulate (GeForce half rate); FP32 13.4.
+        fp16_tflops=53.8,
+        fp32_tflops=13.4,
+        tf32_tflops=None,  # no TF32 before Ampere.
+        mem_bandwidth_gbs=616.0,
+        interconnect=_PCIE3 + " (optional 2-way NVLink bridge 100 GB/s)",
+        interconnect_gbs=32.0,
+        sms=68,
+        source="NVIDIA Turing GPU architecture whitepaper (2018), GeForce RTX 2080 Ti column",
+    ),
     # ---------------------------------------------------------------- Ampere (GA10x)
     GPU(
         key="a10-24gb",
@@ -731,6 +757,7 @@ _COMPUTE_CAPABILITY = {
     "v100-sxm2-16gb": (7, 0),
     "v100-sxm2-32gb": (7, 0),
     "t4-16gb": (7, 5),
+    "rtx-2080-ti-11gb": (7, 5),
     "a10-24gb": (8, 6),
     "a10g-24gb": (8, 6),
     "rtx-a6000-48gb": (8, 6),

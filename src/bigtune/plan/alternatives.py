@@ -163,7 +163,8 @@ def alternatives(
     (DDP, FSDP, ZeRO-3 with offload) keep the recipe's precision; one that runs out of memory though its
     share of the model states fits is tried again with activation checkpointing. Micro batches
     between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
-    "interpolated"); everything else is simulated, except what ``sims`` (plan()'s, same target) holds.
+    "interpolated"); everything else is simulated, except what ``sims`` (plan()'s or an earlier call's, for a
+    target whose attention kernels are the same) holds; new simulations are added to ``sims``.
     """
     import os
 
@@ -181,11 +182,12 @@ def alternatives(
     _hidden_states_variant(vs)
     n_evaluated = len(vs.todo)
     _drop_hopeless(vs, config, target.capacity_bytes)
-    known = sims or {}
-    sims = {
-        **_run_sims({k: v for k, v in vs.jobs.items() if k not in known}, config, cuda, workers, target_arch(target)),
-        **{k: known[k] for k in vs.jobs if k in known},
-    }
+    # The caller's ``sims`` (same target kernel class) is read and also receives every new simulation, so
+    # a later call for another GPU of that class (plan --compare-gpus) simulates only what is new.
+    sims = sims if sims is not None else {}
+    sims.update(
+        _run_sims({k: v for k, v in vs.jobs.items() if k not in sims}, config, cuda, workers, target_arch(target))
+    )
     plans, oom_several = _plan_variants(vs, target, config, sims)
     # Where several GPUs were not enough though their share of the model states would fit (those were
     # simulated), the activations are what is left: the same GPUs and strategy with activation

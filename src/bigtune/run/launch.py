@@ -27,11 +27,15 @@ def slurm_script(
     cpus_per_task: Optional[int] = None,
     mem: Optional[str] = None,
     job_name: Optional[str] = None,
-    strategy: str = "fsdp",
+    strategy: str = "auto",
     python: str = sys.executable,
+    gres: Optional[str] = None,
+    notes: Optional[list[str]] = None,
 ) -> str:
     """The sbatch text. ``cpus_per_task`` / ``mem`` left None are taken from bigtune's host plan
-    (``infer_plan.training_host_request``); when the model cannot be planned, 8 cores and no --mem.
+    (``infer_plan.training_host_request``, one load per task); when the model cannot be planned, 8 cores and
+    no --mem. ``gres`` (e.g. ``gpu:a100``) asks for the GPUs as ``--gres=<gres>:<G>`` instead of
+    ``--gpus-per-node``; ``notes`` are written as comments at the top (where the directives came from).
 
     Long because it writes one sbatch script in order, a few lines per directive, each with its reason.
     """
@@ -76,12 +80,13 @@ def slurm_script(
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={nodes}",
         f"#SBATCH --ntasks-per-node={gpus_per_node}   # one task per GPU: Fabric reads the ranks from Slurm",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --gres={gres}:{gpus_per_node}" if gres else f"#SBATCH --gpus-per-node={gpus_per_node}",
         f"#SBATCH --cpus-per-task={cpus_per_task}",
         f"#SBATCH --time={time}",
     ]
     if host_note:
         lines.insert(2, host_note)
+    lines[2:2] = [f"# {n}" for n in notes or []]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     if account:
@@ -105,3 +110,33 @@ def slurm_script(
     cmd.append("--auto-resume")
     lines.append("srun " + " ".join(shlex.quote(c) for c in cmd))
     return "\n".join(lines) + "\n"
+
+
+def launch_shape(
+    recipe: Optional[str],
+    overrides: list[str],
+    nodes: Optional[int],
+    gpus_per_node: Optional[int],
+    strategy: Optional[str],
+) -> tuple[int, int, str]:
+    """(nodes, GPUs per node, strategy) of a job: the recipe's num_nodes, devices and strategy unless a flag
+    gives them; a flag that contradicts a value the recipe sets (not its default) is a RecipeError."""
+    from bigtune.recipe import Recipe, RecipeError
+
+    r = load_recipe(recipe, list(overrides) + ["accelerator=cpu"], check=False)
+    default = Recipe()
+    problems = []
+    for flag, given, key in (
+        ("--nodes", nodes, "num_nodes"),
+        ("--gpus-per-node", gpus_per_node, "devices"),
+        ("--strategy", strategy, "strategy"),
+    ):
+        own = getattr(r, key)
+        if given is not None and own != getattr(default, key) and given != own:
+            problems.append(
+                f"{flag} {given} contradicts the recipe's {key}={own}: drop the flag, or change the recipe "
+                f"(--set {key}={given})"
+            )
+    if problems:
+        raise RecipeError(problems, recipe)
+    return nodes or r.num_nodes, gpus_per_node or r.devices, strategy or r.strategy
