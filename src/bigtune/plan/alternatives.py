@@ -180,6 +180,7 @@ def alternatives(
     _zero_grad_variant(vs)
     _in_backward_variants(vs)
     _hidden_states_variant(vs)
+    _chunked_loss_variant(vs, config)
     n_evaluated = len(vs.todo)
     _drop_hopeless(vs, config, target.capacity_bytes)
     # The caller's ``sims`` (same target kernel class) is read and also receives every new simulation, so
@@ -329,6 +330,29 @@ def _zero_grad_variant(vs: _Variants) -> None:
             f"acc {g // m0}"
         )
         vs.add(label, over, 1, "single", r_z, m0)
+
+
+CHUNK_TOKENS = 1024  # the chunked loss's chunk: a chunk's fp32 logits, not all of them (train.loss_chunk_tokens)
+
+
+def _chunked_loss_variant(vs: _Variants, config) -> None:
+    """With a large vocabulary the logits (and their fp32 copy for the loss) can be the step's peak: the
+    loss computed from the hidden states in chunks never holds them whole, where it applies (one device)."""
+    from bigtune.engine.loop import loss_chunk_skipped
+
+    recipe, g, m0 = vs.recipe, vs.g, vs.m0
+    if recipe.train.loss_chunk_tokens:
+        return
+    # With activation checkpointing too: once the logits are chunked, the layers' activations are usually
+    # what is left (one variant, one more simulation).
+    over = {"train.loss_chunk_tokens": CHUNK_TOKENS, "train.activation_checkpointing": True}
+    r_c = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
+    if loss_chunk_skipped(r_c, getattr(config, "model_type", None)) is not None:
+        return
+    label = (
+        f"{recipe.precision}, ckpt, chunked loss (train.loss_chunk_tokens={CHUNK_TOKENS}), micro {m0} × acc {g // m0}"
+    )
+    vs.add(label, over, 1, "single", r_c, m0)
 
 
 def _in_backward_variants(vs: _Variants) -> None:

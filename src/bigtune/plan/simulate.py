@@ -235,6 +235,7 @@ def simulate(
         foreach_clip,
         cuda_dropout(on_cuda is not None),
         cuda_autocast(on_cuda is not None),
+        _cpu_grouped_mm(cuda),
     ):
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
         numel, matmul_numel, block_numel = _model_numels(model)
@@ -284,6 +285,27 @@ def _engine_patches(cuda: bool) -> tuple:
         else contextlib.nullcontext()
     )
     return no_packing, no_move, foreach_clip
+
+
+def _cpu_grouped_mm(cuda: bool):
+    """MoE experts (Mixtral, Qwen3-MoE) multiply through ``grouped_mm``. Its meta kernel carries the CUDA
+    kernel's rule (bfloat16 only), while the CPU kernel a CPU run uses takes any float dtype: for a CPU
+    target, route non-bf16 weights through transformers' own fallback op, which has a fake kernel and the
+    same output and saved tensors. A CUDA target keeps the rule: a real fp32 grouped_mm fails there too."""
+    if cuda:
+        return contextlib.nullcontext()
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # an older transformers: its experts are plain per-expert Linear layers
+        return contextlib.nullcontext()
+    check = getattr(moe, "_can_use_grouped_mm", None)
+    if check is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(
+        moe,
+        "_can_use_grouped_mm",
+        lambda input, weight, offs: weight.dtype == torch.bfloat16 and check(input, weight, offs),
+    )
 
 
 def _fake_pixels(batches: list[dict]) -> None:
@@ -733,6 +755,7 @@ def sim_key(r: Recipe, micro: int) -> str:
             r.model.upcast_unquantized,
             r.optim.zero_grad,
             step_kind(r, r.strategy),
+            r.train.loss_chunk_tokens,
         ]
     )
 
