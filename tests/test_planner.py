@@ -186,9 +186,13 @@ def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
     fresh = alternatives(r, target, max_gpus=2, workers=1)
     sims: dict = {}
     plan(r, target, sims=sims, replay=False)
+    own = set(sims)
     reused = alternatives(r, target, max_gpus=2, workers=1, sims=sims)
-    assert len(sims) == 1 and set(sims) <= asked[0]  # one of the variants is the recipe's own step,
-    assert not set(sims) & asked[1]  # which the plan has already simulated
+    assert len(own) == 1 and own <= asked[0]  # one of the variants is the recipe's own step,
+    assert not own & asked[1]  # which the plan has already simulated
+    assert set(sims) == asked[0]  # and the call handed back every simulation it made
+    alternatives(r, target, max_gpus=2, workers=1, sims=sims)
+    assert asked[2] == set()  # a third call found them all
     assert [(p.variant, p.peak_allocated) for p in reused] == [(p.variant, p.peak_allocated) for p in fresh]
 
 
@@ -231,6 +235,19 @@ PUBLISHED_PARAMS = {
     "google/gemma-2b": 2_506_172_416,
     "google/gemma-2-2b": 2_614_341_888,  # model card: 2.61 B
     "bigscience/bloom-560m": 559_214_592,  # model card: 559 M
+    # the model-families set (issue #26): exact counts, as num_parameters() of the released checkpoints;
+    # the model cards round them to the figure in the comment
+    "meta-llama/Llama-3.2-1B": 1_235_814_400,  # model card: 1.24 B (tied embeddings)
+    "meta-llama/Llama-3.2-3B": 3_212_749_824,  # model card: 3.21 B (tied embeddings)
+    "meta-llama/Llama-3.1-70B": 70_553_706_496,  # model card: 70.6 B
+    "Qwen/Qwen3-0.6B": 596_049_920,  # model card: 0.6 B (tied embeddings)
+    "Qwen/Qwen3-8B": 8_190_735_360,  # model card: 8.2 B
+    "Qwen/Qwen3-32B": 32_762_123_264,  # model card: 32.8 B
+    "Qwen/Qwen3-30B-A3B": 30_532_122_624,  # model card: 30.5 B in total, 3.3 B activated
+    "google/gemma-2-9b": 9_241_705_984,  # model card: 9.24 B
+    "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704,  # model card: 46.7 B in total
+    "microsoft/Phi-3-mini-4k-instruct": 3_821_079_552,  # model card: 3.8 B
+    "microsoft/phi-4": 14_659_507_200,  # model card: 14.7 B
 }
 
 

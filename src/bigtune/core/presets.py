@@ -219,6 +219,28 @@ def _blip2_t5(vocab: int, ids: dict):
     return config
 
 
+# Model families (issue #26): one tiny random-init model per architecture, 2 layers and hidden 64, so a
+# family's real code path (its attention, norms, rotary variant, MoE routing) trains, plans and exports in
+# seconds. Each keeps the family's defining traits; the rest is the config class's defaults.
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
+
+
+def _family(config_class: str, **shape) -> Callable[[int, dict], object]:
+    """A preset's make_config: ``transformers.<config_class>`` at the tiny shape with ``shape`` on top."""
+
+    def make(vocab: int, ids: dict):
+        import transformers
+
+        kw = {k: v for k, v in {**_TINY, **shape}.items() if v is not None}  # None: the class has no such key
+        return getattr(transformers, config_class)(vocab_size=vocab, **kw, **ids)
+
+    return make
+
+
+_GQA = dict(num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+_MOE_DOC = "2 layers, hidden 64, 4 experts of width 64, top-2 routing; router aux loss in training"
+
+
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("causal-lm", _llama, "Llama architecture, 2 layers, hidden 64, GQA 4/2 heads."),
     "tiny-opt": Preset("causal-lm", _opt, "OPT architecture, 2 layers, hidden 64, dropout 0.1."),
@@ -236,6 +258,67 @@ PRESETS: dict[str, Preset] = {
         "image-to-text",
         _blip2_t5,
         "BLIP-2 with a Flan-T5-style text model (2+2 layers, hidden 64); vision and Q-Former as tiny-blip2-opt.",
+    ),
+    # model families: see _family above
+    "tiny-llama3": Preset(
+        "causal-lm",
+        _family("LlamaConfig", rope_theta=500000.0, **_GQA),
+        "Llama 3 style: GQA 4/2 heads, rope_theta 500000, 2 layers, hidden 64.",
+    ),
+    "tiny-qwen2": Preset(
+        "causal-lm",
+        _family("Qwen2Config", rope_theta=1000000.0, **_GQA),
+        "Qwen2 architecture (q/k/v biases), GQA 4/2 heads, 2 layers, hidden 64.",
+    ),
+    "tiny-qwen3": Preset(
+        "causal-lm",
+        _family("Qwen3Config", head_dim=16, rope_theta=1000000.0, **_GQA),
+        "Qwen3 architecture (RMS-norm on queries and keys), GQA 4/2 heads, 2 layers, hidden 64.",
+    ),
+    "tiny-gemma2": Preset(
+        "causal-lm",
+        _family("Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=16, **_GQA),
+        "Gemma-2: logit soft-capping, sliding window 16 on alternate layers (eager attention), 2 layers, hidden 64.",
+    ),
+    "tiny-mistral": Preset(
+        "causal-lm",
+        _family("MistralConfig", sliding_window=None, **_GQA),
+        "Mistral architecture, GQA 4/2 heads, 2 layers, hidden 64.",
+    ),
+    "tiny-phi3": Preset(
+        "causal-lm",
+        _family("Phi3Config", original_max_position_embeddings=1024, **_GQA),
+        "Phi-3 architecture (fused qkv and gate-up projections), GQA 4/2 heads, 2 layers, hidden 64.",
+    ),
+    "tiny-gpt-neox": Preset(
+        "causal-lm",
+        _family("GPTNeoXConfig", rotary_pct=0.25, max_position_embeddings=1024),
+        "GPT-NeoX (Pythia) architecture: parallel residual, partial rotary 25 %, 2 layers, hidden 64.",
+    ),
+    "tiny-stablelm": Preset(
+        "causal-lm",
+        _family("StableLmConfig", partial_rotary_factor=0.25, **_GQA),
+        "StableLM architecture: LayerNorm, partial rotary 25 %, GQA 4/2 heads, 2 layers, hidden 64.",
+    ),
+    "tiny-falcon": Preset(
+        "causal-lm",
+        _family("FalconConfig", intermediate_size=None, max_position_embeddings=1024),
+        "Falcon architecture: multi-query attention, parallel attention and MLP, 2 layers, hidden 64.",
+    ),
+    "tiny-bloom": Preset(
+        "causal-lm",
+        _family("BloomConfig", intermediate_size=None),
+        "BLOOM architecture: ALiBi positions (eager attention), 2 layers, hidden 64.",
+    ),
+    "tiny-mixtral": Preset(
+        "causal-lm",
+        _family("MixtralConfig", intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **_GQA),
+        "Mixtral (sparse MoE): " + _MOE_DOC + ".",
+    ),
+    "tiny-qwen3-moe": Preset(
+        "causal-lm",
+        _family("Qwen3MoeConfig", head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, **_GQA),
+        "Qwen3-MoE: QK-norm, " + _MOE_DOC + ".",
     ),
 }
 

@@ -55,6 +55,7 @@ from bigtune.models.build import (
     hidden_states_out,
     load_tokenizer_or_processor,
     plain_output_head,
+    router_aux_coef,
     shifts_labels,
 )
 from bigtune.recipe import Recipe, RecipeError, load_recipe, resolve_accelerator
@@ -339,6 +340,7 @@ class LoopState:
     best_val_loss: Optional[float] = None
     best_score: Optional[float] = None  # eval.best_metric's best value so far (what keep_best goes by)
     last_eval_step: Optional[int] = None
+    aux_loss: Optional[torch.Tensor] = None  # MoE: the last window's router aux loss (not checkpointed)
 
 
 def train_step(
@@ -353,6 +355,9 @@ def train_step(
 
     ``token_count`` is the window's target-token count when the caller knows it (counted across
     ranks, or outside the planner's fake tensors); otherwise it is counted here.
+
+    Long because the order of forward, loss (with a mixture-of-experts model's router aux loss), backward,
+    snapshots and optimizer step is what the planner simulates: one function keeps that order in one place.
     """
     from bigtune.engine.strategies import backward_kwargs, clips_itself, micro_batch_context
 
@@ -370,6 +375,8 @@ def train_step(
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
     loss_total = torch.zeros((), device=fabric.device)
     head = chunked_loss_head(b.recipe, model)
+    aux_coef = router_aux_coef(model)  # 0 unless a mixture-of-experts model
+    aux_sum = aux_share = torch.zeros((), device=fabric.device)
     # Lightning Trainer's order (optim.zero_grad=before_backward): the last step's gradients live through
     # this window's first forward and are freed just before its backward.
     late_zero = b.recipe.optim.zero_grad == "before_backward"
@@ -384,7 +391,10 @@ def train_step(
         with micro_batch_context(fabric, model, last, b.recipe.fsdp_grad_sync):
             state.phase = "forward"
             with hidden_states_out(head):
-                logits = model(**forward_inputs(batch, padded)).logits  # the hidden states when chunking
+                # MoE: ask for the router's load-balancing loss; keep no reference to the output (it holds the logits)
+                out = model(**forward_inputs(batch, padded), **({"output_router_logits": True} if aux_coef else {}))
+                logits, aux = out.logits, getattr(out, "aux_loss", None)  # logits: the hidden states when chunking
+                del out
             if head is not None:
                 with fabric.autocast():  # the output layer computes as it would inside the forward
                     loss = (
@@ -402,9 +412,18 @@ def train_step(
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             if late_zero and i == 0:
                 opt.zero_grad(set_to_none=True)
+            loss_total += loss.detach()  # the logged loss is the LM loss alone
+            if aux is not None:
+                # MoE router aux loss: HF adds coef × aux_loss (a per-micro-batch mean) to a mean LM loss. Each
+                # micro-batch's aux is weighted by its share of the window's target tokens (its tokens × the
+                # LM loss's scale), so the window adds coef × the token-weighted mean, as one big batch would.
+                share = target_token_count(batch["labels"], shift) * scale
+                loss = loss + aux_coef * aux * share
+                aux_sum = aux_sum + aux.detach() * share
+                aux_share = aux_share + share
+                del aux
             state.phase = "backward"
             fabric.backward(loss, **backward_kwargs(fabric))
-        loss_total += loss.detach()
         del loss
     if measure:
         snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
@@ -420,6 +439,8 @@ def train_step(
         opt.zero_grad(set_to_none=True)
     if track:
         monitor.end_step()
+    # MoE: this window's token-weighted mean router aux loss (fit logs it as aux_loss); None for other models
+    state.aux_loss = aux_sum / aux_share.clamp(min=1e-12) if aux_coef else None
     return loss_total, snaps
 
 
@@ -473,6 +494,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
     r = b.recipe
     progress = Progress(b.total_steps)
     meter = WindowMeter(b.fabric, b.model, peak_flops)
+    aux_window: list = []
     start_epoch, first_window = divmod(state.step, b.steps_per_epoch)
     for epoch in range(start_epoch, math.ceil(b.total_steps / b.steps_per_epoch)):
         for batches in windows(b, epoch, first_window if epoch == start_epoch else 0):
@@ -485,9 +507,14 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             if snaps:
                 _record_memory(b, run, snaps, batches)
             meter.add(batches, loss, state)
+            if state.aux_loss is not None:  # MoE: the router aux loss, averaged over the logging window
+                aux_window.append(state.aux_loss.detach())
             state.step += 1
             if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
                 rec = meter.close_window(state, epoch, lr=b.scheduler.get_last_lr()[0])
+                if aux_window:
+                    rec["aux_loss"] = float(torch.stack(aux_window).mean())
+                    aux_window = []
                 run.append_jsonl("metrics.jsonl", rec)
                 run.append_csv("metrics.csv", rec)
                 _tensorboard(run, rec)

@@ -358,6 +358,16 @@ DEFAULT_TARGETS = {
     "distilbert": ["q_lin", "v_lin"],
     "gpt2": ["c_attn"],
     "gpt_neox": ["query_key_value"],
+    # model families (issue #26): PEFT's own defaults (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING);
+    # fused projections take the adapter on the whole fused layer
+    "qwen3": ["q_proj", "v_proj"],
+    "qwen3_moe": ["q_proj", "v_proj"],
+    "gemma2": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"],
+    "stablelm": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj"],
+    "falcon": ["query_key_value"],
+    "bloom": ["query_key_value"],
     # BLIP-2: adapters on the language model's attention queries/values only (the usual BLIP-2
     # LoRA); a regex, so the Q-Former's query/value and the ViT's qkv are left alone.
     "blip-2": r".*language_model\..*\.(q_proj|v_proj|q|v)$",
@@ -522,6 +532,18 @@ def shifts_labels(model: torch.nn.Module) -> bool:
     if hasattr(cfg, "use_decoder_only_language_model"):
         return bool(cfg.use_decoder_only_language_model)
     return True
+
+
+def router_aux_coef(model: torch.nn.Module) -> float:
+    """The weight of a mixture-of-experts model's router load-balancing loss in training (Mixtral,
+    Qwen3-MoE: ``router_aux_loss_coef`` of configs that have ``output_router_logits``); 0 for other models."""
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "config"):
+        m = m.module
+    cfg = getattr(m, "config", None)
+    if cfg is None or not hasattr(cfg, "output_router_logits"):
+        return 0.0
+    return float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def forward_inputs(batch: dict, padded: bool) -> dict:
