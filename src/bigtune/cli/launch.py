@@ -9,16 +9,14 @@ from pathlib import Path
 from bigtune.recipe import load_recipe
 from bigtune.run.launch import launch_shape, slurm_script
 
-_STRATEGIES = [
-    "auto",
-    "single",
-    "ddp",
-    "fsdp",
-    "deepspeed_stage_2",
-    "deepspeed_stage_2_offload",
-    "deepspeed_stage_3",
-    "deepspeed_stage_3_offload",
-]
+
+def _strategies() -> list[str]:
+    """The recipe schema's strategy choices (one list, in recipe.py)."""
+    import typing
+
+    from bigtune.recipe import Recipe
+
+    return list(typing.get_args(typing.get_type_hints(Recipe)["strategy"]))
 
 
 def add_cli(sub) -> None:
@@ -28,7 +26,7 @@ def add_cli(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--nodes", type=int, help="default: the recipe's num_nodes")
     p.add_argument("--gpus-per-node", type=int, help="tasks (one per GPU) per node; default: the recipe's devices")
-    p.add_argument("--strategy", choices=_STRATEGIES, help="default: the recipe's strategy")
+    p.add_argument("--strategy", choices=_strategies(), help="default: the recipe's strategy")
     p.add_argument("--time", help="Slurm time limit, e.g. 02:00:00 (default 02:00:00; with --cluster: planned)")
     p.add_argument("--partition")
     p.add_argument("--account")
