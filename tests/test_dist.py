@@ -328,9 +328,18 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
     assert abs(plan["peak_error_pct"]) < 2.0, plan["peak_error_pct"]
     snaps = {s["phase"]: s for s in read_jsonl(run / "memory.jsonl") if s["step"] == 2 and s["rank"] == 0}
     shard = snaps["before_forward"]["parameters"]  # this rank's half of the fp32 weights
+    # one unit's gathered fp32 weights: a block (46,208 parameters), or the whole model in one flat unit
+    cfg = json.loads((deep_model / "config.json").read_text())
+    h, kv = cfg["hidden_size"], cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
+    unit = 2 * shard if wrap == "none" else 4 * (2 * h * h + 2 * h * kv + 3 * h * cfg["intermediate_size"] + 2 * h)
     for phase, cats in plan["phases"].items():
         for c in ("parameters", "gradients", "optimizer_device", "allocated"):
-            if c == "allocated" and phase in ("after_backward", "after_optimizer"):
+            if c == "allocated" and phase == "after_forward":
+                # under load (CI: twice in ~20 runs, with checkpointing) the snapshot counted exactly one more
+                # block's gathered weights (184,832 B): their release is timing-dependent under gloo's async
+                # collectives. Never less than planned, never more than one unit over.
+                assert 0 <= cats[c]["measured"] - cats[c]["predicted"] <= unit + 512, (phase, cats[c], unit)
+            elif c == "allocated" and phase in ("after_backward", "after_optimizer"):
                 # the root's last reduce-scatter input may outlive the backward until its collective is
                 # waited on (timing-dependent under gloo): at most the root's unsharded gradients, its
                 # weights' size (embeddings and head; with one flat unit, the whole model: 2 shards here)
