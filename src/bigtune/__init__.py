@@ -17,6 +17,11 @@ import logging as _logging
 # the `kernels` package is missing and tells the user to install it; it then uses its own kernel, which is what
 # bigtune tests and plans with. The advice is not ours to give, so its logger is quieted to errors.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+# torchao (optional extra; transformers and peft import it whenever it is installed) logs one line per CUDA/cutlass
+# kernel library it cannot load on a CPU build, and its Enum registrations make torch's pytree log a deprecation
+# per Enum. Neither is actionable for a bigtune user; the NF4 weights bigtune uses need none of those kernels.
+_logging.getLogger("torchao").setLevel(_logging.ERROR)
+_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 
 
 def __getattr__(name):

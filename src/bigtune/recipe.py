@@ -86,6 +86,12 @@ class ModelConfig:
         "Load the base weights quantized with bitsandbytes (nf4/fp4: 4-bit, QLoRA; int8: LLM.int8). Needs "
         "peft.method lora or dora: quantized weights cannot be trained directly. Lab: use_qlora.",
     )
+    quant_backend: Literal["auto", "bitsandbytes", "torchao"] = _f(
+        "auto",
+        "Who stores 4-bit weights. bitsandbytes: Linear4bit (one device or DDP). torchao: NF4Tensor weights in the "
+        "decoder blocks' linear layers, which FSDP2 shards (QLoRA across GPUs; model.quantize=nf4 only; pip "
+        "install 'bigtune[torchao]'). auto: torchao with strategy=fsdp, else bitsandbytes.",
+    )
     double_quant: bool = _f(True, "4-bit: also quantize the quantization constants (saves ~0.4 bit/parameter).")
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = _f(
         "auto", "4-bit: dtype the dequantized matmuls run in (auto: bfloat16 unless precision is 32-true or 16-*)."
@@ -776,11 +782,7 @@ def check_combinations(r: Recipe) -> list[str]:
     world = r.devices * r.num_nodes
     if r.strategy == "single" and world > 1:
         p.append(f"strategy=single with {world} devices: use strategy=ddp or fsdp, or devices=1")
-    if r.strategy == "fsdp" and r.model.quantize != "none":
-        p.append(
-            "strategy=fsdp with model.quantize: bitsandbytes weights cannot be sharded by FSDP here; use "
-            "strategy=ddp (each rank holds the quantized base) or model.quantize=none"
-        )
+    p.extend(_check_quant_backend(r))
     if r.strategy == "fsdp" and r.optim.name in ("cpu_offload_adamw", "deepspeed_cpu_adam"):
         p.append("strategy=fsdp with an offloaded optimizer: use fsdp_cpu_offload=true with optim.name=adamw")
     if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
@@ -817,7 +819,11 @@ def check_combinations(r: Recipe) -> list[str]:
             f"peft.adapter_dtype=bfloat16 with precision={r.precision}: the adapted layers' inputs are not bf16; "
             "use precision=bf16-true or bf16-mixed, or peft.adapter_dtype=float32"
         )
-    needs_bnb = r.model.quantize != "none" or r.optim.name in ("adam8bit", "adamw8bit", "paged_adamw8bit")
+    needs_bnb = (r.model.quantize != "none" and quant_backend(r) == "bitsandbytes") or r.optim.name in (
+        "adam8bit",
+        "adamw8bit",
+        "paged_adamw8bit",
+    )
     if needs_bnb and not _installed("bitsandbytes"):
         what = f"model.quantize={r.model.quantize}" if r.model.quantize != "none" else f"optim.name={r.optim.name}"
         p.append(
@@ -1038,6 +1044,37 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def quant_backend(r: "Recipe") -> str:
+    """'torchao' or 'bitsandbytes': who holds the recipe's quantized weights (model.quant_backend resolved)."""
+    if r.model.quant_backend != "auto":
+        return r.model.quant_backend
+    return "torchao" if r.strategy == "fsdp" else "bitsandbytes"
+
+
+def _check_quant_backend(r: "Recipe") -> list[str]:
+    if r.model.quantize == "none":
+        return []
+    backend = quant_backend(r)
+    if backend == "bitsandbytes" and r.strategy == "fsdp":
+        return [
+            "strategy=fsdp with model.quant_backend=bitsandbytes: FSDP2 cannot shard bitsandbytes' Params4bit "
+            "(fully_shard turns them into plain uint8 shards and Linear4bit's forward fails); use "
+            "model.quant_backend=torchao (or auto) with model.quantize=nf4, or strategy=ddp"
+        ]
+    if backend == "torchao":
+        if r.model.quantize != "nf4":
+            return [
+                f"model.quantize={r.model.quantize} with model.quant_backend=torchao: torchao's FSDP-shardable "
+                "4-bit weight is NF4 only; use model.quantize=nf4 (or model.quant_backend=bitsandbytes, without FSDP)"
+            ]
+        if not _installed("torchao"):
+            return [
+                "model.quant_backend=torchao (QLoRA under FSDP) needs torchao: pip install 'bigtune[torchao]' "
+                "(or pip install torchao)"
+            ]
+    return []
 
 
 def _installed(module: str) -> bool:

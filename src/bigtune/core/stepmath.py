@@ -180,17 +180,24 @@ def mfu(flops_per_s: float | None, peak_flops: float | None, n_devices: int = 1)
     return flops_per_s / (peak_flops * n_devices)
 
 
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own memory behind ``t``: itself, or for a wrapper subclass (a DTensor's local
+    shard, torchao's NF4Tensor: packed data + quantization constants) its inner tensors, recursively."""
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, n) for n in names]
+    return [leaf for x in inner if isinstance(x, torch.Tensor) for leaf in plain_tensors(x)]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by the distinct storages behind ``tensors`` (views and tied weights counted once)."""
+    """Bytes held by the distinct storages behind ``tensors`` (views and tied weights counted once;
+    a DTensor (FSDP2 shard) counts this rank's piece, a wrapper subclass its inner tensors)."""
     seen: set[int] = set()
     keep = []  # hold the storage objects so their ids cannot be reused during the loop
     total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = getattr(t, "_local_tensor", None)  # a DTensor (FSDP2 shard): count this rank's piece
-        if local is not None:
-            t = local
+    for t in (leaf for x in tensors if x is not None for leaf in plain_tensors(x)):
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):

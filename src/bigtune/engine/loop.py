@@ -58,7 +58,7 @@ from bigtune.models.build import (
     router_aux_coef,
     shifts_labels,
 )
-from bigtune.recipe import Recipe, RecipeError, load_recipe, resolve_accelerator
+from bigtune.recipe import Recipe, RecipeError, load_recipe, quant_backend, resolve_accelerator
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
 
@@ -183,9 +183,12 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
     from bigtune.engine.strategies import is_deepspeed, make_deepspeed_optimizer
 
     deepspeed = is_deepspeed(recipe)
+    nf4 = quantized and quant_backend(recipe) == "torchao"
     # ZeRO-3's init context partitions parameters as they are created, which the model builder's
     # own weight handling does not expect: DeepSpeed models are built on the CPU and partitioned later.
-    if no_folder and not quantized and not deepspeed:
+    if nf4:  # built with its adapters, sharded block by block as it loads
+        model, base_dir = _nf4_model(recipe, fabric, tokenizer, base_dir, label_names)
+    elif no_folder and not quantized and not deepspeed:
         # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
         with fabric.init_module():
             model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names)
@@ -193,7 +196,7 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
         model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names)
     if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
-    if peft:
+    if peft and not nf4:
         model = apply_peft(
             model,
             recipe.peft,
@@ -221,6 +224,37 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
         model = fabric.setup_module(model)
         optimizer = raw_optimizer = fabric.setup_optimizers(make_optimizer(recipe.optim, model, lr=recipe.lr))
     return model, optimizer, raw_optimizer, params, base_dir
+
+
+def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], label_names):
+    """(model, base_dir): QLoRA on torchao NF4 weights, streamed from safetensors (models/nf4.py). A preset or
+    random-init model is written to ``base_dir`` first (each rank the same seeded weights) and streamed back."""
+    from bigtune.engine.strategies import shard_while_loading
+    from bigtune.models.nf4 import build_nf4_peft_model, weights_folder, write_base
+
+    if recipe.model.name in PRESETS or recipe.model.init == "random":
+        base_dir = base_dir or Path(tempfile.mkdtemp(prefix="bigtune-base-"))
+        plain = dataclasses.replace(recipe.model, quantize="none")
+        whole = build_model(plain, tokenizer, recipe.precision, recipe.seed, None, label_names)
+        write_base(whole, tokenizer, base_dir)
+        del whole
+        folder = base_dir
+    else:
+        folder = weights_folder(recipe.model)
+    model, report = build_nf4_peft_model(
+        recipe.model,
+        recipe.peft,
+        folder,
+        recipe.precision,
+        recipe.seed,
+        recipe.train.activation_checkpointing,
+        shard=shard_while_loading(recipe, fabric),
+    )
+    fabric.print(
+        f"model: NF4 base (torchao) loaded tensor by tensor: {report['nf4_base_bytes_this_rank'] / 2**20:.2f} MiB "
+        f"of 4-bit weights on this rank, peak host RSS {report['load_peak_rss_bytes'] / 2**30:.2f} GiB while loading"
+    )
+    return model, base_dir
 
 
 def _train_loader(recipe: Recipe, fabric, examples, make_dataset, collator):
@@ -1192,7 +1226,8 @@ def save_hf_model(b: Built, run: RunDir, dest_name: Optional[str] = None, keep_b
 
     model = b.model.module if hasattr(b.model, "module") else b.model
     dest = run.path / (dest_name or ("adapter" if b.recipe.peft.method != "none" else "model"))
-    state = full_state_dict(b.fabric, model)  # FSDP: every rank joins the gather; rank 0 gets it
+    # FSDP: every rank joins the gather; rank 0 gets it
+    state = full_state_dict(b.fabric, model, trainable_only=b.recipe.peft.method != "none")
     if b.fabric.global_rank != 0:
         return dest
     tmp = run.path / f".{dest.name}.tmp"

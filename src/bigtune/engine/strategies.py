@@ -24,23 +24,32 @@ from bigtune.recipe import DEEPSPEED_STRATEGIES, Recipe
 DEEPSPEED_INSTALL = "pip install 'bigtune[deepspeed]' (or pip install deepspeed)"
 
 
+def _fully_shard_kwargs(recipe: Recipe, mesh) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if recipe.precision in ("bf16-mixed", "16-mixed"):
+        low = torch.bfloat16 if recipe.precision.startswith("bf16") else torch.float16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    if recipe.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    # full: FSDP2's default, every unit resharded after its forward except the root (embeddings,
+    # head), which the backward needs at once. An explicit True would reshard the root too (torch
+    # >= 2.8) and gather it again for the backward; the planner counts the root gathered throughout.
+    if recipe.fsdp_sharding == "grad_op":
+        kwargs["reshard_after_forward"] = False
+    return kwargs
+
+
 def make_parallelize_fn(recipe: Recipe):
     """fully_shard every decoder block (fsdp_wrap=block), then the root (embeddings, head) — FSDP2."""
 
     def parallelize(model: torch.nn.Module, device_mesh) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        kwargs: dict[str, Any] = {"mesh": device_mesh["data_parallel"]}
-        if recipe.precision in ("bf16-mixed", "16-mixed"):
-            low = torch.bfloat16 if recipe.precision.startswith("bf16") else torch.float16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        if recipe.fsdp_cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        # full: FSDP2's default, every unit resharded after its forward except the root (embeddings,
-        # head), which the backward needs at once. An explicit True would reshard the root too (torch
-        # >= 2.8) and gather it again for the backward; the planner counts the root gathered throughout.
-        if recipe.fsdp_sharding == "grad_op":
-            kwargs["reshard_after_forward"] = False
+        if isinstance(model, FSDPModule):  # sharded block by block while it loaded (NF4 QLoRA)
+            return model
+        kwargs = _fully_shard_kwargs(recipe, device_mesh["data_parallel"])
         # fsdp_wrap=none leaves the blocks to the root: one unit, the whole model gathered at once.
         for block in decoder_blocks(model) if recipe.fsdp_wrap == "block" else ():
             fully_shard(block, **kwargs)
@@ -48,6 +57,18 @@ def make_parallelize_fn(recipe: Recipe):
         return model
 
     return parallelize
+
+
+def shard_while_loading(recipe: Recipe, fabric):
+    """``fully_shard`` with the recipe's FSDP2 settings on Fabric's mesh, for a builder that shards each
+    block as soon as it is filled (None unless strategy=fsdp). Fabric's setup then finds the model
+    already sharded and keeps it."""
+    if recipe.strategy != "fsdp":
+        return None
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = _fully_shard_kwargs(recipe, fabric.strategy.device_mesh["data_parallel"])
+    return lambda module: fully_shard(module, **kwargs)
 
 
 def is_deepspeed(recipe: Recipe) -> bool:
@@ -256,7 +277,7 @@ def is_sharded(fabric) -> bool:
     return isinstance(fabric.strategy, ModelParallelStrategy)
 
 
-def full_state_dict(fabric, module: torch.nn.Module) -> dict | None:
+def full_state_dict(fabric, module: torch.nn.Module, trainable_only: bool = False) -> dict | None:
     """The unsharded state dict on CPU, on every rank's call, returned on rank 0 only (FSDP and
     ZeRO-3 export); None when every rank already holds the whole model."""
     engine = _deepspeed_engine(fabric)
@@ -270,7 +291,9 @@ def full_state_dict(fabric, module: torch.nn.Module) -> dict | None:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # An adapter run saves only what trains: its frozen (possibly NF4) base is never gathered whole.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    sd = get_model_state_dict(module, options=options)
     return sd if fabric.global_rank == 0 else {}
 
 

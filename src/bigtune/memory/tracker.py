@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bigtune.core.stepmath import GIB
+from bigtune.core.stepmath import GIB, plain_tensors
 
 
 class SimulatedOOM(torch.OutOfMemoryError):
@@ -138,12 +138,8 @@ class LiveTensorTracker(TorchDispatchMode):
             self.events.append(("alloc", len(self.events), st.nbytes()))
 
     def track(self, tensors: Iterable[Any]) -> None:
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2): the memory is its local shard
-            if local is not None:
-                t = local
+        # DTensor (FSDP2): the memory is its local shard; NF4Tensor: its packed data and constants
+        for t in (leaf for x in tensors if isinstance(x, torch.Tensor) for leaf in plain_tensors(x)):
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
@@ -154,10 +150,9 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def hold(self, tensors: Iterable[Any]) -> None:
         """Count these tensors' storages as model states from now on (registering them if new)."""
-        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        tensors = [leaf for t in tensors if isinstance(t, torch.Tensor) for leaf in plain_tensors(t)]
         self.track(tensors)
         for t in tensors:
-            t = getattr(t, "_local_tensor", t)
             try:
                 key = id(t.untyped_storage())
             except (RuntimeError, NotImplementedError, TypeError):

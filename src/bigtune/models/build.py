@@ -49,7 +49,7 @@ def load_tokenizer(cfg: ModelConfig):
             _local_or_id(src), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src)
         )
     except Exception as e:  # transformers raises OSError/ValueError/HF hub errors
-        raise ModelError(_load_hint("tokenizer", src, e)) from e
+        raise ModelError(load_hint("tokenizer", src, e)) from e
     if tok.pad_token is None:
         # Llama-family tokenizers ship without a pad token; padding positions are masked out of the
         # loss and attention anyway, so reusing EOS is safe.
@@ -81,7 +81,7 @@ def load_processor(cfg: ModelConfig):
             _local_or_id(src), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src)
         )
     except Exception as e:
-        raise ModelError(_load_hint("processor", src, e)) from e
+        raise ModelError(load_hint("processor", src, e)) from e
     tok = getattr(proc, "tokenizer", None)
     if tok is None or not hasattr(proc, "image_processor"):
         raise ModelError(
@@ -103,7 +103,7 @@ def _local_or_id(name: str) -> str:
     return str(p) if p.exists() else name
 
 
-def _load_hint(what: str, name: str, e: Exception) -> str:
+def load_hint(what: str, name: str, e: Exception) -> str:
     local = Path(name).expanduser().exists()
     if local:
         return f"could not load the {what} from folder {name}: {e}"
@@ -237,7 +237,7 @@ def _from_pretrained(
             **kwargs,
         )
     except Exception as e:
-        raise ModelError(_load_hint("model", cfg.name, e)) from e
+        raise ModelError(load_hint("model", cfg.name, e)) from e
 
 
 def build_model(

@@ -1,0 +1,240 @@
+"""QLoRA whose 4-bit base FSDP2 can shard: torchao NF4 weights, loaded one tensor at a time.
+
+bitsandbytes' ``Params4bit`` does not survive ``fully_shard`` (measured: the shard becomes a plain uint8
+DTensor and ``Linear4bit.forward`` asserts), so a sharded QLoRA base uses torchao's ``NF4Tensor``, which
+implements FSDP2's all-gather extension: each rank holds a slice of the packed 4-bit data and its
+quantization constants, and a block's weights are gathered as 4-bit bytes right before they are used.
+
+The model is never whole in host RAM: built on the meta device (buffers real: rotary tables are computed
+in ``__init__``), adapters added there, then each decoder block is filled from safetensors tensor by
+tensor — linear weights quantized as they arrive — and handed to ``shard`` (FSDP2's ``fully_shard``,
+which keeps this rank's slice and moves it to the device) before the next block is read. A rank's peak
+host RAM while loading is then about one block plus the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from bigtune.models.build import (
+    apply_peft,
+    attention_for,
+    auto_class,
+    compute_dtype,
+    decoder_blocks,
+    enable_activation_checkpointing,
+    load_hint,
+    weights_dtype,
+)
+from bigtune.models.configs import ModelError
+from bigtune.recipe import ModelConfig, PeftConfig
+
+NF4_BLOCK = 64  # weights per absmax scaler (QLoRA's block size)
+NF4_SCALER_BLOCK = 256  # scalers per double-quantization block
+NF4_MAX_RANKS = 8  # tiny tensors get a smaller scaler block so that they still split over this many ranks
+
+TORCHAO_INSTALL = "pip install 'bigtune[torchao]' (or pip install torchao)"
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """Scalers per double-quantization block for a weight of ``numel`` elements: 256 (every real model),
+    smaller only when the tensor is too small for its scalers to split into 256-blocks across 8 ranks.
+    Depends on the tensor alone, so a 1-rank and an N-rank run quantize identically."""
+    return max(1, math.gcd(NF4_SCALER_BLOCK, numel // (NF4_BLOCK * NF4_MAX_RANKS)))
+
+
+def to_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """The NF4 tensor of one linear weight (torchao; dequantizes to ``weight.dtype`` in the matmul)."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as _to_nf4
+    except ImportError:  # torchao < 0.15 kept it elsewhere
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4 as _to_nf4
+        except ImportError as e:
+            raise ModelError(f"model.quant_backend=torchao needs torchao: {TORCHAO_INSTALL}") from e
+    if weight.numel() % NF4_BLOCK:
+        raise ModelError(f"NF4: a weight of shape {tuple(weight.shape)} is not a multiple of {NF4_BLOCK} elements")
+    return _to_nf4(weight, NF4_BLOCK, nf4_scaler_block(weight.numel()))
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return type(local).__name__ == "NF4Tensor"
+
+
+def weights_folder(cfg: ModelConfig) -> Path:
+    """The local folder of model.name: itself, or the hub snapshot (config, tokenizer, safetensors only)."""
+    p = Path(cfg.name).expanduser()
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    from bigtune.core.hub import hub_kwargs
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(cfg.name, revision=cfg.revision, allow_patterns=patterns, **hub_kwargs(cfg.name)))
+    except Exception as e:  # noqa: BLE001 - every hub failure becomes one explained error
+        raise ModelError(load_hint("model", cfg.name, e)) from e
+
+
+def write_base(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """A random-init (or preset) base as a model folder, written by every rank into its own ``folder``
+    (transformers' save_pretrained writes on rank 0 only once torch.distributed is up). Keys are the
+    state dict's; a tied weight is stored under each of its names."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(folder / "config.json"))
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in model.state_dict().items():
+        ptr = value.untyped_storage().data_ptr()
+        tensors[key] = value.detach().clone().contiguous() if ptr in seen else value.detach().contiguous()
+        seen.add(ptr)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.rename(folder / "model.safetensors")
+    tokenizer.save_pretrained(str(folder))
+
+
+class _Weights:
+    """Tensors of a safetensors folder (one file or an index), read one at a time."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            mapping = json.loads(index.read_text())["weight_map"]
+            self.where = {k: folder / f for k, f in mapping.items()}
+        else:
+            from safetensors import safe_open
+
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise ModelError(f"model folder {folder}: no .safetensors weights (bigtune loads safetensors only)")
+            self.where = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as h:
+                    self.where.update({k: f for k in h.keys()})
+        self._open: dict[Path, object] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if key not in self.where:
+            raise ModelError(f"weights: tensor {key!r} is not in the model folder's safetensors")
+        f = self.where[key]
+        if f not in self._open:
+            self._open[f] = safe_open(str(f), framework="pt")
+        return self._open[f].get_tensor(key)
+
+
+def _checkpoint_key(name: str) -> str:
+    """The safetensors key of a parameter of the PEFT-wrapped model."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def _fill(module: torch.nn.Module, prefix: str, ctx: dict) -> None:
+    """Give every meta parameter and buffer under ``module`` real storage: base weights from the folder
+    (block linears in NF4), adapters freshly initialised by peft (in module order: the same draws on
+    every rank and for any world size)."""
+    fresh = [  # LoRA layers whose adapters are still empty: initialised once all of them have storage
+        m for m in module.modules() if hasattr(m, "reset_lora_parameters") and any(q.is_meta for q in m.parameters())
+    ]
+    for mod_name, mod in module.named_modules(prefix=prefix):
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            full = f"{mod_name}.{name}" if mod_name else name
+            if "lora_" in full:
+                mod._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                continue
+            t = ctx["weights"].get(_checkpoint_key(full))
+            if name == "weight" and id(mod) in ctx["nf4_targets"]:
+                t = to_nf4(t.to(ctx["compute"]))
+            else:
+                t = t.to(ctx["keep"] if t.is_floating_point() else t.dtype)
+            mod._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                full = f"{mod_name}.{name}" if mod_name else name
+                mod._buffers[name] = ctx["weights"].get(_checkpoint_key(full)).to(b.dtype)
+    for mod in fresh:
+        for adapter in mod.active_adapters:
+            mod.reset_lora_parameters(adapter, True)
+
+
+def _prefixes(model: torch.nn.Module) -> dict[int, str]:
+    return {id(m): n for n, m in model.named_modules()}
+
+
+def build_nf4_peft_model(
+    cfg: ModelConfig,
+    peft_cfg: PeftConfig,
+    folder: Path,
+    precision: str,
+    seed: int,
+    checkpointing: bool,
+    shard: Optional[Callable[[torch.nn.Module], None]] = None,
+) -> tuple[torch.nn.Module, dict]:
+    """(PEFT model with NF4 base, load report) from the safetensors in ``folder``.
+
+    ``shard(module)`` is called on each decoder block once it is filled, then on the root (FSDP2's
+    ``fully_shard``); without it the model stays whole on the CPU for Fabric to move.
+    The report holds this process's peak host RSS while loading and the NF4 base's bytes."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    if peft_cfg.method != "lora":
+        raise ModelError(
+            f"peft.method={peft_cfg.method} with model.quant_backend=torchao: only LoRA adapters are supported on "
+            "an NF4 base (DoRA's magnitude needs the dequantized weight norm at load); use peft.method=lora, or "
+            "model.quant_backend=bitsandbytes without FSDP"
+        )
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+    attn, note = attention_for(cfg, config)
+    if note:
+        print(f"note: {note}", flush=True)
+    config._attn_implementation = attn
+    config.use_cache = False
+    compute = compute_dtype(cfg, precision)
+    keep = torch.float32 if cfg.upcast_unquantized else weights_dtype(precision)
+    with init_empty_weights(include_buffers=False):
+        model = auto_class(cfg.family).from_config(config, dtype=compute)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    blocks = decoder_blocks(model)
+    nf4_targets = {id(m) for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)}
+    model = apply_peft(model, peft_cfg, quantized=False, checkpointing=False, family=cfg.family)
+    ctx = {"weights": _Weights(folder), "nf4_targets": nf4_targets, "compute": compute, "keep": keep}
+    names = _prefixes(model)
+    torch.manual_seed(seed)
+    for block in blocks:
+        _fill(block, names[id(block)], ctx)
+        if shard is not None:
+            shard(block)
+    _fill(model, "", ctx)
+    if shard is not None:
+        shard(model)
+    model.train()
+    base = sum(_nf4_bytes(p) for p in model.parameters() if is_nf4(p))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return model, {"load_peak_rss_bytes": rss, "nf4_base_bytes_this_rank": base}
+
+
+def _nf4_bytes(p: torch.Tensor) -> int:
+    """Bytes this rank holds for one NF4 weight (its slice of the packed data and constants)."""
+    from torch.distributed.tensor import DTensor
+
+    t = p._local_tensor if isinstance(p, DTensor) else p
+    names, _ = t.__tensor_flatten__()
+    return sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
