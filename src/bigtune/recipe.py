@@ -1069,6 +1069,12 @@ def _check_quant_backend(r: "Recipe") -> list[str]:
                 f"model.quantize={r.model.quantize} with model.quant_backend=torchao: torchao's FSDP-shardable "
                 "4-bit weight is NF4 only; use model.quantize=nf4 (or model.quant_backend=bitsandbytes, without FSDP)"
             ]
+        if r.peft.method == "dora":
+            return [
+                "peft.method=dora with model.quant_backend=torchao: only LoRA adapters are supported on an NF4 base "
+                "(DoRA's magnitude needs the dequantized weight's norm at load); use peft.method=lora, or "
+                "model.quant_backend=bitsandbytes without FSDP"
+            ]
         if not _installed("torchao"):
             return [
                 "model.quant_backend=torchao (QLoRA under FSDP) needs torchao: pip install 'bigtune[torchao]' "

@@ -186,8 +186,9 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
     nf4 = quantized and quant_backend(recipe) == "torchao"
     # ZeRO-3's init context partitions parameters as they are created, which the model builder's
     # own weight handling does not expect: DeepSpeed models are built on the CPU and partitioned later.
+    load_report = None
     if nf4:  # built with its adapters, sharded block by block as it loads
-        model, base_dir = _nf4_model(recipe, fabric, tokenizer, base_dir, label_names)
+        model, base_dir, load_report = _nf4_model(recipe, fabric, tokenizer, base_dir, label_names)
     elif no_folder and not quantized and not deepspeed:
         # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
         with fabric.init_module():
@@ -214,6 +215,8 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
             f"train.compile: {len(blocks)} blocks ({kinds}) compile on first use; the first steps are slow", flush=True
         )
     params = count_parameters(model)
+    if load_report is not None:
+        params["nf4_load"] = load_report  # this rank's (the summary is rank 0's)
     if deepspeed:  # DeepSpeed wraps model and optimizer together, in one engine
         from bigtune.engine.strategies import deepspeed_config
 
@@ -227,7 +230,7 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
 
 
 def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], label_names):
-    """(model, base_dir): QLoRA on torchao NF4 weights, streamed from safetensors (models/nf4.py). A preset or
+    """(model, base_dir, load report): QLoRA on torchao NF4 weights, streamed from safetensors (models/nf4.py). A preset or
     random-init model is written to ``base_dir`` first (each rank the same seeded weights) and streamed back."""
     from bigtune.engine.strategies import shard_while_loading
     from bigtune.models.nf4 import build_nf4_peft_model, weights_folder, write_base
@@ -249,12 +252,13 @@ def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], labe
         recipe.seed,
         recipe.train.activation_checkpointing,
         shard=shard_while_loading(recipe, fabric),
+        quantize_on=fabric.device if fabric.device.type == "cuda" else None,
     )
     fabric.print(
         f"model: NF4 base (torchao) loaded tensor by tensor: {report['nf4_base_bytes_this_rank'] / 2**20:.2f} MiB "
         f"of 4-bit weights on this rank, peak host RSS {report['load_peak_rss_bytes'] / 2**30:.2f} GiB while loading"
     )
-    return model, base_dir
+    return model, base_dir, report
 
 
 def _train_loader(recipe: Recipe, fabric, examples, make_dataset, collator):
@@ -758,7 +762,7 @@ def _capacity(device: torch.device, r: Recipe) -> Optional[int]:
 
 
 def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
-    from bigtune.engine.strategies import is_deepspeed
+    from bigtune.engine.strategies import is_deepspeed, is_sharded, save_sharded_trainable
 
     path = run.checkpoint_path(state.step)
     tmp = path.with_name(path.name + ".tmp")
@@ -786,7 +790,11 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
     only_trainable = {"model": lambda name, _: name in trainable} if b.recipe.peft.method != "none" else None
     if is_deepspeed(b.recipe):
         only_trainable = None  # DeepSpeed filters itself (exclude_frozen_parameters) and refuses a filter
-    b.fabric.save(tmp, payload, filter=only_trainable)  # every rank takes part (FSDP writes shards)
+    if only_trainable is not None and is_sharded(b.fabric):  # FSDP2 + adapters: Fabric cannot filter
+        rest = {k: payload[k] for k in ("loop", "rng")} | {"scheduler": b.scheduler.state_dict()}
+        save_sharded_trainable(b.fabric, tmp, b.model.module, b.optimizer.optimizer, rest)
+    else:
+        b.fabric.save(tmp, payload, filter=only_trainable)  # every rank takes part (FSDP writes shards)
     if b.fabric.global_rank == 0:
         os.replace(tmp, path)
     b.fabric.barrier()
@@ -795,8 +803,14 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
 
 
 def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
+    from bigtune.engine.strategies import TRAINABLE_STATE_FILE, load_sharded_trainable
+
     payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
-    rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
+    if (path / TRAINABLE_STATE_FILE).is_file():  # FSDP2 + adapters (save_sharded_trainable)
+        rest = load_sharded_trainable(path, b.model.module, b.optimizer.optimizer)
+        payload["scheduler"] = rest["scheduler"]
+    else:
+        rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
     # Fabric's sharded (FSDP2) load restores only the model and optimizer itself: anything else in
     # `payload` is replaced by its saved state dict and left for the caller. The scheduler (warmup
     # position) must then be restored here, or the lr restarts from step 0 one step after resume.

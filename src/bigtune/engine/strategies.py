@@ -297,6 +297,42 @@ def full_state_dict(fabric, module: torch.nn.Module, trainable_only: bool = Fals
     return sd if fabric.global_rank == 0 else {}
 
 
+TRAINABLE_STATE_FILE = "bigtune_state.pt"
+
+
+def save_sharded_trainable(fabric, path, module: torch.nn.Module, optimizer, rest: dict) -> None:
+    """FSDP2 adapter runs: a distributed checkpoint of what trains only (adapters and their optimizer state),
+    which Fabric's ModelParallelStrategy refuses to write (it cannot load filtered checkpoints). Every rank
+    writes its shards; rank 0 adds ``rest`` (scheduler, loop counters, RNG) beside them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=opts)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    if fabric.global_rank == 0:
+        torch.save(rest, str(path / TRAINABLE_STATE_FILE))
+    fabric.barrier()
+
+
+def load_sharded_trainable(path, module: torch.nn.Module, optimizer) -> dict:
+    """The inverse of ``save_sharded_trainable``: adapters and optimizer state back into the sharded model
+    (the frozen base came from its source); returns ``rest``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    opts = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=opts)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    # strict=False: the frozen base is absent from the checkpoint by design
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
+    set_state_dict(
+        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=opts
+    )
+    return torch.load(str(path / TRAINABLE_STATE_FILE), weights_only=True)
+
+
 _PEER_FAILURE_SIGNS = (
     "timed out",
     "timeout",

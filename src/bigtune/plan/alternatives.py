@@ -74,6 +74,7 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
         ops,
         lo.fsdp_upcast,
         lo.fsdp_upcast_optimizer,
+        lo.nf4,
     )
 
 
@@ -176,6 +177,7 @@ def alternatives(
     _multi_gpu_variants(vs, max_gpus)
     if adapters:
         _adapter_variants(vs)
+    _qlora_fsdp_variants(vs, max_gpus, adapters)
     _offload_variant(vs)
     _zero_grad_variant(vs)
     _in_backward_variants(vs)
@@ -308,6 +310,59 @@ def _adapter_variants(vs: _Variants) -> None:
                 f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × acc {g // m0}"
             )
             vs.add(label, over, 1, "single", r_a, m0)
+
+
+def _qlora_fsdp_variants(vs: _Variants, max_gpus: int, adapters: bool) -> None:
+    """QLoRA across GPUs: torchao's NF4 base sharded by FSDP2 (model.quant_backend=torchao), with
+    checkpointing, at 2, 4 and 8 GPUs (those that divide the global batch), with and without
+    fsdp_cpu_offload (the shards, gradients and optimizer state in host RAM). For a QLoRA recipe always;
+    otherwise only with ``adapters`` (training adapters on a 4-bit base is a choice about the result)."""
+    recipe, g = vs.recipe, vs.g
+    qlora = recipe.model.quantize == "nf4" and recipe.peft.method == "lora"
+    if not (qlora or adapters) or recipe.model.family != "causal-lm" or recipe.peft.method not in ("none", "lora"):
+        return
+    half = recipe.precision if recipe.precision != "32-true" else "bf16-true"
+    gpus = 2
+    while gpus <= min(8, max_gpus):
+        if g % gpus == 0:
+            per = g // gpus
+            m = max(d for d in range(1, min(vs.m0, per) + 1) if per % d == 0)
+            for offload in (False, True):
+                over = {
+                    "peft.method": "lora",
+                    "model.quantize": "nf4",
+                    "model.quant_backend": "torchao",
+                    "precision": half,
+                    "train.activation_checkpointing": True,
+                    "optim.name": "adamw",
+                    "fsdp_cpu_offload": offload,
+                    "fsdp_wrap": "block",
+                    "fsdp_grad_sync": "micro_batch",
+                    "train.micro_batch_size": m,
+                    "train.accumulate_grad_batches": per // m,
+                    "train.global_batch_size": None,
+                    "optim.in_backward": False,
+                }
+                try:
+                    # (check=False: a plan needs no torchao here; GPU rules are checked by _strategy_refused)
+                    r_q = _variant_recipe(recipe, {**over, "strategy": "fsdp", "devices": gpus}, check=False)
+                except RecipeError:
+                    return
+                if _strategy_refused(r_q, "fsdp", gpus):
+                    return
+                label = (
+                    f"{half}, QLoRA nf4 (torchao) r{recipe.peft.r}, {gpus} GPUs fsdp"
+                    f"{', fsdp_cpu_offload' if offload else ''}, ckpt, adamw, micro {m} × acc {per // m}"
+                )
+                vs.add(
+                    label,
+                    {**over, "strategy": "fsdp", "devices": gpus},
+                    gpus,
+                    "fsdp",
+                    simulation_recipe(r_q, "fsdp"),
+                    m,
+                )
+        gpus *= 2
 
 
 def _offload_variant(vs: _Variants) -> None:

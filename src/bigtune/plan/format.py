@@ -49,6 +49,8 @@ def format_plan(p: Plan) -> str:
         )
         if p.tight:
             lines.append(tight_advice(p))
+    if p.host_bytes_per_node is not None:
+        lines.append(f"host RAM ≈ {p.host_bytes_per_node / GIB:.1f} GiB per node (loading and training: see notes)")
     if p.step_time_s:
         lines.append(
             f"step ≈ {p.step_time_s:.3f} s, ≈ {p.tokens_per_s:,.0f} tokens/s "

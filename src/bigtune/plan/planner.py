@@ -32,7 +32,7 @@ import torch
 from bigtune.models.configs import resolve_config
 from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
 from bigtune.plan.quantized import EIGHT_BIT
-from bigtune.plan.sharding import shard_states, simulation_recipe
+from bigtune.plan.sharding import host_state_bytes, shard_states, simulation_recipe
 from bigtune.plan.simulate import (
     Sim,
     config_family,
@@ -95,6 +95,9 @@ def plan(
     if cuda and host:
         notes.append(f"optimizer state in host RAM: {host / GIB:.2f} GiB per process (not in the device peak)")
     notes += _recipe_notes(recipe, sim_recipe, phases) + _model_notes(recipe, config)
+    if sim.nf4 is not None:
+        notes = [n for n in notes if not n.startswith("nf4 base: packed")]
+        notes.append(_nf4_note(recipe, sim, target, total_blocks(config)))
     if cuda:
         phases, peak, workspaces = _with_cublas_workspaces(phases, peak, target, notes)
         # Replayed only for the recipe's own simulation, without a CPU-offloaded optimizer, where not a certain OOM.
@@ -112,6 +115,9 @@ def plan(
     cap = target.capacity_bytes
     fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
     step, tps, tnotes = step_time(recipe, sim, target)
+    host_per_node = None
+    if cuda and sim.nf4 is not None:
+        host_per_node = _nf4_host_ram(recipe, sim, target, total_blocks(config), phases, notes)
     out = Plan(
         recipe_name=recipe.name,
         target=target.label(),
@@ -131,8 +137,35 @@ def plan(
         notes=notes + tnotes,
         overrides=overrides or {},
         plan_seconds=time.perf_counter() - t0,
+        host_bytes_per_node=host_per_node,
     )
     return out
+
+
+def _nf4_host_ram(recipe: Recipe, sim: Sim, target: Target, n_layers: int, phases: dict, notes: list[str]) -> int:
+    """Host RAM per node for a torchao NF4 base (notes to ``notes``). Each rank reads the checkpoint one
+    tensor at a time, quantizes or converts it and shards each block right after loading it, so while loading
+    a rank holds the biggest tensor read (16-bit) and its converted form, plus the shards loaded so far where
+    they stay in host RAM (fsdp_cpu_offload); while training, the offloaded parameter, gradient and optimizer
+    shards. Both on top of the runtime (interpreter, torch, data), and × the ranks on a node."""
+    from bigtune.plan.serving import HOST_BASE_BYTES
+
+    held = host_state_bytes(sim, recipe, target, n_layers)
+    cpu_opt = max((ph.get("optimizer_cpu", 0) or 0 for ph in phases.values()), default=0)
+    training = HOST_BASE_BYTES + sum(held.values()) + (0 if held else cpu_opt)
+    loading = HOST_BASE_BYTES + sim.nf4.largest_load_bytes + held.get("parameters", 0)
+    ranks = target.gpus if recipe.num_nodes <= 1 else max(1, target.gpus // recipe.num_nodes)
+    per_node = ranks * max(loading, training)
+    notes.append(
+        f"host RAM per node: {ranks} rank(s) × max(loading {loading / GIB:.2f} GiB: the biggest tensor read and "
+        f"converted {sim.nf4.largest_load_bytes / GIB:.2f} GiB"
+        + (" + this rank's parameter shards" if held else "")
+        + f", training {training / GIB:.2f} GiB"
+        + (": offloaded shards" if held else "")
+        + f"; each + {HOST_BASE_BYTES / GIB:.0f} GiB runtime, assumed) = {per_node / GIB:.2f} GiB; the checkpoint "
+        "files' page cache comes on top and is reclaimable"
+    )
+    return per_node
 
 
 def _simulation_notes(recipe: Recipe, sim_recipe: Recipe, sim: Sim, target: Target) -> list[str]:
@@ -177,6 +210,25 @@ def _quantized_note(recipe: Recipe) -> str:
     else:
         how = ""
     return f"{recipe.model.quantize} base: packed weight bytes analytic{how}"
+
+
+def _nf4_note(recipe: Recipe, sim: Sim, target: Target, n_layers: int) -> str:
+    from bigtune.plan.quantized import NF4_BLOCK
+
+    nf4 = sim.nf4
+    full = n_layers * nf4.block_nf4_bytes()
+    where = ""
+    if target.strategy == "fsdp" and target.gpus > 1:
+        rank = n_layers * nf4.block_nf4_bytes(target.gpus, 512 if target.device == "cuda" else 1)
+        where = (
+            f", {rank / GIB:.2f} GiB per rank under FSDP (data, scalers and factors split along dim 0, scaler mean "
+            "and code table replicated); each block all-gathered as 4-bit bytes"
+        )
+    return (
+        f"nf4 base (torchao NF4Tensor, decoder-block linear weights): {full / GIB:.2f} GiB = ½ byte a weight + "
+        f"an int8 scaler per {NF4_BLOCK} + a {8 * nf4.src_bytes}-bit factor per 256 scalers{where}; each matmul "
+        "runs in the compute dtype on its weight dequantized into a temporary (again in backward), simulated as torchao's linear_nf4"
+    )
 
 
 def _recipe_notes(recipe: Recipe, sim_recipe: Recipe, phases: dict) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 EIGHT_BIT = ("adam8bit", "adamw8bit", "paged_adamw8bit")
@@ -102,3 +104,150 @@ def eight_bit_state_bytes(numels: list[int], min_8bit_size: int = 4096, block: i
         else:
             total += 2 * 4 * n
     return total + (2 * 256 * 4 if any8 else 0)
+
+
+# --- torchao NF4 (model.quant_backend=torchao: QLoRA that FSDP2 shards) -------------------------------------
+NF4_BLOCK = 64  # weights per int8 scaler; torchao's quantization_factor: one per scaler block of those
+NF4_LOOKUP = 16  # entries of the NF4 code table every NF4Tensor carries (in the source dtype)
+
+
+def nf4_storage_bytes(numel: int, scaler_block: int, src_bytes: int = 2) -> tuple[int, int, int, int, int]:
+    """Bytes of the five storages of one torchao NF4Tensor of ``numel`` weights made from ``src_bytes``-byte
+    elements: (quantized_data: 4 bits a weight, quantized_scalers: one int8 per 64, quantization_factor: one
+    source-dtype element per ``scaler_block`` scalers, scaler_mean: one element, nf4: the 16-entry code)."""
+    return (
+        numel // 2,
+        numel // NF4_BLOCK,
+        numel // (NF4_BLOCK * scaler_block) * src_bytes,
+        src_bytes,
+        NF4_LOOKUP * src_bytes,
+    )
+
+
+def _round(n: int, round_to: int) -> int:
+    return -(-n // round_to) * round_to
+
+
+def nf4_weight_bytes(shape: tuple[int, ...], src_bytes: int = 2, ranks: int = 1, round_to: int = 1) -> int:
+    """One rank's bytes of one NF4 weight of ``shape`` split over ``ranks`` by FSDP2.
+
+    fully_shard splits quantized_data, quantized_scalers and quantization_factor along dim 0, padded to a
+    multiple of the world size (so every rank holds ceil(rows / ranks) rows' worth); scaler_mean and the
+    code table are replicated. Each storage is rounded up to ``round_to`` (512: CUDA's caching allocator).
+    The scaler block is the engine's own (models.nf4.nf4_scaler_block), chosen from the whole tensor."""
+    from bigtune.models.nf4 import nf4_scaler_block
+
+    numel = 1
+    for d in shape:
+        numel *= d
+    rows = -(-shape[0] // ranks)
+    local = numel // shape[0] * rows
+    data, scalers, factor, mean, lookup = nf4_storage_bytes(local, nf4_scaler_block(numel), src_bytes)
+    return sum(_round(b, round_to) for b in (data, scalers, factor, mean, lookup))
+
+
+@dataclass(frozen=True)
+class NF4Base:
+    """What the planner needs of a torchao NF4 base beyond the simulated step: the NF4 weights of one
+    decoder block (every block has the same), the other parameters' bytes in a block and outside the
+    blocks (FSDP gathers those as they are), the NF4 source dtype's element size, and the host RAM the
+    biggest single tensor takes while loading (read in the checkpoint's 16 bits, then converted)."""
+
+    block_shapes: tuple[tuple[int, ...], ...]
+    block_other_bytes: int
+    root_bytes: int
+    src_bytes: int
+    largest_load_bytes: int
+
+    def block_nf4_bytes(self, ranks: int = 1, round_to: int = 1) -> int:
+        return sum(nf4_weight_bytes(s, self.src_bytes, ranks, round_to) for s in self.block_shapes)
+
+
+def nf4_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The nn.Linear layers whose weights the torchao path stores in NF4: those inside the decoder blocks
+    (not the embeddings, the output head or the norms), adapters excluded."""
+    from bigtune.models.build import decoder_blocks
+
+    out = []
+    for block in decoder_blocks(model):
+        for name, mod in block.named_modules():
+            if isinstance(mod, torch.nn.Linear) and "lora_" not in name:
+                out.append(mod)
+    return out
+
+
+class _FakeNF4Matmul(torch.autograd.Function):
+    """torchao's LinearNF4 as memory sees it, called as the engine calls it (models/nf4.py: input cast to
+    the compute dtype, the weight's dtype here, result cast back outside): the forward dequantizes the
+    weight into a temporary for the matmul and saves only the (NF4) weight; the backward dequantizes it
+    again for the input gradient (no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        out = torch.nn.functional.linear(x, weight.to(x.dtype, copy=True))
+        return out if bias is None else out + bias.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype, copy=True), None, None
+
+
+def emulate_nf4(model: torch.nn.Module, compute: torch.dtype, upcast: bool = True) -> list[torch.nn.Linear]:
+    """Make a fake model behave like the torchao NF4 base for memory (the NF4 weights' own bytes are swapped
+    in afterwards, nf4_parameter_delta): decoder-block linear weights in the compute dtype NF4 is made from,
+    every other 16-bit weight in fp32 where ``upcast`` (model.upcast_unquantized), and each NF4 layer's
+    matmul as torchao's. Returns the NF4 layers."""
+    layers = nf4_linears(model)
+    ids = {id(m.weight) for m in layers}
+    for p in model.parameters():
+        if upcast and id(p) not in ids and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.to(torch.float32)
+    for mod in layers:
+        mod.weight.data = mod.weight.data.to(compute)
+
+        def forward(x, mod=mod):
+            return _FakeNF4Matmul.apply(x.to(compute), mod.weight, mod.bias).to(x.dtype)
+
+        mod.forward = forward
+    return layers
+
+
+def nf4_parameter_delta(model: torch.nn.Module, round_to: int = 1) -> int:
+    """Bytes that storing the emulated NF4 layers' weights as NF4Tensors changes (their simulated weights
+    are in the compute dtype; every storage rounded up to ``round_to`` as the simulation's tracker does)."""
+    delta = 0
+    for mod in nf4_linears(model):
+        w = mod.weight
+        delta += nf4_weight_bytes(tuple(w.shape), w.element_size(), 1, round_to) - _round(
+            w.numel() * w.element_size(), round_to
+        )
+    return delta
+
+
+def nf4_base(model: torch.nn.Module) -> NF4Base:
+    """The NF4Base of a model made by emulate_nf4 (with its adapters)."""
+    from bigtune.models.build import decoder_blocks
+
+    blocks = decoder_blocks(model)
+    layers = nf4_linears(model)
+    nf4_ids = {id(m.weight) for m in layers}
+    first = [m for m in blocks[0].modules() if isinstance(m, torch.nn.Linear) and id(m.weight) in nf4_ids]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    src = layers[0].weight.element_size() if layers else 2
+
+    def load(p: torch.Tensor) -> int:
+        # Read from the checkpoint in 16 bits, then converted: to NF4, or to the kept dtype (a copy where it differs).
+        read = p.numel() * 2
+        if id(p) in nf4_ids:
+            return read + nf4_weight_bytes(tuple(p.shape), src)
+        return read + (p.numel() * p.element_size() if p.element_size() != 2 else 0)
+
+    return NF4Base(
+        block_shapes=tuple(tuple(m.weight.shape) for m in first),
+        block_other_bytes=sum(p.numel() * p.element_size() for p in blocks[0].parameters() if id(p) not in nf4_ids),
+        root_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks),
+        src_bytes=src,
+        largest_load_bytes=max((load(p) for n, p in model.named_parameters() if "lora_" not in n), default=0),
+    )

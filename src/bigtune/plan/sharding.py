@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from bigtune.plan.constants import GIB
 from bigtune.plan.simulate import Sim, step_kind, zero_masters
 from bigtune.plan.target import Target
-from bigtune.recipe import Recipe
+from bigtune.recipe import Recipe, quant_backend
 
 STATES = ("parameters", "gradients", "optimizer_device")
 
@@ -48,7 +48,7 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
     # ZeRO frees its gradients in its own step, whatever order optim.zero_grad asks for.
     late = strategy.startswith("deepspeed") and recipe.optim.zero_grad != "after_step"
-    same_step = step_kind(recipe, recipe.strategy) == step_kind(recipe, strategy)
+    same_step = step_kind(recipe, recipe.strategy) == step_kind(recipe, strategy) and _same_base(recipe, strategy)
     if not (mixed or adam or late) and same_step:
         return recipe
     r = copy.deepcopy(recipe)
@@ -60,6 +60,16 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     if late:
         r.optim.zero_grad = "after_step"
     return r
+
+
+def _same_base(recipe: Recipe, strategy: str) -> bool:
+    """Whether ``strategy`` keeps the recipe's quantized base (model.quant_backend=auto: torchao's NF4 under
+    FSDP, bitsandbytes elsewhere)."""
+    if recipe.model.quantize == "none":
+        return True
+    other = copy.copy(recipe)
+    other.strategy = strategy
+    return quant_backend(recipe) == quant_backend(other)
 
 
 def _phase_high(ph: dict) -> int:
@@ -158,6 +168,10 @@ class _Sharding:
     gathered_after_forward: int = 0
     bucket: int = 0
     persistent_bucket: int = 0
+    # A torchao NF4 base: its bytes as the unsharded step holds them, and one rank's (dim-0 shards, padded
+    # to the world size, plus the replicated scaler mean and code table of every weight)
+    nf4_full: int = 0
+    nf4_rank: int = 0
 
     @property
     def offload(self) -> bool:
@@ -187,11 +201,15 @@ class _Sharding:
     def on_device(self, st: dict, c: str) -> int:
         if c in self.moved or (c == "gradients" and self.deepspeed and self.offload):
             return 0
-        return -(-st[c] // self.n) if c in self.split else st[c]
+        return self.on_device_if_kept(st, c)
 
     def on_device_if_kept(self, st: dict, c: str) -> int:
         """This rank's bytes of category ``c`` wherever they live (its shard where ``c`` is split)."""
-        return -(-st[c] // self.n) if c in self.split else st[c]
+        if c not in self.split:
+            return st[c]
+        if c == "parameters" and self.nf4_full:
+            return -(-(st[c] - self.nf4_full) // self.n) + self.nf4_rank
+        return -(-st[c] // self.n)
 
     def device_states(self, ph: dict) -> int:
         st = self.full_states(ph)
@@ -273,6 +291,10 @@ def _sharding(
         grad_elements=grad_elements,
         window_grads=window_grads,
     )
+    if sim.nf4 is not None and fsdp:
+        round_to = 512 if target.device == "cuda" else 1
+        s.nf4_full = n_layers * sim.nf4.block_nf4_bytes(1, round_to)
+        s.nf4_rank = n_layers * sim.nf4.block_nf4_bytes(target.gpus, round_to)
     if "parameters" in split:
         s.gather, s.gathered_after_forward = _gathered(s, recipe, n_layers)
     if deepspeed:
@@ -300,6 +322,8 @@ def _gathered(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
     reshards the root after its forward, nor (fsdp_sharding=grad_op) any block. With
     fsdp_wrap=none the root is everything. ZeRO-3 releases every gather after its use."""
     sim, es = s.sim, s.es
+    if s.nf4_full:
+        return _gathered_nf4(s, recipe, n_layers)
     per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
     root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
     if s.flat:
@@ -308,6 +332,33 @@ def _gathered(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
     if s.deepspeed:
         return gather, gather
     return gather, int((root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
+
+
+def _gathered_nf4(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
+    """_gathered for a torchao NF4 base, in bytes as they are: a block gathers its NF4 weights' packed 4-bit
+    data and constants (NF4Tensor's all-gather extension; not 16-bit weights) and its other parameters (norms,
+    adapters) in their own dtypes; the root its embeddings, head and final norm (fp32 under
+    model.upcast_unquantized). The dequantized compute-dtype copy each matmul makes is the simulated step's."""
+    nf4 = s.sim.nf4
+    block = s.nf4_full // max(1, n_layers) + nf4.block_other_bytes
+    if s.flat:
+        return nf4.root_bytes + n_layers * block, nf4.root_bytes + n_layers * block
+    after = nf4.root_bytes + (n_layers * block if recipe.fsdp_sharding == "grad_op" else 0)
+    return nf4.root_bytes + 2 * block, after
+
+
+def host_state_bytes(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> dict[str, int]:
+    """One rank's model-state bytes that live in host RAM on a GPU target (fsdp_cpu_offload, ZeRO offload),
+    by category; {} where none do."""
+    if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+        return {}
+    split, moved = shard_layout(target.strategy, recipe.fsdp_cpu_offload)
+    if not moved or target.device != "cuda":
+        return {}
+    zero_offload = target.strategy.startswith("deepspeed") and "optimizer_device" in moved
+    s = _sharding(sim, recipe, target, n_layers, split, moved, zero_offload)
+    st = s.full_states(sim.phases["after_backward"])
+    return {c: s.on_device_if_kept(st, c) for c in sorted(moved)}
 
 
 def _forward_high(s: _Sharding, target: Target, fwd_grads: int) -> int:

@@ -18,8 +18,17 @@ import torch
 
 from bigtune.memory.monitor import PHASES
 from bigtune.plan.constants import CATEGORIES
-from bigtune.plan.quantized import EIGHT_BIT, eight_bit_state_bytes, emulate_4bit, quantized_parameter_delta
-from bigtune.recipe import Recipe
+from bigtune.plan.quantized import (
+    EIGHT_BIT,
+    NF4Base,
+    eight_bit_state_bytes,
+    emulate_4bit,
+    emulate_nf4,
+    nf4_base,
+    nf4_parameter_delta,
+    quantized_parameter_delta,
+)
+from bigtune.recipe import Recipe, quant_backend
 
 
 @dataclass
@@ -41,6 +50,7 @@ class Sim:
     # ones; () when the simulated weights are the real ones. See _shard's full_states.
     fsdp_upcast: tuple[int, ...] = ()
     fsdp_upcast_optimizer: bool = True  # False where the optimizer state does not follow the weights' dtype
+    nf4: Optional[NF4Base] = None  # a torchao NF4 base (model.quant_backend=torchao): what sharding needs of it
 
 
 @dataclass(frozen=True)
@@ -239,6 +249,7 @@ def simulate(
     ):
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
         numel, matmul_numel, block_numel = _model_numels(model)
+        nf4 = nf4_base(model) if torchao_nf4(recipe) else None
         _fake_pixels(batches)
         wrapped = fabric.setup_module(model)
         snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace)
@@ -264,7 +275,13 @@ def simulate(
         ops,
         fsdp_upcast,
         not eight_bit,
+        nf4,
     )
+
+
+def torchao_nf4(recipe: Recipe) -> bool:
+    """Whether the recipe's base is torchao's NF4 (FSDP-shardable QLoRA), not bitsandbytes'."""
+    return recipe.model.quantize == "nf4" and quant_backend(recipe) == "torchao"
 
 
 def _engine_patches(cuda: bool) -> tuple:
@@ -331,7 +348,10 @@ def _analytic_bytes(
     """(peak, reserved, in use) with what fake tensors could not hold added to ``steady``: the quantized
     base's packed bytes in place of its simulated 16-bit weights, and the 8-bit optimizer's state."""
     if quantize != "none":
-        delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
+        if torchao_nf4(recipe):
+            delta = nf4_parameter_delta(wrapped, 512 if cuda else 1)
+        else:
+            delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
         peak = _add_bytes(steady, peak, ("parameters", "allocated", "peak_allocated", "phase_peak"), delta)
         # weights are whole long-lived blocks: the allocator holds about as much less
         reserved, in_use = (max(0, x + delta) if x else 0 for x in (reserved, in_use))
@@ -435,7 +455,9 @@ def _fake_model(r: Recipe, recipe: Recipe, cfg, quantize: str) -> tuple[torch.nn
     family = recipe.model.family
     model = auto_class(family).from_config(cfg, dtype=weights_dtype(r.precision))
     model.config.use_cache = False
-    if quantize in ("nf4", "fp4"):
+    if torchao_nf4(recipe):
+        emulate_nf4(model, compute_dtype(recipe.model, r.precision), r.model.upcast_unquantized)
+    elif quantize in ("nf4", "fp4"):
         emulate_4bit(model, compute_dtype(recipe.model, r.precision), r.model.upcast_unquantized)
     if family == "image-to-text":
         freeze_parts(model, r.model)
@@ -650,6 +672,7 @@ def simulate_full_depth(
         ops,
         upcast,
         base.fsdp_upcast_optimizer,
+        base.nf4,
     )
 
 
@@ -752,6 +775,7 @@ def sim_key(r: Recipe, micro: int) -> str:
             r.peft.method,
             r.peft.adapter_dtype,
             r.model.quantize,
+            quant_backend(r) if r.model.quantize != "none" else None,
             r.model.upcast_unquantized,
             r.optim.zero_grad,
             step_kind(r, r.strategy),

@@ -70,6 +70,9 @@ class Plan:
     needed_total: Optional[int] = None
     # `plan --data-lengths` (datalengths.py): the data's longest sample, mean padded batch, mean tokens.
     data_lengths: Optional[dict] = None
+    # Host RAM per node a GPU run needs (the larger of loading and training), where the planner models it
+    # (a torchao NF4 base: loaded tensor by tensor, shards in host RAM with fsdp_cpu_offload); None elsewhere.
+    host_bytes_per_node: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "tight": self.tight}

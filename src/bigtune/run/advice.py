@@ -18,6 +18,16 @@ def oom_advice(r: Recipe) -> list[str]:
             "fsdp_grad_sync=micro_batch (gradients reduce-scattered after every micro-batch: each rank keeps "
             "only its shard, not every unsharded gradient through the window)"
         )
+    if r.model.quantize == "nf4" and r.strategy == "fsdp" and not r.fsdp_cpu_offload and r.world_size > 1:
+        out.append(
+            "fsdp_cpu_offload=true (QLoRA under FSDP: the NF4 base's shards, the adapters' gradients and "
+            "optimizer state move to host RAM; each block's 4-bit shard is copied back for its all-gather)"
+        )
+    elif r.model.quantize == "nf4" and r.world_size == 1 and r.peft.method == "lora":
+        out.append(
+            "strategy=fsdp with devices=2 or more (QLoRA across GPUs: torchao's NF4 base split by FSDP2, "
+            "model.quant_backend=torchao; `bigtune plan RECIPE --alternatives` lists the counts that fit)"
+        )
     if r.train.micro_batch_size > 1:
         half = max(1, r.train.micro_batch_size // 2)
         if r.optim.in_backward:  # it cannot accumulate: the global batch shrinks with it
