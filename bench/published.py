@@ -86,7 +86,22 @@ TORCHTUNE_IMPL = (
 LIGHTNING_DDP_KEYS = {"devices": 4, "strategy": "ddp", "ddp_bucket_view": False}
 HF_TRAINER = (
     "HF Trainer on an older transformers (eager attention); nvidia-smi total includes a measured "
-    "1343 MB CUDA context vs the planner's assumed 0.5 GiB"
+    "1343 MB CUDA context vs the planner's assumed 0.5 GiB; the Trainer's model.zero_grad() (set_to_none "
+    "defaulted to False before PyTorch 2.0) kept every gradient allocated, also through forward at acc 1, "
+    "where bigtune frees them after the step (1.25 GiB here); the run (January 2022: PyTorch < 1.11) kept "
+    "each softmax input for backward (planned so: legacy_softmax)"
+)
+# Why legacy_softmax (the doc's nvidia-smi printout is dated 11 January 2022, before PyTorch 1.11), per
+# BERT-large layer and sample at 512 tokens: the planner's simulation of today's
+# eager BertLayer holds 69 MiB (fp32) / 49 MiB (fp16 AMP) after forward, the same tensors as transformers 4.x
+# (same ops; fused dropout's uint8 mask then, a bool mask now, both 1 byte), except that PyTorch < 1.11's
+# SoftmaxBackward also saved the softmax input (pytorch issue #64000; 1.11 passes only its dtype to
+# _softmax_backward_data, see transformers' is_torch_less_than_1_11 branch). That input is the scores plus
+# the fp32 extended mask: 16 heads × 512 × 512 fp32 = 16 MiB, in fp32 and in fp16 AMP (the fp32 mask
+# promoted the fp16 scores), 24 layers × 16 MiB = 0.375 GiB per sample.
+LEGACY_SOFTMAX_NOTE = (
+    "planned with PyTorch < 1.11's softmax, which saved its 16 MiB fp32 input per layer and sample "
+    "(0.375 GiB per sample over 24 layers); today's PyTorch does not"
 )
 
 # -- base settings shared by rows -------------------------------------------------------------------------
@@ -190,6 +205,9 @@ class Row:
     # FSDP1 flat units with use_orig_params (litgpt 2023): a unit with any trainable weight holds gradients
     # for all of its weights (PyTorch's FSDP docs warn of it; litgpt issue #1417)
     fsdp1_units: bool = False
+    # PyTorch before 1.11 (March 2022) saved each softmax's input for a backward that only needs the output
+    # (pytorch issue #64000); rows measured on it are planned with that input kept (bench-only emulation).
+    legacy_softmax: bool = False
 
     def value_gib(self) -> Optional[float]:
         if self.value is None:
@@ -198,7 +216,9 @@ class Row:
 
     def plan_key(self) -> str:
         """Rows that differ only in the published counter share one plan."""
-        return json.dumps([self.recipe, self.over, self.gpu, self.gpus, self.strategy], sort_keys=True)
+        # The emulation changes the plan, so it is part of the key (absent when off: other keys unchanged).
+        legacy = ["legacy_softmax"] if self.legacy_softmax else []
+        return json.dumps([self.recipe, self.over, self.gpu, self.gpus, self.strategy, *legacy], sort_keys=True)
 
 
 def _lab7b(**over) -> dict:
@@ -1227,7 +1247,9 @@ ROWS: list[Row] = [
             },
             BERT_BASE,
             impl=HF_TRAINER,
+            note=LEGACY_SOFTMAX_NOTE,
             speed=(sps, "samples/s"),
+            legacy_softmax=True,
         )
         for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v, sps in (
             (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949, 8.86),
@@ -1333,6 +1355,38 @@ def _keep_4bit_inputs() -> None:
     quantized._Fake4bitMatmul = Legacy4bitMatmul
 
 
+def _keep_softmax_inputs() -> None:
+    """Make F.softmax also save its input for backward, as PyTorch < 1.11 did (Row.legacy_softmax).
+
+    A 16-bit input is saved as fp32: the 4.x BERT rows this serves added an fp32 extended mask to the fp16
+    scores, so under AMP the tensor the old softmax held was fp32 (today's BERT hands it a 16-bit one)."""
+    import torch
+
+    functional = torch.nn.functional
+    plain = functional.softmax
+
+    class LegacySoftmax(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, dtype):
+            x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            y = plain(x, dim, dtype=dtype)
+            ctx.save_for_backward(x, y)  # x is kept only to hold its memory, as the old autograd did
+            ctx.dim = dim
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, y = ctx.saved_tensors
+            return torch._softmax_backward_data(grad, y, ctx.dim, x.dtype), None, None
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if torch.is_grad_enabled() and input.requires_grad:
+            return LegacySoftmax.apply(input, dim, dtype)
+        return plain(input, dim, _stacklevel, dtype)
+
+    functional.softmax = softmax
+
+
 def plan_row(row: Row) -> dict:
     """Plan one row with the real planner; returns Plan.to_dict() (bytes)."""
     from bigtune.core.gpus import find_gpu
@@ -1343,6 +1397,8 @@ def plan_row(row: Row) -> dict:
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
     if row.legacy_bnb:
         _keep_4bit_inputs()
+    if row.legacy_softmax:
+        _keep_softmax_inputs()
     if row.fsdp1_units:
         from bigtune.plan import sharding
 
@@ -1437,7 +1493,7 @@ def print_table(results: list[dict]) -> None:
             "device_used": "device used",
             "fit": "fit/OOM",
         }[x["metric"]]
-        flag = "impl" if x["impl"] else ""
+        flag = ("impl" if x["impl"] else "") + (" legacy-softmax" if x.get("legacy_softmax") else "")
         if "error" in x:
             print(f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {'':>16} {'':>7} {'ERROR':>8}  {x['error'][:60]}")
             continue
@@ -1454,6 +1510,9 @@ def print_table(results: list[dict]) -> None:
             f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {pub:>16} {x['published_gib']:>7.2f} "
             f"{x['planned_gib']:>8.2f} {x['error_pct']:>+7.1f}  {flag}"
         )
+    legacy = [x["id"] for x in results if x.get("legacy_softmax")]
+    if legacy:  # the emulation changes these rows' planned numbers: say so where they are read
+        print(f"legacy-softmax ({', '.join(legacy)}): {LEGACY_SOFTMAX_NOTE}")
 
 
 def print_time_table(results: list[dict]) -> None:
@@ -1590,7 +1649,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                             "gpus",
                             "strategy",
                         )
-                    }
+                    },
+                    legacy_softmax=x.get("legacy_softmax", False),
                 ).plan_key()
                 and row.value == x["value"]
                 and row.metric == x["metric"]

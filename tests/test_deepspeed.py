@@ -442,3 +442,53 @@ def test_zero_tensors_reads_deepspeeds_buffers_without_iterating_them():
     sizes = model_state_bytes(torch.nn.Linear(2, 2, bias=False), z2, "cpu")
     assert sizes["optimizer_device"] == 40 and sizes["gradients"] == 40 + 16  # master fp32; its grad + 2 lists
     assert zero_tensors(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)) == ([], [], [])
+
+
+@needs_ds
+def test_zero3_qlora_on_two_cpu_ranks_matches_one_process_and_partitions_the_4bit_data(tmp_path):
+    """QLoRA under real ZeRO-3 on 2 gloo ranks (#24): bitsandbytes NF4 with its packed bytes stored as bf16
+    elements (bnb_4bit_quant_storage), partitioned like every weight. Losses equal one process's bitsandbytes
+    QLoRA on the same 4 samples to 2e-3 (bf16 hidden states, split differently); each rank holds half of the
+    packed data and of the (16-bit, DeepSpeed-cast) other weights plus the whole quantization constants,
+    exactly; the plan's parameters agree to the byte."""
+    from bigtune.plan.quantized import packed_weight_bytes
+
+    over = {
+        **COMMON,
+        "model.name": "tiny-llama",
+        "model.quantize": "nf4",
+        "peft.method": "lora",
+        "peft.dropout": 0.0,
+        "precision": "bf16-true",
+        "train.max_steps": 3,
+        "memory.every_steps": 1,
+    }
+    one, z3 = tmp_path / "one", tmp_path / "z3"
+    _bigtune(tmp_path, "train", *_args({**over, "output_dir": str(one)}))
+    _bigtune(
+        tmp_path,
+        "train",
+        *_args(
+            {
+                **over,
+                "devices": 2,
+                "strategy": "deepspeed_stage_3",
+                "train.micro_batch_size": 2,
+                "memory.plan": True,
+                "output_dir": str(z3),
+            }
+        ),
+        on_cpu_deepspeed=True,
+    )
+    loss = lambda run: [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]  # noqa: E731
+    assert loss(z3) == pytest.approx(loss(one), rel=2e-3)
+    shapes = 2 * [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)]  # tiny-llama's linears
+    packed = sum(o * i // 2 for o, i in shapes)
+    constants = sum(packed_weight_bytes(torch.empty(o, i, device="meta"), "nf4", True) - o * i // 2 for o, i in shapes)
+    whole = next(s for s in read_jsonl(one / "memory.jsonl") if s["phase"] == "before_forward")["parameters"]
+    others_fp32 = whole - packed - constants  # embeddings, norms, head, adapters: fp32 in the one-process run
+    for s in (s for s in read_jsonl(z3 / "memory.jsonl") if s["phase"] == "before_forward"):
+        assert s["parameters"] == (packed + others_fp32 // 2) // 2 + constants, s["rank"]
+    plan = json.loads((z3 / "summary.json").read_text())["plan"]
+    for phase, cats in plan["phases"].items():
+        assert cats["parameters"]["measured"] == cats["parameters"]["predicted"], phase

@@ -47,3 +47,26 @@ def test_bundled_bert_large_config_gives_the_published_parameter_count():
     row = next(r for r in published.ROWS if r.id == "H1")
     cfg = resolve_config(published.row_recipe(row))
     assert count_parameters(cfg, "sequence-classification") == 335_141_888 + 1024 * 2 + 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_legacy_softmax_keeps_an_fp32_input_and_keeps_the_gradient(monkeypatch, dtype):
+    """Row.legacy_softmax's emulation: softmax saves its input as well as its output, as PyTorch < 1.11 did
+    (an fp32 input, also for a 16-bit one: the old BERT's fp32 mask made it so), and its gradient is
+    unchanged."""
+    import torch
+
+    # restored after the test: the emulation replaces F.softmax for the whole (planning) process
+    monkeypatch.setattr(torch.nn.functional, "softmax", torch.nn.functional.softmax)
+    x = torch.randn(2, 3, 8, dtype=getattr(torch, dtype), requires_grad=True)
+    g = torch.randn(2, 3, 8)
+    expected = torch.autograd.grad(torch.softmax(x.float(), -1), x, g)[0]
+    published._keep_softmax_inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = torch.nn.functional.softmax(x, dim=-1)
+    assert y.dtype == torch.float32
+    assert len(saved) == 2 and all(t.dtype == torch.float32 and t.shape == x.shape for t in saved)
+    assert torch.equal(saved[0], x.float())  # the input, kept beside the output
+    (grad,) = torch.autograd.grad(y, x, g)
+    assert torch.allclose(grad.float(), expected.float(), atol=1e-2 if dtype == "bfloat16" else 1e-6)

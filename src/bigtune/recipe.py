@@ -59,14 +59,15 @@ class ModelConfig:
         "tiny-llama",
         "Built-in preset (tiny-llama, tiny-opt, and one per decoder family: tiny-llama3, tiny-qwen2, tiny-qwen3, "
         "tiny-gemma2, tiny-mistral, tiny-phi3, tiny-gpt-neox, tiny-stablelm, tiny-falcon, tiny-bloom, tiny-mixtral, "
-        "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5; sequence-classification: tiny-bert), Hugging "
+        "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5, tiny-qwen2-vl, tiny-qwen2.5-vl; "
+        "sequence-classification: tiny-bert), Hugging "
         "Face hub id, or local folder holding config.json + safetensors weights. "
         "Lab: model_name.",
     )
     family: Literal["causal-lm", "image-to-text", "sequence-classification"] = _f(
         "causal-lm",
-        "Model family: causal-lm (AutoModelForCausalLM), image-to-text (BLIP-2: "
-        "Blip2ForConditionalGeneration via AutoModelForImageTextToText, trained on image + caption pairs) or "
+        "Model family: causal-lm (AutoModelForCausalLM), image-to-text (AutoModelForImageTextToText, trained on "
+        "image + caption pairs: BLIP-2, or Qwen2-VL / Qwen2.5-VL with the caption as the answer to data.prompt) or "
         "sequence-classification (AutoModelForSequenceClassification: BERT/DistilBERT/RoBERTa/Llama with a "
         "classification head, trained on text + label records).",
     )
@@ -110,7 +111,9 @@ class ModelConfig:
         "BLIP-2 fine-tuning usually does.",
     )
     freeze_qformer: bool = _f(
-        False, "image-to-text: freeze the Q-Former and its query tokens (the language projection stays trainable)."
+        False,
+        "image-to-text: freeze the Q-Former and its query tokens (the language projection stays trainable); "
+        "Qwen2-VL / Qwen2.5-VL: the patch merger that projects vision features into the language model.",
     )
     freeze_language_model: bool = _f(
         False,
@@ -167,11 +170,18 @@ class DataConfig:
         "image-to-text: column (save_to_disk / metadata / JSONL key) holding the image "
         "(a decoded image, bytes, or a path; metadata.jsonl/.csv image folders use `file_name`).",
     )
+    prompt: str = _f(
+        "Write alt text for this photo.",
+        "image-to-text, chat vision-language models (Qwen2-VL, Qwen2.5-VL): the user's request beside the image; "
+        "the caption is the assistant's answer and carries the loss. `bigtune caption` asks the same. BLIP-2 "
+        "captions without a prompt.",
+    )
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
     max_seq_length: int = _f(
         512,
         "Truncate every sample to this many tokens. image-to-text: caption tokens "
-        "(BOS/EOS included); the model's num_query_tokens image tokens come on top.",
+        "(BOS/EOS included); the model's num_query_tokens image tokens come on top. Qwen2-VL / Qwen2.5-VL: the "
+        "conversation's text tokens (chat template, prompt, caption; the caption is cut), the image's tokens on top.",
         min=2,
     )
     num_train_samples: Optional[int] = _f(
@@ -415,6 +425,17 @@ class Recipe:
         "CPU RAM, stepped by DeepSpeed's CPU Adam. DeepSpeed needs CUDA GPUs and pip install 'bigtune[deepspeed]'. "
         "Lab: strategy.",
     )
+    tensor_parallel: int = _f(
+        1,
+        "Tensor parallelism (strategy=fsdp only): the number of ranks that split each decoder block's attention "
+        "heads and MLP width (q/k/v/gate/up column-wise, o/down row-wise, from the model's base_model_tp_plan "
+        "or Llama's names). The devices × num_nodes ranks form a mesh of (devices × num_nodes) / tensor_parallel "
+        "data-parallel groups (FSDP2 over that dimension) × tensor_parallel; every rank of a tensor-parallel "
+        "group reads the same micro-batches, so batch sizes and lr scaling count data-parallel ranks only. "
+        "Embeddings, norms and the output layer stay whole on every rank of the group (full logits, the usual "
+        "loss). 1: none.",
+        min=1,
+    )
     fsdp_sharding: Literal["full", "grad_op", "hybrid"] = _f(
         "full",
         "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
@@ -466,7 +487,7 @@ class Recipe:
         """Micro-batches per optimizer step, derived from global_batch_size when that is set."""
         t = self.train
         if t.global_batch_size is not None:
-            return max(1, t.global_batch_size // (t.micro_batch_size * self.world_size))
+            return max(1, t.global_batch_size // (t.micro_batch_size * self.data_parallel_size))
         return t.accumulate_grad_batches
 
     @property
@@ -474,14 +495,20 @@ class Recipe:
         return self.devices * self.num_nodes
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different micro-batches: the world divided into tensor-parallel groups."""
+        return max(1, self.world_size // self.tensor_parallel)
+
+    @property
     def lr(self) -> float:
         """The peak lr actually used: optim.lr scaled by the data-parallel size per optim.lr_scaling."""
-        factor = {"none": 1.0, "linear": float(self.world_size), "sqrt": self.world_size**0.5}
+        n = self.data_parallel_size
+        factor = {"none": 1.0, "linear": float(n), "sqrt": n**0.5}
         return self.optim.lr * factor[self.optim.lr_scaling]
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.micro_batch_size * self.accumulate * self.world_size
+        return self.train.micro_batch_size * self.accumulate * self.data_parallel_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -733,11 +760,11 @@ def check_combinations(r: Recipe) -> list[str]:
     p: list[str] = []
     t = r.train
     if t.global_batch_size is not None:
-        per = t.micro_batch_size * r.world_size
+        per = t.micro_batch_size * r.data_parallel_size
         if t.global_batch_size % per:
             p.append(
                 f"train.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size × devices "
-                f"= {per}; pick a multiple, or set train.accumulate_grad_batches instead"
+                f"(data-parallel ranks) = {per}; pick a multiple, or set train.accumulate_grad_batches instead"
             )
         if "accumulate_grad_batches" in _explicit(t) and t.accumulate_grad_batches != r.accumulate:
             p.append("train.accumulate_grad_batches and train.global_batch_size disagree; set only one of them")
@@ -787,6 +814,7 @@ def check_combinations(r: Recipe) -> list[str]:
         p.append("strategy=fsdp with an offloaded optimizer: use fsdp_cpu_offload=true with optim.name=adamw")
     if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
         p.append("fsdp_sharding=hybrid needs num_nodes > 1 (it replicates across nodes); use full on one node")
+    p.extend(check_tensor_parallel(r))
     accel = resolve_accelerator(r)
     p.extend(check_deepspeed(r, accel))
     if accel == "cuda":
@@ -877,6 +905,43 @@ def check_combinations(r: Recipe) -> list[str]:
     return p
 
 
+def check_tensor_parallel(r: Recipe) -> list[str]:
+    """tensor_parallel > 1: the mesh must factor, and the strategy and features must be ones the tensor-parallel
+    path applies (strategy=fsdp's 2-D mesh). The model's head counts and widths are checked when it is built."""
+    tp = r.tensor_parallel
+    if tp == 1:
+        return []
+    p: list[str] = []
+    if r.world_size % tp:
+        p.append(
+            f"tensor_parallel: {tp} does not divide devices × num_nodes = {r.world_size}; pick a divisor "
+            f"(tensor_parallel = devices × num_nodes means tensor parallelism only, no data parallelism)"
+        )
+    if r.strategy != "fsdp":
+        p.append(
+            f"tensor_parallel={tp} with strategy={r.strategy}: tensor parallelism runs on FSDP2's 2-D mesh "
+            "(data parallel × tensor parallel); set strategy=fsdp"
+        )
+    unsupported = {  # key: (its value, supported, why not)
+        "model.quantize": (r.model.quantize, r.model.quantize == "none", "4-bit weights cannot be split into DTensors"),
+        "peft.method": (
+            r.peft.method,
+            r.peft.method == "none",
+            "adapters wrap the projections tensor parallelism splits",
+        ),
+        "model.family": (r.model.family, r.model.family == "causal-lm", "only decoder-only causal LMs have a plan"),
+        "fsdp_wrap": (r.fsdp_wrap, r.fsdp_wrap == "block", "the tensor-parallel plan is applied per decoder block"),
+        "fsdp_sharding": (r.fsdp_sharding, r.fsdp_sharding != "hybrid", "hybrid would need a third mesh dimension"),
+        "fsdp_cpu_offload": (r.fsdp_cpu_offload, not r.fsdp_cpu_offload, "not tested with tensor-parallel DTensors"),
+        "train.compile": (r.train.compile, not r.train.compile, "not tested with tensor-parallel DTensors"),
+        "train.loss_chunk_tokens": (r.train.loss_chunk_tokens, not r.train.loss_chunk_tokens, "not tested with it"),
+    }
+    for key, (value, ok, reason) in unsupported.items():
+        if not ok:
+            p.append(f"tensor_parallel={tp} with {key}={value}: not supported ({reason}); use tensor_parallel=1")
+    return p
+
+
 def check_deepspeed(r: Recipe, accel: str) -> list[str]:
     """Rules for the deepspeed_* strategies (also used by `bigtune launch slurm`, which validates off-GPU)."""
     if r.strategy not in DEEPSPEED_STRATEGIES:
@@ -894,10 +959,11 @@ def check_deepspeed(r: Recipe, accel: str) -> list[str]:
             f"strategy={s} needs DeepSpeed: pip install 'bigtune[deepspeed]' (or pip install deepspeed); or use "
             "strategy=fsdp"
         )
-    if r.model.quantize != "none":
+    if r.model.quantize != "none" and not (s.startswith("deepspeed_stage_3") and r.model.quantize in ("nf4", "fp4")):
         p.append(
-            f"strategy={s} with model.quantize: bitsandbytes weights cannot be partitioned by ZeRO here; use "
-            "strategy=ddp or model.quantize=none"
+            f"strategy={s} with model.quantize={r.model.quantize}: only ZeRO-3 partitions a quantized base (4-bit "
+            "nf4/fp4, its packed bytes stored as 16-bit elements); use strategy=deepspeed_stage_3 (or _offload) "
+            "with nf4, strategy=fsdp (torchao NF4), or strategy=ddp"
         )
     if r.optim.name not in ("adamw", "sgd"):
         p.append(
@@ -1064,6 +1130,11 @@ def _check_quant_backend(r: "Recipe") -> list[str]:
             "model.quant_backend=torchao (or auto) with model.quantize=nf4, or strategy=ddp"
         ]
     if backend == "torchao":
+        if r.strategy in DEEPSPEED_STRATEGIES:
+            return [
+                f"model.quant_backend=torchao with strategy={r.strategy}: ZeRO cannot partition torchao's NF4Tensor; "
+                "use model.quant_backend=bitsandbytes (or auto) with deepspeed_stage_3, or strategy=fsdp"
+            ]
         if r.model.quantize != "nf4":
             return [
                 f"model.quantize={r.model.quantize} with model.quant_backend=torchao: torchao's FSDP-shardable "

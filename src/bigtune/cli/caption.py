@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from bigtune.use.caption import caption_images, expand_images, load_captioner
+from bigtune.use.caption import caption_images, expand_images, load_captioner, trained_prompt
 from bigtune.use.loading import (
     InferError,
     write_text_atomically,
@@ -29,7 +29,8 @@ def main_caption(args) -> int:
     if not paths:
         raise InferError("no images: give image files, folders or glob patterns")
     model, processor = load_captioner(args.model, dtype=args.dtype, device=args.device)
-    rows, bad = caption_images(model, processor, paths, args.batch_size, args.max_new_tokens, args.prompt or "")
+    prompt = args.prompt or trained_prompt(args.model)  # a chat model is asked what it was trained to answer
+    rows, bad = caption_images(model, processor, paths, args.batch_size, args.max_new_tokens, prompt)
     if not rows:
         raise InferError(
             f"none of the {len(paths)} images could be read (first: {bad[0]['image']}: {bad[0]['reason']})"
@@ -63,7 +64,12 @@ def add_cli(subparsers) -> None:
     c.add_argument("--out", metavar="FILE", help="alt.jsonl ({image, caption} per line) or alt.csv (default: print)")
     c.add_argument("--batch-size", type=int, default=8, help="images per generate call (default 8)")
     c.add_argument("--max-new-tokens", type=int, default=30, help="caption tokens at most (default 30)")
-    c.add_argument("--prompt", default="", help="text the caption continues (default: none)")
+    c.add_argument(
+        "--prompt",
+        default="",
+        help="BLIP-2: text the caption continues (default: none); Qwen2-VL / Qwen2.5-VL: the request beside the "
+        "image (default: the run's data.prompt, else 'Write alt text for this photo.')",
+    )
     c.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -19,6 +19,8 @@ DEMO_DATA = ASSETS / "demo_alpaca.jsonl"
 DEMO_CLASSIFICATION_DATA = ASSETS / "demo_reviews.jsonl"  # made by scripts/make_reviews_demo.py
 
 DEMO_CHAT_DATA = ASSETS / "demo_chat.jsonl"  # made by scripts/make_chat_demo.py
+
+IMAGE_TOKEN = "<image>"  # BLIP-2's image placeholder
 
 # The tiny tokenizer's chat template: Zephyr's published layout (HuggingFaceH4/zephyr-7b-beta:
 # "<|role|>\n" + content + EOS + "\n" per turn, "<|assistant|>\n" as the generation prompt). Zephyr ends
@@ -38,6 +40,9 @@ class Preset:
     family: str
     make_config: Callable[[int, dict], object]
     doc: str
+    # image-to-text: the processor (None: tiny_processor, BLIP-2's) and the config keys its special tokens fill
+    processor: Optional[Callable[[], object]] = None
+    tokens: tuple = (("image_token_id", IMAGE_TOKEN),)
 
 
 def tiny_tokenizer():
@@ -109,8 +114,6 @@ def _bert(vocab: int, ids: dict):
 TINY_IMAGE_SIZE = 32  # pixels (square); patch 8 → 16 patches
 
 TINY_QUERY_TOKENS = 4  # Q-Former queries = image tokens at the start of input_ids
-
-IMAGE_TOKEN = "<image>"
 
 
 def tiny_processor():
@@ -219,6 +222,112 @@ def _blip2_t5(vocab: int, ids: dict):
     return config
 
 
+# Chat vision-language models (issue #27): Qwen2-VL and Qwen2.5-VL. The image is cut into 14-pixel
+# patches at (about) its own size, so the number of image tokens depends on the image; every 2×2 patches
+# merge into one language-model token. Qwen2-VL-Instruct's published chat template (chat_template.json),
+# which renders an image as <|vision_start|><|image_pad|><|vision_end|>; the processor repeats the pad
+# token once per image token.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+QWEN_VL_TOKENS = (
+    ("image_token_id", "<|image_pad|>"),
+    ("video_token_id", "<|video_pad|>"),
+    ("vision_start_token_id", "<|vision_start|>"),
+    ("vision_end_token_id", "<|vision_end|>"),
+)
+
+# The bundled photos are 32×32: at Qwen's smallest size (56×56 pixels, 4×4 patches) each is 4 image
+# tokens; the cap (112×112, 16 tokens) keeps a large photo cheap on a CPU. Real checkpoints allow up to
+# 28×28×1280 pixels (1280 tokens).
+TINY_VL_MIN_PIXELS = 56 * 56
+TINY_VL_MAX_PIXELS = 112 * 112
+
+
+def tiny_qwen_vl_processor(class_name: str = "Qwen2VLProcessor"):
+    """A Qwen2-VL processor built locally: Qwen's PIL image processor at small min/max pixels and the
+    bundled tokenizer plus Qwen's chat and vision tokens (<|im_end|> ends a turn and is EOS, as in
+    Qwen2-VL-Instruct's tokenizer)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from bigtune.core.processors import chat_vlm_processor
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>"] + [t for _, t in QWEN_VL_TOKENS]}
+    )
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    images = Qwen2VLImageProcessorPil(
+        min_pixels=TINY_VL_MIN_PIXELS, max_pixels=TINY_VL_MAX_PIXELS, patch_size=14, merge_size=2
+    )
+    return chat_vlm_processor(class_name, images, tok, QWEN2_VL_CHAT_TEMPLATE)
+
+
+def _qwen_text(vocab: int, ids: dict) -> dict:
+    # head_dim 16: M-RoPE splits its 8 rotary frequencies into temporal, height and width sections
+    return dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        use_cache=False,
+        bos_token_id=None,
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    )
+
+
+def _vl_ids(ids: dict) -> dict:
+    return {key: ids[key] for key, _ in QWEN_VL_TOKENS}
+
+
+def _qwen2_vl(vocab: int, ids: dict):
+    from transformers import Qwen2VLConfig
+
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2)
+    return Qwen2VLConfig(text_config=_qwen_text(vocab, ids), vision_config=vision, use_cache=False, **_vl_ids(ids))
+
+
+def _qwen2_5_vl(vocab: int, ids: dict):
+    from transformers import Qwen2_5_VLConfig
+
+    # Qwen2.5-VL's vision encoder attends within windows (window_size pixels) except in the full-attention
+    # blocks: two blocks, the first windowed, so both kinds run.
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        out_hidden_size=64,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    return Qwen2_5_VLConfig(text_config=_qwen_text(vocab, ids), vision_config=vision, use_cache=False, **_vl_ids(ids))
+
+
 # Model families (issue #26): one tiny random-init model per architecture, 2 layers and hidden 64, so a
 # family's real code path (its attention, norms, rotary variant, MoE routing) trains, plans and exports in
 # seconds. Each keeps the family's defining traits; the rest is the config class's defaults.
@@ -258,6 +367,22 @@ PRESETS: dict[str, Preset] = {
         "image-to-text",
         _blip2_t5,
         "BLIP-2 with a Flan-T5-style text model (2+2 layers, hidden 64); vision and Q-Former as tiny-blip2-opt.",
+    ),
+    "tiny-qwen2-vl": Preset(
+        "image-to-text",
+        _qwen2_vl,
+        "Qwen2-VL (chat vision-language, dynamic resolution): ViT patch 14, 1 layer, width 32, 2×2 patch merger; "
+        "Qwen2 text model 2 layers, hidden 64, M-RoPE.",
+        processor=tiny_qwen_vl_processor,
+        tokens=QWEN_VL_TOKENS,
+    ),
+    "tiny-qwen2.5-vl": Preset(
+        "image-to-text",
+        _qwen2_5_vl,
+        "Qwen2.5-VL: windowed + full-attention ViT (2 layers, width 32, SwiGLU, RMS-norm), 2×2 patch merger; "
+        "Qwen2 text model 2 layers, hidden 64, M-RoPE.",
+        processor=lambda: tiny_qwen_vl_processor("Qwen2_5_VLProcessor"),
+        tokens=QWEN_VL_TOKENS,
     ),
     # model families: see _family above
     "tiny-llama3": Preset(
@@ -328,5 +453,11 @@ def preset_config(name: str, tokenizer) -> object:
     tok = getattr(tokenizer, "tokenizer", tokenizer)
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     if PRESETS[name].family == "image-to-text":
-        ids["image_token_id"] = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+        ids.update({key: tok.convert_tokens_to_ids(token) for key, token in PRESETS[name].tokens})
     return PRESETS[name].make_config(len(tok), ids)
+
+
+def preset_processor(name: str):
+    """An image-to-text preset's processor, built locally (BLIP-2's or Qwen2-VL's)."""
+    make = PRESETS[name].processor
+    return make() if make is not None else tiny_processor()

@@ -97,8 +97,10 @@ def loss_normaliser(
 
     One optimizer step sees the target tokens of every micro-batch on every rank; the mean over
     all of them is sum/N. DDP then *averages* gradients over ranks, so each rank scales by
-    world_size/N to end with the true global mean. ``global_token_count`` is N when the caller
-    already all-reduced it; otherwise N is counted from this rank's micro-batches.
+    world_size/N to end with the true global mean. ``world_size`` counts data-parallel ranks (those
+    whose gradients are averaged; a tensor-parallel group is one), and N their tokens, each once.
+    ``global_token_count`` is N when the caller already all-reduced it; otherwise N is counted from
+    this rank's micro-batches.
     """
     n = global_token_count
     if n is None:

@@ -1,4 +1,4 @@
-"""Image + caption data for image-to-text models (BLIP-2).
+"""Image + caption data for image-to-text models (BLIP-2; chat models such as Qwen2-VL: ``bigtune.data.vlm``).
 
 Sources (``data.source``):
 
@@ -220,6 +220,10 @@ class TokenLayout:
             return image + prompt_tokens + ([self.eos_id] if self.eos_id is not None else [])
         return image + ([self.bos_id] if self.bos_id is not None else []) + prompt_tokens
 
+    def encode(self, tok, caption: str, max_len: int) -> tuple[list[int], list[int], bool]:
+        """(input_ids, labels, truncated) for one caption's text (``bigtune.data.vlm`` lays out chat models)."""
+        return self.example(tok(caption, add_special_tokens=False)["input_ids"], max_len)
+
     def example(self, caption_ids: list[int], max_len: int) -> tuple[list[int], list[int], bool]:
         """(input_ids, labels, truncated) for one caption."""
         eos = [self.eos_id] if self.eos_id is not None else []
@@ -236,9 +240,10 @@ class TokenLayout:
 
 
 def build_image_examples(
-    cfg: DataConfig, processor, layout: TokenLayout, seed: int, source: Optional[str] = None
+    cfg: DataConfig, processor, layout, seed: int, source: Optional[str] = None
 ) -> tuple[list[ImageExample], DataReport]:
-    """Read, check every image and caption, tokenize, split off validation, select num_train_samples."""
+    """Read, check every image and caption, tokenize, split off validation, select num_train_samples.
+    ``layout``: a TokenLayout (BLIP-2) or a ``bigtune.data.vlm.ChatImageLayout``: its ``encode`` tokenizes."""
     label, rows = read_image_source(cfg, source)
     if not rows:
         raise DataError(f"{label}: no usable samples (the source holds no records)")
@@ -260,8 +265,7 @@ def build_image_examples(
                 raise DataError(f"{label} record {i}: {reason}; fix the record or set data.skip_bad_records=true")
             report.skipped.append((i, reason))
             continue
-        ids = tok(caption.strip(), add_special_tokens=False)["input_ids"]
-        input_ids, labels, truncated = layout.example(ids, cfg.max_seq_length)
+        input_ids, labels, truncated = layout.encode(tok, caption.strip(), cfg.max_seq_length)
         report.truncated += int(truncated)
         if isinstance(ref, dict):
             ref = ref.get("bytes") or ref.get("path")

@@ -135,16 +135,25 @@ class Built:
 
 def _image_data(recipe: Recipe, processor):
     """image-to-text: examples, report, the dataset/collator factories (images processed lazily)."""
+    from bigtune.data import vlm
     from bigtune.data.images import ImageCaptionDataset, ImageCollator, TokenLayout, build_image_examples
     from bigtune.models.configs import resolve_config_name
 
-    layout = TokenLayout.for_model(processor, resolve_config_name(recipe.model))
+    config = resolve_config_name(recipe.model)
+    if vlm.is_chat_vlm(config):  # Qwen2-VL: the caption answers data.prompt, image tokens per image size
+        layout = vlm.ChatImageLayout.for_model(processor, config, recipe.data.prompt)
+        dataset = lambda items: vlm.ChatImageDataset(items, processor.image_processor, layout)  # noqa: E731
+        collator = vlm.ChatImageCollator(layout)
+    else:
+        layout = TokenLayout.for_model(processor, config)
+        dataset = lambda items: ImageCaptionDataset(items, processor.image_processor)  # noqa: E731
+        collator = ImageCollator(layout)
     examples, report = build_image_examples(recipe.data, processor, layout, recipe.seed)
     return (
         examples,
         report,
-        (lambda items: ImageCaptionDataset(items, processor.image_processor)),
-        ImageCollator(layout),
+        dataset,
+        collator,
         (lambda cfg: build_image_examples(cfg, processor, layout, recipe.seed)),
     )
 
@@ -180,10 +189,11 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
     base_dir = (
         Path(tempfile.mkdtemp(prefix="bigtune-base-")) if peft and no_folder and recipe.checkpoint.save_model else None
     )
-    from bigtune.engine.strategies import is_deepspeed, make_deepspeed_optimizer
+    from bigtune.engine.strategies import is_deepspeed, make_deepspeed_optimizer, zero_layout
 
     deepspeed = is_deepspeed(recipe)
     nf4 = quantized and quant_backend(recipe) == "torchao"
+    zero3 = deepspeed and zero_layout(recipe.strategy)[0] == 3  # a 4-bit base then stores 16-bit elements
     # ZeRO-3's init context partitions parameters as they are created, which the model builder's
     # own weight handling does not expect: DeepSpeed models are built on the CPU and partitioned later.
     load_report = None
@@ -192,9 +202,9 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
     elif no_folder and not quantized and not deepspeed:
         # Random init straight on the device: a 7B model initialised on the CPU takes minutes.
         with fabric.init_module():
-            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names)
+            model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names, zero3)
     else:
-        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names)
+        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names, zero3)
     if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
     if peft and not nf4:
@@ -233,7 +243,8 @@ def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], labe
     """(model, base_dir, load report): QLoRA on torchao NF4 weights, streamed from safetensors (models/nf4.py). A preset or
     random-init model is written to ``base_dir`` first (each rank the same seeded weights) and streamed back."""
     from bigtune.engine.strategies import shard_while_loading
-    from bigtune.models.nf4 import build_nf4_peft_model, weights_folder, write_base
+    from bigtune.models.build import write_base
+    from bigtune.models.nf4 import build_nf4_peft_model, weights_folder
 
     if recipe.model.name in PRESETS or recipe.model.init == "random":
         base_dir = base_dir or Path(tempfile.mkdtemp(prefix="bigtune-base-"))
@@ -265,13 +276,17 @@ def _train_loader(recipe: Recipe, fabric, examples, make_dataset, collator):
     """(sampler, loader, steps per epoch) for the training examples (packed or grouped as the recipe asks)."""
     if recipe.data.packing:
         examples = pack_examples(examples, recipe.data.max_seq_length, recipe.seed)
+    from bigtune.engine.strategies import data_parallel
+
+    dp_rank, dp_size = data_parallel(fabric)
     grouping = {}
     if recipe.data.group_by_length:
         grouping = {
             "lengths": [len(e.input_ids) for e in examples],
-            "group_size": 50 * recipe.train.micro_batch_size * fabric.world_size,
+            "group_size": 50 * recipe.train.micro_batch_size * dp_size,
         }
-    sampler = EpochSampler(len(examples), recipe.seed, rank=fabric.global_rank, world=fabric.world_size, **grouping)
+    # The data-parallel rank: the ranks of one tensor-parallel group compute one model, so they read the same batches.
+    sampler = EpochSampler(len(examples), recipe.seed, rank=dp_rank, world=dp_size, **grouping)
     loader = torch.utils.data.DataLoader(
         make_dataset(examples),
         batch_size=recipe.train.micro_batch_size,
@@ -397,17 +412,25 @@ def train_step(
     Long because the order of forward, loss (with a mixture-of-experts model's router aux loss), backward,
     snapshots and optimizer step is what the planner simulates: one function keeps that order in one place.
     """
-    from bigtune.engine.strategies import backward_kwargs, clips_itself, micro_batch_context
+    from bigtune.engine.strategies import (
+        backward_kwargs,
+        clip_gradients,
+        clips_itself,
+        data_parallel,
+        micro_batch_context,
+    )
 
     fabric, model, opt = b.fabric, b.model, b.optimizer
     shift = shifts_labels(model)
     if token_count is None and fabric.world_size > 1:
         from bigtune.engine.strategies import all_sum
 
-        # Every rank divides by the token count of the whole global batch (DDP/FSDP then average).
-        token_count = int(all_sum(fabric, sum(int(target_token_count(x["labels"], shift)) for x in batches)))
+        # Every rank divides by the token count of the whole global batch (DDP/FSDP then average over the
+        # data-parallel ranks; a tensor-parallel group reads one batch, so it is counted once).
+        count = sum(int(target_token_count(x["labels"], shift)) for x in batches)
+        token_count = int(all_sum(fabric, count, data_parallel_only=True))
     scale = loss_normaliser(
-        [x["labels"] for x in batches], world_size=fabric.world_size, global_token_count=token_count, shift=shift
+        [x["labels"] for x in batches], world_size=data_parallel(fabric)[1], global_token_count=token_count, shift=shift
     )
     snaps: list[mem.Snapshot] = []
     track = monitor is not None and (measure or monitor.cap_bytes is not None and not monitor.is_cuda)
@@ -467,8 +490,7 @@ def train_step(
         snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
     state.phase = "optimizer"
     if b.recipe.optim.grad_clip is not None and not clips_itself(fabric):
-        # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
-        fabric.clip_gradients(model, opt, max_norm=b.recipe.optim.grad_clip, error_if_nonfinite=False)
+        clip_gradients(fabric, model, opt, b.recipe.optim.grad_clip)
     opt.step()
     b.scheduler.step()
     if measure:
@@ -1036,7 +1058,7 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
     )
     if r.optim.lr_scaling != "none":
         print(
-            f"lr: {r.lr:.3g} = optim.lr {r.optim.lr:.3g} scaled {r.optim.lr_scaling} with {r.world_size} "
+            f"lr: {r.lr:.3g} = optim.lr {r.optim.lr:.3g} scaled {r.optim.lr_scaling} with {r.data_parallel_size} "
             f"data-parallel ranks (optim.lr_scaling)",
             flush=True,
         )

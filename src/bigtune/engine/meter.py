@@ -34,6 +34,10 @@ class WindowMeter:
         self.peak_flops = peak_flops
         self.shape = flop_shape(model) or None  # None: a model whose FLOPs are not counted
         self.loss = torch.zeros((), device=fabric.device)
+        from bigtune.engine.strategies import data_parallel, tensor_parallel_size
+
+        # Under tensor parallelism a group of ranks reads one batch and splits its model FLOPs.
+        self.data_parallel_size, self.tensor_parallel = data_parallel(fabric)[1], tensor_parallel_size(fabric)
         self._reset()
 
     def _reset(self) -> None:
@@ -46,14 +50,15 @@ class WindowMeter:
         """One optimizer step's micro-batches and its (device) loss; advances ``state.tokens/samples``."""
         tokens = sum(batch_tokens(x) for x in batches)  # this rank's; summed when the window closes
         # Equal shares per rank; a packed row holds several samples.
-        samples = sum(x.get("samples", x["input_ids"].shape[0]) for x in batches) * self.fabric.world_size
+        samples = sum(x.get("samples", x["input_ids"].shape[0]) for x in batches) * self.data_parallel_size
         if self.shape:
-            self.flops += sum(
+            flops = sum(
                 training_flops(
                     self.shape, int(x["attention_mask"].sum()), causal_pairs(x["attention_mask"], x.get("position_ids"))
                 )
                 for x in batches
             )
+            self.flops += flops / self.tensor_parallel  # this rank's share
         state.tokens += tokens
         state.samples += samples
         self.tokens += tokens
@@ -68,7 +73,7 @@ class WindowMeter:
             from bigtune.engine.strategies import all_sum
 
             mean_loss = all_sum(self.fabric, mean_loss) / self.fabric.world_size
-            global_tokens = int(all_sum(self.fabric, self.tokens))
+            global_tokens = int(all_sum(self.fabric, self.tokens, data_parallel_only=True))
             state.tokens += global_tokens - self.tokens
             self.tokens = global_tokens
         if not math.isfinite(mean_loss):

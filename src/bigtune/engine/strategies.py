@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from bigtune.models.build import decoder_blocks
-from bigtune.recipe import DEEPSPEED_STRATEGIES, Recipe
+from bigtune.recipe import DEEPSPEED_STRATEGIES, Recipe, RecipeError
 
 DEEPSPEED_INSTALL = "pip install 'bigtune[deepspeed]' (or pip install deepspeed)"
 
@@ -50,13 +50,79 @@ def make_parallelize_fn(recipe: Recipe):
         if isinstance(model, FSDPModule):  # sharded block by block while it loaded (NF4 QLoRA)
             return model
         kwargs = _fully_shard_kwargs(recipe, device_mesh["data_parallel"])
+        plan = tensor_parallel_plan(model, recipe.tensor_parallel) if recipe.tensor_parallel > 1 else None
         # fsdp_wrap=none leaves the blocks to the root: one unit, the whole model gathered at once.
         for block in decoder_blocks(model) if recipe.fsdp_wrap == "block" else ():
+            if plan:  # split across the tensor-parallel ranks first; FSDP2 then shards the DTensors over data_parallel
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(block, device_mesh["tensor_parallel"], plan)
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         return model
 
     return parallelize
+
+
+# The block-level styles of transformers' base_model_tp_plan that bigtune applies (torch's Colwise/RowwiseParallel).
+# Anything else in a block (fused projections, replicated norms whose gradients need a reduction, MoE experts)
+# is refused rather than left replicated, where its gradient would silently be wrong.
+_TP_STYLES = ("colwise", "rowwise")
+_LLAMA_TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
+    """parallelize_module's plan for one decoder block of ``model`` split ``tp`` ways: the block entries
+    (``layers.*.<name>``) of the config's base_model_tp_plan, else Llama's projection names. Embeddings, norms
+    and the output layer are left whole (replicated across the group). Raises RecipeError naming
+    tensor_parallel when the model cannot be split that way."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    name = type(model).__name__
+    source = getattr(config, "base_model_tp_plan", None) or {}
+    styles = {k.split(".*.", 1)[1]: v for k, v in source.items() if ".*." in k} or _LLAMA_TP_PLAN
+    problems = [
+        f"tensor_parallel={tp}: {name} needs tensor-parallel style {style!r} for {key}, which bigtune does not "
+        f"apply (only {', '.join(_TP_STYLES)}); use tensor_parallel=1 for this model"
+        for key, style in styles.items()
+        if style not in _TP_STYLES
+    ]
+    block = decoder_blocks(model)[0]
+    missing = [k for k in styles if not isinstance(_submodule(block, k), torch.nn.Linear)]
+    if missing:
+        problems.append(
+            f"tensor_parallel={tp}: {name}'s decoder block has no nn.Linear {', '.join(missing)} to split ("
+            + ("named by its config's base_model_tp_plan" if source else "no base_model_tp_plan: Llama's names tried")
+            + "); use tensor_parallel=1 for this model"
+        )
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        size = getattr(config, key, None)
+        if size is not None and size % tp:
+            problems.append(
+                f"tensor_parallel={tp} does not divide the model's {key}={size}: each rank must hold whole "
+                f"heads and an equal share of the MLP; pick a tensor_parallel that divides it"
+            )
+    if problems:
+        raise RecipeError(problems)
+    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return {k: make[v]() for k, v in styles.items()}
+
+
+def _submodule(module: torch.nn.Module, dotted: str) -> Optional[torch.nn.Module]:
+    try:
+        return module.get_submodule(dotted)
+    except AttributeError:
+        return None
 
 
 def shard_while_loading(recipe: Recipe, fabric):
@@ -252,8 +318,8 @@ def make_strategy(recipe: Recipe, accelerator: str):
 
         return ModelParallelStrategy(
             parallelize_fn=make_parallelize_fn(recipe),
-            data_parallel_size=world,
-            tensor_parallel_size=1,
+            data_parallel_size=world // recipe.tensor_parallel,
+            tensor_parallel_size=recipe.tensor_parallel,
             timeout=timeout,
             process_group_backend=backend,
         )
@@ -357,8 +423,58 @@ def collective_failure_hint(error: BaseException, recipe: Recipe, world_size: in
     )
 
 
-def all_sum(fabric, value: float | int) -> float:
+def data_parallel(fabric) -> tuple[int, int]:
+    """(this rank's index, number of ranks) in the data-parallel dimension: the ranks that read different
+    micro-batches. Every rank of a tensor-parallel group has the same index (it reads the same batches)."""
+    if is_sharded(fabric):
+        mesh = fabric.strategy.device_mesh["data_parallel"]
+        return mesh.get_local_rank(), mesh.size()
+    return fabric.global_rank, fabric.world_size
+
+
+def tensor_parallel_size(fabric) -> int:
+    return fabric.strategy.device_mesh["tensor_parallel"].size() if is_sharded(fabric) else 1
+
+
+def all_sum(fabric, value: float | int, data_parallel_only: bool = False) -> float:
+    """``value`` summed over every rank, or over this rank's data-parallel group only (counts of what the ranks
+    read: under tensor parallelism each group reads the same batches, so a sum over all ranks would count
+    them tensor_parallel times)."""
     if fabric.world_size == 1:
         return value
+    group = None
+    if data_parallel_only and tensor_parallel_size(fabric) > 1:
+        mesh = fabric.strategy.device_mesh["data_parallel"]
+        if mesh.size() == 1:
+            return value
+        group = mesh.get_group()
     t = torch.tensor(float(value), dtype=torch.float64, device=fabric.device)
-    return float(fabric.all_reduce(t, reduce_op="sum"))
+    return float(fabric.all_reduce(t, group=group, reduce_op="sum"))
+
+
+def clip_gradients(fabric, model: torch.nn.Module, optimizer, max_norm: float) -> None:
+    """Clip to a global gradient norm. Under tensor parallelism the gradients are DTensors on two meshes (the
+    split projections on data_parallel × tensor_parallel, the replicated rest on data_parallel only), which
+    torch's clip_grad_norm_ cannot stack: each mesh's norm is reduced to a full one, then combined."""
+    if tensor_parallel_size(fabric) == 1:
+        # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
+        fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    # As Fabric does before its clip (a 16-mixed loss scaler); .optimizer: the torch one under Fabric's wrapper.
+    fabric.strategy.precision.unscale_gradients(getattr(optimizer, "optimizer", optimizer))
+    groups: dict = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    # implicit_replication: the plain total norm multiplies each DTensor gradient as if replicated (it is).
+    with implicit_replication():
+        for params in groups.values():  # one mesh per call: a foreach op across meshes is refused
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

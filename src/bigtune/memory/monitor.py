@@ -113,8 +113,9 @@ def model_state_bytes(
     own = fsdp_sharded_parameters(model) or list(model.parameters())
     params = [getattr(p, "ds_tensor", p) for p in own]
     grads = [p.grad for p in own if p.grad is not None] + fsdp_unsharded_gradients(model)
-    # bitsandbytes 4-bit weights keep their block scales beside the packed uint8 data.
-    quant = [t for p in params for t in _quant_state_tensors(p)]
+    # bitsandbytes 4-bit weights keep their block scales beside the packed data, on the Parameter itself
+    # (under ZeRO-3 too, where only the packed data is partitioned into ds_tensor: the scales stay whole).
+    quant = [t for p in own for t in _quant_state_tensors(p)]
     opt_dev: list[torch.Tensor] = []
     opt_cpu: list[torch.Tensor] = []
 

@@ -7,6 +7,7 @@ conversion to run), and remote code runs only when the recipe says ``trust_remot
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import warnings
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Optional
 import torch
 
 from bigtune.core.hub import hub_kwargs, hub_reachable
-from bigtune.core.presets import PRESETS, preset_config, tiny_processor, tiny_tokenizer
+from bigtune.core.presets import PRESETS, preset_config, preset_processor, tiny_tokenizer
 from bigtune.models.configs import ModelError
 from bigtune.recipe import ModelConfig, PeftConfig
 
@@ -59,9 +60,10 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_processor(cfg: ModelConfig):
-    """image-to-text: the Blip2Processor (image processor + tokenizer with the image token)."""
+    """image-to-text: the model's processor (image processor + tokenizer with the image token; BLIP-2's
+    Blip2Processor, Qwen2-VL's processor with its chat template)."""
     if cfg.name in PRESETS and cfg.tokenizer is None:
-        return tiny_processor()
+        return preset_processor(cfg.name)
     if cfg.init == "random" and cfg.tokenizer is None and not Path(cfg.name).expanduser().is_dir():
         # As load_tokenizer: random weights need no hub download; the images keep the model's real size.
         from bigtune.core.presets import random_init_processor
@@ -73,11 +75,12 @@ def load_processor(cfg: ModelConfig):
             flush=True,
         )
         return random_init_processor(resolve_config_name(cfg))
-    from transformers import AutoProcessor
+
+    from bigtune.core.processors import AutoImageTextProcessor  # Qwen2-VL loads without torchvision too
 
     src = cfg.tokenizer or cfg.name
     try:
-        proc = AutoProcessor.from_pretrained(
+        proc = AutoImageTextProcessor.from_pretrained(
             _local_or_id(src), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **hub_kwargs(src)
         )
     except Exception as e:
@@ -134,8 +137,10 @@ def compute_dtype(cfg: ModelConfig, precision: str) -> torch.dtype:
 CLASSIFIER_HEADS = ("classifier", "pre_classifier", "score")
 
 
-def quantization_config(cfg: ModelConfig, precision: str):
-    """The bitsandbytes loading config for model.quantize (None when not quantized)."""
+def quantization_config(cfg: ModelConfig, precision: str, sharded: bool = False):
+    """The bitsandbytes loading config for model.quantize (None when not quantized). ``sharded`` (DeepSpeed
+    ZeRO-3): the packed 4-bit bytes are stored as compute-dtype elements, so that ZeRO, which partitions and
+    gathers floating-point parameters of one dtype, handles them like the rest of the model."""
     if cfg.quantize == "none":
         return None
     from transformers import BitsAndBytesConfig
@@ -149,6 +154,7 @@ def quantization_config(cfg: ModelConfig, precision: str):
         bnb_4bit_quant_type=cfg.quantize,
         bnb_4bit_use_double_quant=cfg.double_quant,
         bnb_4bit_compute_dtype=compute_dtype(cfg, precision),
+        **({"bnb_4bit_quant_storage": compute_dtype(cfg, precision)} if sharded else {}),
         **skip,
     )
 
@@ -240,6 +246,26 @@ def _from_pretrained(
         raise ModelError(load_hint("model", cfg.name, e)) from e
 
 
+def write_base(model: torch.nn.Module, tokenizer, folder: Path) -> None:
+    """A random-init (or preset) base as a model folder, written by every rank into its own ``folder``
+    (transformers' save_pretrained writes on rank 0 only once torch.distributed is up). Keys are the
+    state dict's; a tied weight is stored under each of its names."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(folder / "config.json"))
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in model.state_dict().items():
+        ptr = value.untyped_storage().data_ptr()
+        tensors[key] = value.detach().clone().contiguous() if ptr in seen else value.detach().contiguous()
+        seen.add(ptr)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.rename(folder / "model.safetensors")
+    tokenizer.save_pretrained(str(folder))
+
+
 def build_model(
     cfg: ModelConfig,
     tokenizer,
@@ -247,6 +273,7 @@ def build_model(
     seed: int,
     base_dir: Optional[Path] = None,
     label_names: Optional[list] = None,
+    zero3: bool = False,
 ) -> torch.nn.Module:
     """The model in the dtype its precision stores weights in (quantized if asked), in train mode.
 
@@ -259,7 +286,7 @@ def build_model(
     AutoModelForCausalLM = auto_class(cfg.family)
 
     dtype = weights_dtype(precision)
-    quant = quantization_config(cfg, precision)
+    quant = quantization_config(cfg, precision, sharded=zero3)
     if cfg.name in PRESETS or cfg.init == "random":
         if cfg.name in PRESETS:
             config = preset_config(cfg.name, tokenizer)
@@ -280,6 +307,8 @@ def build_model(
         if base_dir is not None:
             model.save_pretrained(base_dir, safe_serialization=True)
             tokenizer.save_pretrained(base_dir)
+            if not (Path(base_dir) / "config.json").exists():  # not rank 0: save_pretrained wrote nothing
+                write_base(model, tokenizer, Path(base_dir))
         if quant is not None:
             del model
             model = _from_pretrained(str(base_dir), cfg, dtype, quant, label_names, attn)
@@ -321,10 +350,37 @@ IMAGE_TO_TEXT_PARTS = {
     "language_model": ("language_model",),
 }
 
+# Chat vision-language models by parameter-name prefix, the longest match deciding: the vision encoder
+# without its patch merger; the merger, which projects vision features into the language model (the
+# part BLIP-2's Q-Former plays, so model.freeze_qformer freezes it); the language model with its head.
+CHAT_VLM_PARTS = {
+    "vision": ("model.visual.",),
+    "qformer": ("model.visual.merger.",),
+    "language_model": ("model.language_model.", "lm_head."),
+}
+
+CHAT_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _freeze_by_prefix(model: torch.nn.Module, flags: dict[str, bool]) -> dict[str, int]:
+    out = dict.fromkeys(flags, 0)
+    for name, p in model.named_parameters():
+        match = max(
+            ((len(pre), part) for part, pres in CHAT_VLM_PARTS.items() for pre in pres if name.startswith(pre)),
+            default=None,
+        )
+        if match is not None and flags[match[1]]:
+            p.requires_grad_(False)
+            out[match[1]] += p.numel()
+    return out
+
 
 def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
     """requires_grad=False on the parts the recipe freezes: no gradients and (make_optimizer takes
     trainable parameters only) no optimizer state for them. Returns frozen element counts per part."""
+    flags = {"vision": cfg.freeze_vision, "qformer": cfg.freeze_qformer, "language_model": cfg.freeze_language_model}
+    if getattr(model.config, "model_type", "") in CHAT_VLM_TYPES:
+        return _freeze_by_prefix(model, flags)
     out = {}
     for part, flag in (
         ("vision", cfg.freeze_vision),
@@ -371,6 +427,9 @@ DEFAULT_TARGETS = {
     # BLIP-2: adapters on the language model's attention queries/values only (the usual BLIP-2
     # LoRA); a regex, so the Q-Former's query/value and the ViT's qkv are left alone.
     "blip-2": r".*language_model\..*\.(q_proj|v_proj|q|v)$",
+    # Qwen2-VL / Qwen2.5-VL: the language model's queries and values (the vision blocks' attention is a fused qkv)
+    "qwen2_vl": r".*language_model\..*\.(q_proj|v_proj)$",
+    "qwen2_5_vl": r".*language_model\..*\.(q_proj|v_proj)$",
 }
 
 
@@ -494,8 +553,11 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+        # a bitsandbytes 4-bit weight stores its packed bytes (n/2, or n/4 16-bit elements): count its weights
+        state = getattr(p, "quant_state", None)
+        n = math.prod(state.shape) if getattr(state, "shape", None) is not None else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
     return {"total": total, "trainable": trainable}
 
 

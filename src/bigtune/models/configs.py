@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from bigtune.core.hub import hub_kwargs
-from bigtune.core.presets import PRESETS, preset_config, tiny_processor, tiny_tokenizer
+from bigtune.core.presets import PRESETS, preset_config, preset_processor, tiny_tokenizer
 from bigtune.recipe import Recipe
 
 
@@ -34,7 +34,7 @@ def resolve_config_name(model_cfg):
     name = model_cfg.name
     if name in PRESETS:
         image = PRESETS[name].family == "image-to-text"
-        return preset_config(name, tiny_processor() if image else tiny_tokenizer())
+        return preset_config(name, preset_processor(name) if image else tiny_tokenizer())
     local = Path(name).expanduser()
     if local.is_dir():
         return AutoConfig.from_pretrained(str(local), trust_remote_code=model_cfg.trust_remote_code)

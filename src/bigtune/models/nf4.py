@@ -95,26 +95,6 @@ def weights_folder(cfg: ModelConfig) -> Path:
         raise ModelError(load_hint("model", cfg.name, e)) from e
 
 
-def write_base(model: torch.nn.Module, tokenizer, folder: Path) -> None:
-    """A random-init (or preset) base as a model folder, written by every rank into its own ``folder``
-    (transformers' save_pretrained writes on rank 0 only once torch.distributed is up). Keys are the
-    state dict's; a tied weight is stored under each of its names."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    model.config.to_json_file(str(folder / "config.json"))
-    seen: set[int] = set()
-    tensors = {}
-    for key, value in model.state_dict().items():
-        ptr = value.untyped_storage().data_ptr()
-        tensors[key] = value.detach().clone().contiguous() if ptr in seen else value.detach().contiguous()
-        seen.add(ptr)
-    tmp = folder / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.rename(folder / "model.safetensors")
-    tokenizer.save_pretrained(str(folder))
-
-
 class _Weights:
     """Tensors of a safetensors folder (one file or an index), read one at a time."""
 

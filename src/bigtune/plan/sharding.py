@@ -172,6 +172,8 @@ class _Sharding:
     # to the world size, plus the replicated scaler mean and code table of every weight)
     nf4_full: int = 0
     nf4_rank: int = 0
+    # A bitsandbytes 4-bit base under ZeRO-3: its quantization constants, which every rank keeps whole
+    replicated: int = 0
 
     @property
     def offload(self) -> bool:
@@ -209,6 +211,8 @@ class _Sharding:
             return st[c]
         if c == "parameters" and self.nf4_full:
             return -(-(st[c] - self.nf4_full) // self.n) + self.nf4_rank
+        if c == "parameters" and self.replicated:
+            return -(-(st[c] - self.replicated) // self.n) + self.replicated
         return -(-st[c] // self.n)
 
     def device_states(self, ph: dict) -> int:
@@ -295,6 +299,8 @@ def _sharding(
         round_to = 512 if target.device == "cuda" else 1
         s.nf4_full = n_layers * sim.nf4.block_nf4_bytes(1, round_to)
         s.nf4_rank = n_layers * sim.nf4.block_nf4_bytes(target.gpus, round_to)
+    if deepspeed and "parameters" in split:
+        s.replicated = n_layers * sim.block_quant_constants
     if "parameters" in split:
         s.gather, s.gathered_after_forward = _gathered(s, recipe, n_layers)
     if deepspeed:

@@ -21,6 +21,7 @@ from bigtune.plan.constants import CATEGORIES
 from bigtune.plan.quantized import (
     EIGHT_BIT,
     NF4Base,
+    block_quant_constants,
     eight_bit_state_bytes,
     emulate_4bit,
     emulate_nf4,
@@ -51,6 +52,7 @@ class Sim:
     fsdp_upcast: tuple[int, ...] = ()
     fsdp_upcast_optimizer: bool = True  # False where the optimizer state does not follow the weights' dtype
     nf4: Optional[NF4Base] = None  # a torchao NF4 base (model.quant_backend=torchao): what sharding needs of it
+    block_quant_constants: int = 0  # a bitsandbytes 4-bit base: one block's absmax/codes (whole under ZeRO-3)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,18 @@ class Stack:
 def model_stacks(config) -> list[Stack]:
     """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
     stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack)."""
-    if getattr(config, "model_type", "") != "blip-2":
+    from bigtune.data.vlm import CHAT_VLM_TYPES
+    from bigtune.plan.constants import PlanError
+
+    kind = getattr(config, "model_type", "")
+    if kind in CHAT_VLM_TYPES:
+        # Not simulated yet: the step's image tokens depend on each image's size (the processor's
+        # min/max pixels), which the synthetic batch does not model, so no plan beats a wrong one.
+        raise PlanError(
+            f"planning {kind} models (Qwen2-VL / Qwen2.5-VL) is not supported yet: their image-token count "
+            "depends on each image's size; train without a plan (memory.plan=false) and read the measured memory"
+        )
+    if kind != "blip-2":
         return [Stack(("num_hidden_layers",))]
     out = [
         Stack(("vision_config", "num_hidden_layers")),
@@ -250,6 +263,7 @@ def simulate(
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
         numel, matmul_numel, block_numel = _model_numels(model)
         nf4 = nf4_base(model) if torchao_nf4(recipe) else None
+        constants = 0 if nf4 else block_quant_constants(model, quantize, recipe.model.double_quant)
         _fake_pixels(batches)
         wrapped = fabric.setup_module(model)
         snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace)
@@ -276,6 +290,7 @@ def simulate(
         fsdp_upcast,
         not eight_bit,
         nf4,
+        constants,
     )
 
 
@@ -400,6 +415,9 @@ def _simulated_recipe(recipe: Recipe, cuda: bool) -> tuple[Recipe, str, bool]:
         r.optim.implementation = "foreach"  # torch's default for CUDA tensors
     quantize = r.model.quantize
     r.model.quantize = "none"  # bitsandbytes cannot quantize fake tensors: simulate, then swap the bytes
+    if quantize != "none" and zero_masters(recipe, recipe.strategy):
+        # DeepSpeed casts the whole module to 16 bits: no fp32 upcast of the unquantized weights survives
+        r.model.upcast_unquantized = False
     eight_bit = r.optim.name in EIGHT_BIT
     if eight_bit:
         # bitsandbytes kernels do not run on fake tensors: step with state-free SGD and add the 8-bit
@@ -748,8 +766,10 @@ def step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool, bool]:
     (dist.make_parallelize_fn). Equal kinds share one simulation."""
     sharded = strategy == "fsdp" or strategy.startswith("deepspeed")
     fp32_weights = (
-        recipe.peft.method != "none" and recipe.peft.adapter_dtype == "float32"
-    ) or recipe.model.family == "image-to-text"
+        (recipe.peft.method != "none" and recipe.peft.adapter_dtype == "float32")
+        or recipe.model.family == "image-to-text"
+        or (recipe.model.quantize != "none" and recipe.model.upcast_unquantized)
+    )
     fsdp_mixed = strategy == "fsdp" and recipe.precision.endswith("-mixed")
     return (
         zero_masters(recipe, strategy) and fp32_weights,

@@ -1,4 +1,4 @@
-"""``bigtune caption``: alt text for photos with a trained image-to-text model (BLIP-2).
+"""``bigtune caption``: alt text for photos with a trained image-to-text model (BLIP-2, Qwen2-VL, Qwen2.5-VL).
 
 The model can be a bigtune run directory (``model/`` for a full fine-tune, or ``adapter/`` on top of
 ``base/`` or the base named in adapter_config.json), a Hugging Face model folder (merged or full
@@ -8,8 +8,10 @@ reported on stderr and skipped; the others are captioned greedily in batches and
 ``--out`` (.jsonl: one ``{"image", "caption"}`` object per line; .csv: columns image, caption), or
 printed when there is no ``--out``.
 
-The model input is laid out as in training (``bigtune.imagedata.TokenLayout``): the image tokens,
-then BOS and the optional ``--prompt`` for OPT, or the prompt and EOS for the Flan-T5 encoder.
+The model input is laid out as in training (``bigtune.data.images.TokenLayout``): the image tokens,
+then BOS and the optional ``--prompt`` for OPT, or the prompt and EOS for the Flan-T5 encoder. Chat
+models (Qwen2-VL, Qwen2.5-VL; ``bigtune.data.vlm``) are asked ``--prompt`` (default: the run's
+data.prompt) beside the image in their chat template, and answer until their end-of-turn token.
 """
 
 from __future__ import annotations
@@ -47,15 +49,14 @@ def expand_images(items: list[str]) -> list[str]:
 
 
 def _load_processor(*candidates):
-    from transformers import AutoProcessor
-
+    from bigtune.core.processors import AutoImageTextProcessor
     from bigtune.use.loading import load_first
 
     return load_first(
         "an image processor + tokenizer",
-        AutoProcessor,
+        AutoImageTextProcessor,
         candidates,
-        "save one next to the weights with `Blip2Processor.save_pretrained(FOLDER)`",
+        "save the model's processor next to the weights with `processor.save_pretrained(FOLDER)`",
     )
 
 
@@ -96,15 +97,24 @@ def caption_images(
     prompt: str = "",
     progress: bool = True,
 ) -> tuple[list[dict], list[dict]]:
-    """([{image, caption}] for readable images, [{image, reason}] for the others), in input order."""
+    """([{image, caption}] for readable images, [{image, reason}] for the others), in input order.
+
+    ``prompt``: BLIP-2: text the caption continues; chat models (Qwen2-VL): the request beside the image
+    (empty: data.prompt's default), asked in the model's chat template as in training."""
     import torch
 
+    from bigtune.data import vlm
     from bigtune.data.images import TokenLayout, check_image, open_image
+    from bigtune.recipe import DataConfig
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layout = TokenLayout.for_model(processor, base.config)
     tok = processor.tokenizer
-    prompt_ids = layout.prompt_ids(tok(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
+    chat = vlm.is_chat_vlm(base.config)
+    if chat:
+        layout = vlm.ChatImageLayout.for_model(processor, base.config, prompt or DataConfig().prompt)
+    else:
+        layout = TokenLayout.for_model(processor, base.config)
+        prompt_ids = layout.prompt_ids(tok(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
     device = next(model.parameters()).device
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     good: list[str] = []
@@ -117,23 +127,36 @@ def caption_images(
     rows: list[dict] = []
     for start in range(0, len(good), batch_size):
         chunk = good[start : start + batch_size]
-        pixels = processor.image_processor([open_image(p) for p in chunk], return_tensors="pt")["pixel_values"]
-        ids = torch.tensor([prompt_ids] * len(chunk), dtype=torch.long, device=device)
+        images = [open_image(p) for p in chunk]
+        if chat:  # each image its own number of image tokens: rows left-padded to the longest
+            inputs = vlm.generation_batch(layout, processor.image_processor, images)
+        else:
+            ids = torch.tensor([prompt_ids] * len(chunk), dtype=torch.long)
+            pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
+            inputs = {"pixel_values": pixels, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        inputs = {k: v.to(device, dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
         with torch.no_grad():
-            out = model.generate(
-                pixel_values=pixels.to(device, dtype),
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         # Decoder-only models return the prompt followed by the new tokens; T5 returns decoder tokens only.
-        new = out if layout.encoder_decoder else out[:, ids.shape[1] :]
+        new = out if not chat and layout.encoder_decoder else out[:, inputs["input_ids"].shape[1] :]
         for path, seq in zip(chunk, new):
             rows.append({"image": path, "caption": tok.decode(seq, skip_special_tokens=True).strip()})
         if progress:
             print(f"caption: {len(rows)}/{len(good)} images", file=sys.stderr, flush=True)
     return rows, bad
+
+
+def trained_prompt(path_or_run: str) -> str:
+    """The data.prompt a bigtune run was trained with ('' when ``path_or_run`` is not a run directory
+    or its recipe sets none), so a chat model is asked what it learned to answer."""
+    import yaml
+
+    for folder in (Path(path_or_run), Path(path_or_run).parent):
+        recipe = folder / "recipe.yaml"
+        if recipe.is_file():
+            data = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("data") or {}
+            return str(data.get("prompt") or "")
+    return ""
 
 
 def _image_key(ref) -> str:

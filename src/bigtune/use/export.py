@@ -42,8 +42,9 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
 
 def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", out: Optional[str | Path] = None) -> Path:
     """Write the export and return its folder (written to a temporary name, then renamed)."""
-    from transformers import AutoProcessor, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from bigtune.core.processors import AutoImageTextProcessor
     from bigtune.models.build import auto_class
 
     run = Path(run_dir)
@@ -52,7 +53,7 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
     recipe = load_recipe(run / "recipe.yaml", ["accelerator=cpu"])
     AutoModelForCausalLM = auto_class(recipe.model.family)  # BLIP-2 runs: AutoModelForImageTextToText
     # image-to-text runs save a processor (image processor + tokenizer); copy all of it
-    AutoTokenizer = AutoProcessor if recipe.model.family == "image-to-text" else AutoTokenizer  # noqa: N806
+    AutoTokenizer = AutoImageTextProcessor if recipe.model.family == "image-to-text" else AutoTokenizer  # noqa: N806
     torch_dtype = _dtype(dtype, recipe.precision)
     adapter, full = run / "adapter", run / "model"
     if adapter.is_dir():
