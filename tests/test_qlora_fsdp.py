@@ -104,6 +104,17 @@ def test_fsdp_qlora_matches_one_process_and_shards_the_4bit_base(tmp_path, preci
         assert cats["parameters"]["measured"] == pytest.approx(cats["parameters"]["predicted"], rel=1e-3), phase
 
 
+def test_fsdp_qlora_with_cpu_offload_and_checkpointing_trains_the_same(tmp_path):
+    """FSDP2's CPUOffloadPolicy (shards of the NF4 base, adapters and their state in host RAM) and activation
+    checkpointing (blocks recomputed, weights gathered again) change where and when memory lives, not the
+    arithmetic: the losses equal the plain 2-rank run's to float rounding."""
+    plain = _train(tmp_path, "plain", **_fsdp(precision="bf16-true"))
+    saver = {"fsdp_cpu_offload": True, "train.activation_checkpointing": True}
+    both = _train(tmp_path, "both", **_fsdp(precision="bf16-true", **saver))
+    assert _losses(both) == pytest.approx(_losses(plain), rel=1e-3)
+    assert _losses(both)[-1] < _losses(both)[0]
+
+
 def test_fsdp_qlora_resumes_exactly_and_exports_merged(tmp_path):
     """A sharded, adapters-only checkpoint continues the loss curve exactly; export --merge folds the adapters
     into the unquantized base with the logits of base + adapter."""
