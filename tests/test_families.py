@@ -22,6 +22,7 @@ FAMILIES = [
     "tiny-qwen2",
     "tiny-qwen3",
     "tiny-gemma2",
+    "tiny-gemma3",
     "tiny-mistral",
     "tiny-phi3",
     "tiny-gpt-neox",

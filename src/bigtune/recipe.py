@@ -58,7 +58,7 @@ class ModelConfig:
     name: str = _f(
         "tiny-llama",
         "Built-in preset (tiny-llama, tiny-opt, and one per decoder family: tiny-llama3, tiny-qwen2, tiny-qwen3, "
-        "tiny-gemma2, tiny-mistral, tiny-phi3, tiny-gpt-neox, tiny-stablelm, tiny-falcon, tiny-bloom, tiny-mixtral, "
+        "tiny-gemma2, tiny-gemma3, tiny-mistral, tiny-phi3, tiny-gpt-neox, tiny-stablelm, tiny-falcon, tiny-bloom, tiny-mixtral, "
         "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5, tiny-qwen2-vl, tiny-qwen2.5-vl; "
         "sequence-classification: tiny-bert), Hugging "
         "Face hub id, or local folder holding config.json + safetensors weights. "

@@ -405,6 +405,18 @@ PRESETS: dict[str, Preset] = {
         _family("Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=16, **_GQA),
         "Gemma-2: logit soft-capping, sliding window 16 on alternate layers (eager attention), 2 layers, hidden 64.",
     ),
+    "tiny-gemma3": Preset(
+        "causal-lm",
+        _family(
+            "Gemma3TextConfig",
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            **_GQA,
+        ),
+        "Gemma-3 (text): QK-norm, sliding window 16 then global attention, local and global RoPE, 2 layers, hidden 64.",
+    ),
     "tiny-mistral": Preset(
         "causal-lm",
         _family("MistralConfig", sliding_window=None, **_GQA),

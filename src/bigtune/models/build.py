@@ -419,6 +419,7 @@ DEFAULT_TARGETS = {
     "qwen3": ["q_proj", "v_proj"],
     "qwen3_moe": ["q_proj", "v_proj"],
     "gemma2": ["q_proj", "v_proj"],
+    "gemma3_text": ["q_proj", "v_proj"],
     "mixtral": ["q_proj", "v_proj"],
     "stablelm": ["q_proj", "v_proj"],
     "phi3": ["qkv_proj"],
