@@ -239,12 +239,3 @@ def test_train_caption_and_lora_merged_equals_adapter(tmp_path):
     with torch.no_grad():
         a, m, b = (x(**batch).logits for x in (adapter_model, merged_model, base_model))
     assert torch.allclose(a, m, atol=1e-4) and not torch.allclose(a, b, atol=1e-4)
-
-
-def test_planner_says_it_cannot_plan_chat_vlms_yet():
-    from bigtune.plan.constants import PlanError
-    from bigtune.plan.simulate import model_stacks
-
-    config = resolve_config_name(ModelConfig(name="tiny-qwen2-vl", family="image-to-text"))
-    with pytest.raises(PlanError, match="not supported yet.*memory.plan=false"):
-        model_stacks(config)

@@ -59,7 +59,8 @@ class ModelConfig:
         "tiny-llama",
         "Built-in preset (tiny-llama, tiny-opt, and one per decoder family: tiny-llama3, tiny-qwen2, tiny-qwen3, "
         "tiny-gemma2, tiny-gemma3, tiny-mistral, tiny-phi3, tiny-gpt-neox, tiny-stablelm, tiny-falcon, tiny-bloom, tiny-mixtral, "
-        "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5, tiny-qwen2-vl, tiny-qwen2.5-vl; "
+        "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-llava, "
+        "tiny-paligemma, tiny-paligemma2; "
         "sequence-classification: tiny-bert), Hugging "
         "Face hub id, or local folder holding config.json + safetensors weights. "
         "Lab: model_name.",
@@ -67,7 +68,8 @@ class ModelConfig:
     family: Literal["causal-lm", "image-to-text", "sequence-classification"] = _f(
         "causal-lm",
         "Model family: causal-lm (AutoModelForCausalLM), image-to-text (AutoModelForImageTextToText, trained on "
-        "image + caption pairs: BLIP-2, or Qwen2-VL / Qwen2.5-VL with the caption as the answer to data.prompt) or "
+        "image + caption pairs: BLIP-2, or Qwen2-VL / Qwen2.5-VL / LLaVA-1.5 / PaliGemma (1, 2) with the caption as "
+        "the answer to data.prompt) or "
         "sequence-classification (AutoModelForSequenceClassification: BERT/DistilBERT/RoBERTa/Llama with a "
         "classification head, trained on text + label records).",
     )
@@ -113,7 +115,8 @@ class ModelConfig:
     freeze_qformer: bool = _f(
         False,
         "image-to-text: freeze the Q-Former and its query tokens (the language projection stays trainable); "
-        "Qwen2-VL / Qwen2.5-VL: the patch merger that projects vision features into the language model.",
+        "Qwen2-VL / Qwen2.5-VL: the patch merger that projects vision features into the language model; LLaVA / "
+        "PaliGemma: the multi-modal projector.",
     )
     freeze_language_model: bool = _f(
         False,
@@ -172,9 +175,9 @@ class DataConfig:
     )
     prompt: str = _f(
         "Write alt text for this photo.",
-        "image-to-text, chat vision-language models (Qwen2-VL, Qwen2.5-VL): the user's request beside the image; "
-        "the caption is the assistant's answer and carries the loss. `bigtune caption` asks the same. BLIP-2 "
-        "captions without a prompt.",
+        "image-to-text, chat vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5): the user's request beside "
+        "the image; the caption is the assistant's answer and carries the loss. PaliGemma: the prefix after the "
+        "image (e.g. 'caption en'; may be empty). `bigtune caption` asks the same. BLIP-2 captions without a prompt.",
     )
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
     max_seq_length: int = _f(

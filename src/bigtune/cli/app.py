@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "longest sample, the time at the mean padded batch. Default: every row max_seq_length "
         "tokens, the worst case",
     )
+    pl.add_argument(
+        "--image-size",
+        metavar="HxW",
+        help="Qwen2-VL / Qwen2.5-VL: plan every image at HEIGHTxWIDTH pixels (resized as the processor "
+        "does). Default: the processor's max_pixels, the worst case",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument(
         "--compare-gpus",
@@ -315,12 +321,13 @@ def _cmd_plan(args) -> int:
     config = resolve_config(r)
     workers = min(2, os.cpu_count() or 1)
     sims: dict = {}  # the plan's own simulation, which --alternatives reuses
+    images = _image_grids(args, r, config)
     if args.data_lengths:
         from bigtune.plan.lengths import plan_at_data_lengths
 
         p = plan_at_data_lengths(r, target, config=config, workers=workers)
     else:
-        p = plan(r, target, config=config, workers=workers, sims=sims)
+        p = plan(r, target, config=config, workers=workers, sims=sims, images=images)
     alts = (
         alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters, sims=sims)
         if args.alternatives
@@ -341,6 +348,24 @@ def _cmd_plan(args) -> int:
             )
             print(format_alternatives(alts))
     return EXIT_OK
+
+
+def _image_grids(args, r, config) -> "tuple | None":
+    """--image-size as the image grid the model's processor makes of it (one per row), or None."""
+    if not args.image_size:
+        return None
+    from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config, parse_image_size
+    from bigtune.plan.constants import PlanError
+
+    if not is_chat_vlm_config(config):
+        raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {r.model.name} sees images at a fixed size")
+    if args.alternatives or args.data_lengths:
+        raise PlanError("--image-size plans the recipe itself; leave out --alternatives and --data-lengths")
+    try:
+        height, width = parse_image_size(args.image_size)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return (image_geometry(r, config).grid(height, width),)
 
 
 def _cmd_compare(args) -> int:

@@ -328,6 +328,128 @@ def _qwen2_5_vl(vocab: int, ids: dict):
     return Qwen2_5_VLConfig(text_config=_qwen_text(vocab, ids), vision_config=vision, use_cache=False, **_vl_ids(ids))
 
 
+# Fixed-resolution vision-language models (issue #27): every image is resized to the vision tower's size,
+# so it is always (image_size / patch)² image tokens. LLaVA-1.5: CLIP ViT + MLP projector + Llama, asked in
+# a chat template; PaliGemma (SigLIP + Gemma) and PaliGemma 2 (+ Gemma 2): a prefix LM, no chat template.
+# llava-hf/llava-1.5-7b-hf's published chat template (chat_template.json). It ends the answer with a space,
+# not EOS: bigtune.data.vlm appends EOS, as LLaVA-1.5 was trained, so that the model learns to stop.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+TINY_FIXED_PATCH = 8  # 32 px / 8 → 4×4 patches: 16 image tokens per photo
+
+
+def tiny_llava_processor():
+    """A LlavaProcessor built locally: CLIP's PIL image processor (resize + centre crop to 32 px; no
+    torchvision) and the bundled tokenizer plus ``<image>``, with llava-hf's chat template. CLIP adds a
+    class token that LLaVA-1.5 drops ("default" feature selection): 16 image tokens."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok.chat_template = LLAVA_CHAT_TEMPLATE
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": TINY_IMAGE_SIZE}, crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}
+    )
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=TINY_FIXED_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+
+
+def _llava(vocab: int, ids: dict):
+    from transformers import LlavaConfig
+
+    # LLaVA-1.5 reads the second-to-last CLIP layer (vision_feature_layer -2), so the tower has 2 layers
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=TINY_IMAGE_SIZE,
+        patch_size=TINY_FIXED_PATCH,
+        projection_dim=32,
+    )
+    text = _llama(vocab, {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}).to_dict()
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=ids["image_token_id"],
+        image_seq_length=(TINY_IMAGE_SIZE // TINY_FIXED_PATCH) ** 2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        use_cache=False,
+    )
+
+
+def tiny_paligemma_processor():
+    """A PaliGemmaProcessor built locally: SigLIP's PIL image processor at 32 px (16 image tokens) and the
+    bundled tokenizer; the processor adds ``<image>`` and PaliGemma's 1024 location and 128 segmentation
+    tokens, as the published tokenizer has them."""
+    from transformers import PaliGemmaProcessor, SiglipImageProcessorPil
+
+    images = SiglipImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE})
+    images.image_seq_length = (TINY_IMAGE_SIZE // TINY_FIXED_PATCH) ** 2  # PaliGemmaProcessor reads it from here
+    tok = tiny_tokenizer()
+    tok.chat_template = None  # PaliGemma is prompted with plain text (a prefix), not a conversation
+    return PaliGemmaProcessor(image_processor=images, tokenizer=tok)
+
+
+def _paligemma(text_type: str, **text_shape):
+    def make(vocab: int, ids: dict):
+        from transformers import PaliGemmaConfig
+
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=TINY_IMAGE_SIZE,
+            patch_size=TINY_FIXED_PATCH,
+            vision_use_head=False,  # PaliGemma reads the patch features; SigLIP's pooling head is not built
+        )
+        text = dict(
+            model_type=text_type,
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=1024,
+            use_cache=False,
+            bos_token_id=ids["bos_token_id"],
+            eos_token_id=ids["eos_token_id"],
+            pad_token_id=ids["pad_token_id"],
+            **text_shape,
+        )
+        return PaliGemmaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=ids["image_token_id"],
+            vocab_size=vocab,
+            projection_dim=64,
+            hidden_size=64,
+            use_cache=False,
+        )
+
+    return make
+
+
 # Model families (issue #26): one tiny random-init model per architecture, 2 layers and hidden 64, so a
 # family's real code path (its attention, norms, rotary variant, MoE routing) trains, plans and exports in
 # seconds. Each keeps the family's defining traits; the rest is the config class's defaults.
@@ -383,6 +505,27 @@ PRESETS: dict[str, Preset] = {
         "Qwen2 text model 2 layers, hidden 64, M-RoPE.",
         processor=lambda: tiny_qwen_vl_processor("Qwen2_5_VLProcessor"),
         tokens=QWEN_VL_TOKENS,
+    ),
+    "tiny-llava": Preset(
+        "image-to-text",
+        _llava,
+        "LLaVA-1.5: CLIP ViT 32 px/patch 8 (2 layers, width 32; the second-to-last layer's 16 patch features), "
+        "2-layer MLP projector, Llama 2 layers, hidden 64; llava-hf's chat template.",
+        processor=tiny_llava_processor,
+    ),
+    "tiny-paligemma": Preset(
+        "image-to-text",
+        _paligemma("gemma"),
+        "PaliGemma: SigLIP ViT 32 px/patch 8 (1 layer, width 32; 16 image tokens), linear projector, Gemma 2 "
+        "layers, hidden 64; prefix LM (image and prompt attend both ways, the caption causally).",
+        processor=tiny_paligemma_processor,
+    ),
+    "tiny-paligemma2": Preset(
+        "image-to-text",
+        _paligemma("gemma2", query_pre_attn_scalar=16, sliding_window=16),
+        "PaliGemma 2: as tiny-paligemma with a Gemma-2 text model (logit soft-capping, sliding window 16 on "
+        "alternate layers; eager attention).",
+        processor=tiny_paligemma_processor,
     ),
     # model families: see _family above
     "tiny-llama3": Preset(

@@ -140,7 +140,7 @@ def _image_data(recipe: Recipe, processor):
     from bigtune.models.configs import resolve_config_name
 
     config = resolve_config_name(recipe.model)
-    if vlm.is_chat_vlm(config):  # Qwen2-VL: the caption answers data.prompt, image tokens per image size
+    if vlm.is_vlm(config):  # Qwen2-VL, LLaVA, PaliGemma: the caption answers data.prompt beside the image
         layout = vlm.ChatImageLayout.for_model(processor, config, recipe.data.prompt)
         dataset = lambda items: vlm.ChatImageDataset(items, processor.image_processor, layout)  # noqa: E731
         collator = vlm.ChatImageCollator(layout)
@@ -506,10 +506,15 @@ def train_step(
 
 def _text_shape(batch: dict) -> list[int]:
     """[micro batch, text tokens] as the recipe counts them (data.max_seq_length): image-to-text
-    batches of a decoder-only model put the image tokens (labelled -100) ahead of the caption."""
+    batches of a decoder-only model put the image tokens (labelled -100) ahead of the caption. A chat
+    vision-language batch (image tokens marked in mm_token_type_ids, the placeholder counted as text):
+    the padded length less the most image tokens of a row, plus that row's placeholder, so that rows of
+    that many text tokens with the batch's images (image_grids) pad to the same length."""
     if batch["labels"].dim() < 2:  # a classifier: one label per sample
         return [int(x) for x in batch["input_ids"].shape]
     b, n = batch["labels"].shape[:2]
+    if "image_grid_thw" in batch and "mm_token_type_ids" in batch:
+        return [int(b), int(n) - int(batch["mm_token_type_ids"].sum(1).max()) + 1]
     if "pixel_values" in batch and "decoder_input_ids" not in batch:
         n -= int((batch["labels"][0] == IGNORE_INDEX).sum()) - int((batch["attention_mask"][0] == 0).sum())
     return [int(b), int(n)]
@@ -605,10 +610,14 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> N
     shape = _text_shape(batches[0])
     # Packed rows attend through an explicit block mask, as padded batches do (for the planner).
     padded = any(x.get("padded", True) or x.get("packed", False) for x in batches)
+    # chat vision-language models: each image's (t, h, w) tile grid, which the re-plan lays out again
+    grids = {"image_grids": batches[0]["image_grid_thw"].tolist()} if "image_grid_thw" in batches[0] else {}
     per_rank = mem.gather_snapshots(b.fabric, snaps)
     for rank, rank_snaps in enumerate(per_rank):
         for s in rank_snaps:
-            run.append_jsonl("memory.jsonl", {**s.to_dict(), "rank": rank, "batch_shape": shape, "padded": padded})
+            run.append_jsonl(
+                "memory.jsonl", {**s.to_dict(), "rank": rank, "batch_shape": shape, "padded": padded, **grids}
+            )
     print(mem.format_table(snaps, _capacity(b.fabric.device, b.recipe)), flush=True)
     if len(per_rank) > 1:
         print(mem.format_rank_spread(per_rank), flush=True)

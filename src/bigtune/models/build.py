@@ -188,7 +188,14 @@ def attention_for(model_cfg: ModelConfig, config) -> tuple[str, Optional[str]]:
     except (KeyError, AttributeError):  # a remote-code model: transformers decides when it loads it
         return wanted, None
     if getattr(cls, "_supports_sdpa", True):
-        return wanted, None
+        # A vision-language model builds its language model from the text config, which transformers checks
+        # on its own (PaliGemma 2's Gemma-2 has no SDPA path though PaliGemma has one)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM._model_mapping.get(type(text), None) if text is not config else None
+        if cls is None or getattr(cls, "_supports_sdpa", True):
+            return wanted, None
     return "eager", (
         f"model.attn_implementation: {cls.__name__} has no SDPA attention in transformers, so eager attention "
         "is used (it keeps the S×S attention weights for backward); set model.attn_implementation=eager to "
@@ -359,14 +366,30 @@ CHAT_VLM_PARTS = {
     "language_model": ("model.language_model.", "lm_head."),
 }
 
-CHAT_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# LLaVA and PaliGemma: the vision tower, the multi-modal projector (model.freeze_qformer) and the language
+# model with its head (PaliGemma ties the head to the embeddings)
+PROJECTOR_VLM_PARTS = {
+    "vision": ("model.vision_tower.",),
+    "qformer": ("model.multi_modal_projector.",),
+    "language_model": ("model.language_model.", "lm_head."),
+}
+
+VLM_PARTS = {
+    "qwen2_vl": CHAT_VLM_PARTS,
+    "qwen2_5_vl": CHAT_VLM_PARTS,
+    "llava": PROJECTOR_VLM_PARTS,
+    "paligemma": PROJECTOR_VLM_PARTS,
+}
+
+CHAT_VLM_TYPES = tuple(VLM_PARTS)
 
 
 def _freeze_by_prefix(model: torch.nn.Module, flags: dict[str, bool]) -> dict[str, int]:
+    parts = VLM_PARTS[model.config.model_type]
     out = dict.fromkeys(flags, 0)
     for name, p in model.named_parameters():
         match = max(
-            ((len(pre), part) for part, pres in CHAT_VLM_PARTS.items() for pre in pres if name.startswith(pre)),
+            ((len(pre), part) for part, pres in parts.items() for pre in pres if name.startswith(pre)),
             default=None,
         )
         if match is not None and flags[match[1]]:
@@ -431,6 +454,9 @@ DEFAULT_TARGETS = {
     # Qwen2-VL / Qwen2.5-VL: the language model's queries and values (the vision blocks' attention is a fused qkv)
     "qwen2_vl": r".*language_model\..*\.(q_proj|v_proj)$",
     "qwen2_5_vl": r".*language_model\..*\.(q_proj|v_proj)$",
+    # LLaVA / PaliGemma: likewise (CLIP's and SigLIP's attention have q_proj/v_proj too: the regex skips them)
+    "llava": r".*language_model\..*\.(q_proj|v_proj)$",
+    "paligemma": r".*language_model\..*\.(q_proj|v_proj)$",
 }
 
 

@@ -14,6 +14,7 @@ from bigtune.plan.planner import count_parameters, plan, state_bytes_lower_bound
 from bigtune.plan.sharding import simulation_recipe
 from bigtune.plan.simulate import Sim, sim_key, simulate_full_depth
 from bigtune.plan.target import Plan, Target, target_arch
+from bigtune.plan.tensor_parallel import SPLIT_SIZES, rank_config
 from bigtune.recipe import Recipe, RecipeError, load_recipe
 
 
@@ -107,7 +108,8 @@ def _sim_group(items: list, config, cuda: bool, arch: Optional[tuple[int, int]])
 def _sim_job(recipe: Recipe, config, cuda: bool, micro: int, arch: Optional[tuple[int, int]] = None) -> Sim:
     r = copy.deepcopy(recipe)
     r.train.micro_batch_size = micro
-    return simulate_full_depth(r, config, cuda, arch=arch)
+    # A tensor-parallel variant simulates the model one rank of its group computes (its sim_key says so).
+    return simulate_full_depth(r, rank_config(config, r.tensor_parallel), cuda, arch=arch)
 
 
 class Alternatives(list):
@@ -121,14 +123,14 @@ class Alternatives(list):
 @dataclass
 class _Variants:
     """The variants to plan (``todo``: label, overrides, GPUs, strategy, simulation key or interpolation)
-    and the simulations they need (``jobs``: sim_key → recipe, micro batch); ``several``: (GPUs, strategy)
-    → (overrides, micro, label) of the multi-GPU variants, for the retry with checkpointing."""
+    and the simulations they need (``jobs``: sim_key → recipe, micro batch); ``several``: (GPUs, strategy,
+    tensor_parallel) → (overrides, micro, label) of the multi-GPU variants, for the retry with checkpointing."""
 
     recipe: Recipe
     cuda: bool
     jobs: dict[str, tuple[Recipe, int]] = field(default_factory=dict)
     todo: list[tuple[str, dict, int, str, Any]] = field(default_factory=list)
-    several: dict[tuple[int, str], tuple[dict, int, str]] = field(default_factory=dict)
+    several: dict[tuple[int, str, int], tuple[dict, int, str]] = field(default_factory=dict)
 
     @property
     def g(self) -> int:
@@ -154,6 +156,7 @@ def alternatives(
     workers: Optional[int] = None,
     adapters: bool = False,
     sims: Optional[dict[str, Sim]] = None,
+    tensor_parallel: bool = True,
 ) -> list[Plan]:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
 
@@ -166,6 +169,7 @@ def alternatives(
     between 1 and the recipe's own are interpolated from exact simulations at both ends (marked
     "interpolated"); everything else is simulated, except what ``sims`` (plan()'s or an earlier call's, for a
     target whose attention kernels are the same) holds; new simulations are added to ``sims``.
+    ``tensor_parallel``: also FSDP2's 2-D layouts, tensor_parallel = 2, 4, 8 × FSDP over the rest.
     """
     import os
 
@@ -175,6 +179,8 @@ def alternatives(
     vs = _Variants(recipe, cuda)
     _single_gpu_variants(vs)
     _multi_gpu_variants(vs, max_gpus)
+    if tensor_parallel:
+        _tensor_parallel_variants(vs, max_gpus, config)
     if adapters:
         _adapter_variants(vs)
     _qlora_fsdp_variants(vs, max_gpus, adapters)
@@ -272,6 +278,8 @@ def _gpu_count_variants(vs: _Variants, gpus: int) -> None:
     }
     if recipe.optim.in_backward:  # several GPUs sync the gradients: the usual step
         over["optim.in_backward"] = False
+    if recipe.tensor_parallel > 1:  # these variants shard or replicate whole models (TP: _tensor_parallel_variants)
+        over["tensor_parallel"] = 1
     r_g = _variant_recipe(recipe, over, cuda=vs.cuda)
     vs.jobs[sim_key(r_g, m)] = (r_g, m)
     for strategy in ("ddp", "fsdp", ZERO_ALTERNATIVE):
@@ -287,7 +295,48 @@ def _gpu_count_variants(vs: _Variants, gpus: int) -> None:
         r_s = simulation_recipe(_variant_recipe(recipe, o, cuda=vs.cuda) if label else r_g, strategy)
         name = f"{recipe.precision}, {gpus} GPUs {strategy}{label}, micro {m} × acc {per // m}"
         vs.add(name, o, gpus, strategy, r_s, m)
-        vs.several[(gpus, strategy)] = (o, m, label)
+        vs.several[(gpus, strategy, 1)] = (o, m, label)
+
+
+TENSOR_PARALLEL_SIZES = (2, 4, 8)  # a tensor-parallel group within one node (its all-reduces on the GPUs' link)
+
+
+def _tensor_parallel_variants(vs: _Variants, max_gpus: int, config) -> None:
+    """2, 4, 8... GPUs as FSDP2's 2-D mesh: tensor_parallel = 2, 4 or 8 (one node's GPUs, dividing the
+    model's heads, key/value heads and MLP width) × FSDP over the rest, each data-parallel rank with its
+    share of the global batch. Only where training would run it (a causal LM, no adapters or 4-bit base)."""
+    recipe = vs.recipe
+    gpus = 2
+    while gpus <= max_gpus:
+        for tp in TENSOR_PARALLEL_SIZES:
+            dp = gpus // tp
+            if tp > gpus or gpus % tp or vs.g % dp or any(getattr(config, k, 1) % tp for k in SPLIT_SIZES):
+                continue
+            per = vs.g // dp
+            m = max(d for d in range(1, min(vs.m0, per) + 1) if per % d == 0)
+            over = {
+                "train.micro_batch_size": m,
+                "train.accumulate_grad_batches": per // m,
+                "train.global_batch_size": None,
+                "optim.in_backward": False,
+                "strategy": "fsdp",
+                "devices": gpus,
+                "num_nodes": 1,
+                "tensor_parallel": tp,
+                "fsdp_wrap": "block",
+                "fsdp_grad_sync": "micro_batch",
+            }
+            try:
+                r_t = _variant_recipe(recipe, over, cuda=vs.cuda)
+            except RecipeError:
+                return  # training refuses tensor parallelism for this recipe (adapters, 4-bit base, family...)
+            if _strategy_refused(r_t, "fsdp", gpus):
+                return
+            label = f" × tensor_parallel={tp} ({dp} data-parallel)"
+            name = f"{recipe.precision}, {gpus} GPUs fsdp{label}, micro {m} × acc {per // m}"
+            vs.add(name, over, gpus, "fsdp", simulation_recipe(r_t, "fsdp"), m)
+            vs.several[(gpus, "fsdp", tp)] = (over, m, label)
+        gpus *= 2
 
 
 def _adapter_variants(vs: _Variants) -> None:
@@ -492,10 +541,11 @@ def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim]) 
         else:
             sim = sims[how]
         p = _plan_variant(vs.recipe, over, target, gpus, strategy, label, config, sim)
+        key = (gpus, strategy, over.get("tensor_parallel", 1))
         if p.fits is None or p.fits:
             plans.append(p)
-        elif (gpus, strategy) in vs.several:
-            oom_several.append((gpus, strategy))
+        elif key in vs.several:
+            oom_several.append(key)
     return plans, oom_several
 
 
@@ -504,8 +554,8 @@ def _checkpointed_variants(vs: _Variants, oom_several: list) -> list[tuple]:
     that ran out of memory, now with activation checkpointing."""
     recipe = vs.recipe
     extra = []
-    for gpus, strategy in oom_several:
-        o, m, label = vs.several[(gpus, strategy)]
+    for gpus, strategy, tp in oom_several:
+        o, m, label = vs.several[(gpus, strategy, tp)]
         o = {**o, "train.activation_checkpointing": True}
         try:
             r_c = simulation_recipe(_variant_recipe(recipe, o, cuda=vs.cuda), strategy)
@@ -513,7 +563,7 @@ def _checkpointed_variants(vs: _Variants, oom_several: list) -> list[tuple]:
             continue  # a combination training refuses is no alternative
         extra.append(
             (
-                f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {vs.g // gpus // m}",
+                f"{recipe.precision}, {gpus} GPUs {strategy}{label}, ckpt, micro {m} × acc {vs.g * tp // gpus // m}",
                 o,
                 gpus,
                 strategy,

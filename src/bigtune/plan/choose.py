@@ -157,8 +157,9 @@ TIME_RULE = (
 
 
 def gpus_and_strategy(p: Plan) -> tuple[int, str]:
-    """(GPU count, strategy) of an alternatives() plan, from its target label ("8× h100-sxm-80gb (fsdp)")."""
-    m = re.match(r"^(\d+)× \S+(?: \((\S+)\))?$", p.target)
+    """(GPU count, strategy) of an alternatives() plan, from its target label ("8× h100-sxm-80gb (fsdp)",
+    "8× h100-sxm-80gb (fsdp, tensor_parallel=2)")."""
+    m = re.match(r"^(\d+)× \S+(?: \(([^,\s)]+)(?:, tensor_parallel=\d+)?\))?$", p.target)
     if not m:
         raise PlanError(f"cannot read the GPU count of plan target {p.target!r}")
     gpus = int(m.group(1))
@@ -250,7 +251,9 @@ def _offer_choices(
     out: dict[int, Choice] = {}
     untimed = None
     for p in alts:  # fastest first
-        if not p.fits:
+        # Tensor-parallel variants are not offered here yet: the run length and the job written would count
+        # every GPU as a data-parallel rank.
+        if not p.fits or p.overrides.get("tensor_parallel", 1) > 1:
             continue
         gpus, strategy = gpus_and_strategy(p)
         if why_not := skip(strategy):
@@ -300,7 +303,16 @@ def compare(
     for offer in order:
         target = Target("cuda", offer.gpu, 1, "single")
         shared = sims.setdefault(kernel_class(compute_capability(offer.gpu)), {})
-        alts = alternatives(recipe, target, max_gpus=offer.max_gpus, config=config, adapters=adapters, sims=shared)
+        # (no tensor-parallel layouts: _offer_choices does not lay them out yet)
+        alts = alternatives(
+            recipe,
+            target,
+            max_gpus=offer.max_gpus,
+            config=config,
+            adapters=adapters,
+            sims=shared,
+            tensor_parallel=False,
+        )
         rows, why = _offer_choices(recipe, offer, size, adapters, alts, skip)
         for c in rows:
             c.excluded = limits(c, max_hours, budget)

@@ -33,6 +33,8 @@ class DataLengths:
     mean_padded: float  # mean padded length of the epoch's micro-batches (what the GPU computes)
     mean_tokens: float  # mean real tokens per sample (what tokens/s counts)
     truncated: int  # samples cut at max_seq_length
+    # Qwen2-VL / Qwen2.5-VL: the (t, h, w) tile grid of the data's largest image (the most image tokens)
+    largest_image: Optional[tuple[int, int, int]] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,7 +55,14 @@ def _examples(recipe: Recipe):
     family = recipe.model.family
     if family == "image-to-text":
         from bigtune.data.images import TokenLayout, build_image_examples
+        from bigtune.data.vlm import ChatImageLayout, is_chat_vlm
         from bigtune.models.configs import resolve_config_name
+
+        config = resolve_config_name(recipe.model)
+        if is_chat_vlm(config):  # text tokens (the image placeholder among them); the images' tokens apart
+            chat = ChatImageLayout.for_model(tok, config, recipe.data.prompt)
+            examples, report = build_image_examples(recipe.data, tok, chat, recipe.seed)
+            return examples, report, [len(e.input_ids) for e in examples]
 
         layout = TokenLayout.for_model(tok, resolve_config_name(recipe.model))
         examples, report = build_image_examples(recipe.data, tok, layout, recipe.seed)
@@ -87,6 +96,7 @@ def data_lengths(recipe: Recipe, world: int = 1) -> DataLengths:
     """Read and tokenize the recipe's training data (as ``train`` does) and measure its lengths."""
     examples, report, lengths = _examples(recipe)
     batches = epoch_batch_lengths(lengths, recipe, world)
+    largest = _largest_image(recipe, examples) if recipe.model.family == "image-to-text" else None
     return DataLengths(
         source=report.source,
         samples=len(lengths),
@@ -94,7 +104,22 @@ def data_lengths(recipe: Recipe, world: int = 1) -> DataLengths:
         mean_padded=sum(batches) / len(batches),
         mean_tokens=sum(lengths) / len(lengths),
         truncated=report.truncated,
+        largest_image=largest,
     )
+
+
+def _largest_image(recipe: Recipe, examples: list) -> Optional[tuple[int, int, int]]:
+    """A chat vision-language model's grid of the data's image with the most tokens (None for BLIP-2, whose
+    images are all one size). Only the images' headers are read."""
+    from bigtune.models.configs import resolve_config_name
+    from bigtune.plan.chatvlm import image_geometry, image_pixels, is_chat_vlm_config
+
+    config = resolve_config_name(recipe.model)
+    if not is_chat_vlm_config(config):
+        return None
+    geometry = image_geometry(recipe, config)
+    grids = {geometry.grid(*image_pixels(e.image)) for e in examples}
+    return max(grids, key=lambda g: (geometry.tokens(g), g))
 
 
 def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1, lengths: Optional[DataLengths] = None):
@@ -104,35 +129,43 @@ def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1, 
     from bigtune.plan.sharding import simulation_recipe
     from bigtune.plan.simulate import simulate_full_depth
     from bigtune.plan.target import target_arch
+    from bigtune.plan.tensor_parallel import rank_config, with_tensor_parallel
     from bigtune.plan.time import step_time
 
     if recipe.data.packing:
         p = plan(recipe, target, config=config, workers=workers)
         p.notes.append("data.packing: every row is max_seq_length tokens, so the data's lengths change nothing")
         return p
-    d = lengths or data_lengths(recipe, max(1, target.gpus))
+    dp = with_tensor_parallel(recipe, target).data_parallel  # the ranks that read different batches
+    d = lengths or data_lengths(recipe, dp)
     at_peak = load_recipe(recipe.to_dict(), {"data.max_seq_length": d.longest}, check=False)
     # Padded batches hand the model an explicit attention mask (a different SDPA kernel on some GPUs);
     # a dataset whose every sample has the same length never pads.
     padded = d.mean_tokens < d.longest
-    p = plan(at_peak, target, config=config, workers=workers, padded=padded)
+    # Chat vision-language models: every row with the largest image, so no batch of the data pads longer
+    images = (tuple(d.largest_image),) if d.largest_image else None
+    p = plan(at_peak, target, config=config, workers=workers, padded=padded, images=images)
     p.recipe_name = recipe.name
     # Time: the GPU computes the padded batch; tokens/s counts the real tokens.
     mean_len = max(1, math.ceil(d.mean_padded))
     at_mean = load_recipe(recipe.to_dict(), {"data.max_seq_length": mean_len}, check=False)
     step, tnotes = None, []
     if target.gpu is not None:
-        # The kernels of a shorter batch are other kernels (thinner matmuls, fewer scores): simulate it.
+        # The kernels of a shorter batch are other kernels (thinner matmuls, fewer scores): simulate it
+        # (under tensor parallelism, one rank's model).
+        tp_target = with_tensor_parallel(at_mean, target)
+        rank = rank_config(config if config is not None else resolve_config(recipe), tp_target.tensor_parallel)
         sim = simulate_full_depth(
             simulation_recipe(at_mean, target.strategy),
-            config if config is not None else resolve_config(recipe),
+            rank,
             target.device == "cuda",
             padded=padded,
             arch=target_arch(target),
+            images=images,
         )
-        step, _, tnotes = step_time(at_mean, sim, target)
+        step, _, tnotes = step_time(at_mean, sim, tp_target, rank)
     p.notes = [n for n in p.notes if not n.startswith("time:")] + tnotes
-    real = recipe.train.micro_batch_size * recipe.accumulate * max(1, target.gpus) * d.mean_tokens
+    real = recipe.train.micro_batch_size * recipe.accumulate * dp * d.mean_tokens
     p.tokens_per_step = int(round(real))
     p.step_time_s = step
     p.tokens_per_s = real / step if step else None

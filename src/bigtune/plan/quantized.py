@@ -34,24 +34,23 @@ def packed_weight_bytes(w: torch.Tensor, quantize: str, double_quant: bool) -> i
     return n // 2 + (blocks + 4 * -(-blocks // 256) + 1024 if double_quant else 4 * blocks) + 64
 
 
-def block_quant_constants(model: torch.nn.Module, quantize: str, double_quant: bool) -> int:
-    """Bytes of bitsandbytes' quantization constants (absmax, nested absmax and codes; everything but the
-    packed data) of one decoder block's quantized weights. ZeRO-3 partitions the packed data with the other
-    parameters but the constants live on each Parameter's quant_state, whole on every rank."""
+def block_quant_constants(model: torch.nn.Module, quantize: str, double_quant: bool) -> tuple[int, int]:
+    """(bytes of bitsandbytes' quantization constants, elements of the quantized weights) of one decoder block.
+    The constants are absmax, nested absmax and codes: everything but the packed data. ZeRO-3 partitions and
+    gathers the packed data (half a byte a weight) with the other parameters, but the constants live on each
+    Parameter's quant_state, whole on every rank."""
     from bigtune.models.build import decoder_blocks
 
     if quantize not in ("nf4", "fp4"):
-        return 0
+        return 0, 0
     try:
         block = decoder_blocks(model)[0]
     except ValueError:
-        return 0
+        return 0, 0
     ids = {id(m) for _, m in quantized_linears(model)}
-    return sum(
-        packed_weight_bytes(m.weight, quantize, double_quant) - m.weight.numel() // 2
-        for m in block.modules()
-        if id(m) in ids
-    )
+    weights = [m.weight for m in block.modules() if id(m) in ids]
+    constants = sum(packed_weight_bytes(w, quantize, double_quant) - w.numel() // 2 for w in weights)
+    return constants, sum(w.numel() for w in weights)
 
 
 class _Fake4bitMatmul(torch.autograd.Function):

@@ -614,6 +614,13 @@ def plan_inference(
     if target.gpus > 1:
         raise PlanError("inference plans are for one device (--gpus 1): bigtune generates on one GPU")
     config = config if config is not None else resolve_config_name(recipe.model)
+    if getattr(config, "model_type", "") in ("qwen2_vl", "qwen2_5_vl"):
+        # The serving simulation drives BLIP-2's generate (a fixed count of image tokens, its Q-Former);
+        # a chat model's image tokens follow each image's size and its positions are 3-D (M-RoPE).
+        raise PlanError(
+            f"--for {w.task}: serving plans for Qwen2-VL / Qwen2.5-VL are not available yet (only BLIP-2 is "
+            "simulated); `bigtune plan` without --for plans their training step"
+        )
     attn = attn_implementation or recipe.model.attn_implementation
     cuda = target.device == "cuda"
     sim = simulate_full_depth(config, family, w, cuda, attn, target_arch(target))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from bigtune.plan.constants import GIB
 from bigtune.plan.simulate import Sim, step_kind, zero_masters
 from bigtune.plan.target import Target
+from bigtune.plan.tensor_parallel import tensor_parallel_note
 from bigtune.recipe import Recipe, quant_backend
 
 STATES = ("parameters", "gradients", "optimizer_device")
@@ -49,10 +50,14 @@ def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
     # ZeRO frees its gradients in its own step, whatever order optim.zero_grad asks for.
     late = strategy.startswith("deepspeed") and recipe.optim.zero_grad != "after_step"
     same_step = step_kind(recipe, recipe.strategy) == step_kind(recipe, strategy) and _same_base(recipe, strategy)
-    if not (mixed or adam or late) and same_step:
+    # Tensor parallelism runs on FSDP2's mesh only: under any other strategy the whole model is simulated.
+    whole = strategy != "fsdp" and recipe.tensor_parallel > 1
+    if not (mixed or adam or late or whole) and same_step:
         return recipe
     r = copy.deepcopy(recipe)
     r.strategy = strategy
+    if whole:
+        r.tensor_parallel = 1
     if mixed:
         r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
     if adam:
@@ -228,8 +233,15 @@ def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tup
     """Per-device phases and peak for several GPUs (analytic on top of the 1-device simulation)."""
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed") and not sim.fsdp_upcast:
         return sim.phases, sim.peak_allocated, []
-    n = target.gpus
-    notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
+    n = target.data_parallel  # FSDP shards over the data-parallel ranks (a tensor-parallel rank's own states)
+    if target.tensor_parallel > 1:
+        notes = [
+            f"{target.gpus} GPU(s) with {target.strategy} over {n} data-parallel × {target.tensor_parallel} "
+            "tensor-parallel ranks: planned analytically from the simulation of one tensor-parallel rank",
+            tensor_parallel_note(target),
+        ]
+    else:
+        notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]
     split, moved = shard_layout(target.strategy, recipe.fsdp_cpu_offload)
     zero_offload = target.strategy.startswith("deepspeed") and "optimizer_device" in moved
     if target.device != "cuda":
@@ -280,7 +292,7 @@ def _sharding(
     )
     s = _Sharding(
         sim=sim,
-        n=target.gpus,
+        n=target.data_parallel,
         split=split,
         moved=moved,
         es=es,
@@ -298,7 +310,7 @@ def _sharding(
     if sim.nf4 is not None and fsdp:
         round_to = 512 if target.device == "cuda" else 1
         s.nf4_full = n_layers * sim.nf4.block_nf4_bytes(1, round_to)
-        s.nf4_rank = n_layers * sim.nf4.block_nf4_bytes(target.gpus, round_to)
+        s.nf4_rank = n_layers * sim.nf4.block_nf4_bytes(target.data_parallel, round_to)
     if deepspeed and "parameters" in split:
         s.replicated = n_layers * sim.block_quant_constants
     if "parameters" in split:
@@ -336,6 +348,9 @@ def _gathered(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
         return int(sim.numel * es), int(sim.numel * es)
     gather = int((root + 2 * per_block) * es)
     if s.deepspeed:
+        if sim.block_quant_numel:  # a 4-bit base: its packed bytes (stored as 16-bit elements) are gathered
+            q = sim.block_quant_numel
+            gather = int(root * es + 2 * ((per_block - q) * es + q // 2))
         return gather, gather
     return gather, int((root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
 

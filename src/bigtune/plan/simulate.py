@@ -53,6 +53,7 @@ class Sim:
     fsdp_upcast_optimizer: bool = True  # False where the optimizer state does not follow the weights' dtype
     nf4: Optional[NF4Base] = None  # a torchao NF4 base (model.quant_backend=torchao): what sharding needs of it
     block_quant_constants: int = 0  # a bitsandbytes 4-bit base: one block's absmax/codes (whole under ZeRO-3)
+    block_quant_numel: int = 0  # ... and the elements of its quantized weights (gathered at half a byte each)
 
 
 @dataclass(frozen=True)
@@ -70,17 +71,19 @@ class Stack:
 
 def model_stacks(config) -> list[Stack]:
     """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
-    stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack)."""
-    from bigtune.data.vlm import CHAT_VLM_TYPES
-    from bigtune.plan.constants import PlanError
+    stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack); the vision tower and
+    the language model for Qwen2-VL / Qwen2.5-VL (whose unit runs to the next full-attention block)."""
+    from bigtune.plan.chatvlm import is_chat_vlm_config, vision_period
 
     kind = getattr(config, "model_type", "")
-    if kind in CHAT_VLM_TYPES:
-        # Not simulated yet: the step's image tokens depend on each image's size (the processor's
-        # min/max pixels), which the synthetic batch does not model, so no plan beats a wrong one.
+    if is_chat_vlm_config(config):
+        return [Stack(("vision_config", "depth"), vision_period(config)), Stack(("text_config", "num_hidden_layers"))]
+    if kind != "blip-2" and getattr(config, "vision_config", None) is not None:
+        from bigtune.plan.constants import PlanError
+
         raise PlanError(
-            f"planning {kind} models (Qwen2-VL / Qwen2.5-VL) is not supported yet: their image-token count "
-            "depends on each image's size; train without a plan (memory.plan=false) and read the measured memory"
+            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL and Qwen2.5-VL are); train with "
+            "memory.plan=false and read the measured memory"
         )
     if kind != "blip-2":
         return [Stack(("num_hidden_layers",))]
@@ -122,7 +125,10 @@ def total_blocks(config) -> int:
 
 
 def config_family(config) -> str:
-    return "image-to-text" if getattr(config, "model_type", "") == "blip-2" else "causal-lm"
+    from bigtune.plan.chatvlm import is_chat_vlm_config
+
+    image = getattr(config, "model_type", "") == "blip-2" or is_chat_vlm_config(config)
+    return "image-to-text" if image else "causal-lm"
 
 
 def _sim_precision(precision: str) -> str:
@@ -130,13 +136,17 @@ def _sim_precision(precision: str) -> str:
     return "bf16-mixed" if precision == "16-mixed" else precision
 
 
-def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool) -> dict:
+def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool, images=None) -> dict:
     """A full-length micro-batch shaped as the collators build it, with real (tiny) token ids: the
-    loss normaliser needs a concrete target count; everything computed from it is fake."""
+    loss normaliser needs a concrete target count; everything computed from it is fake. ``images``: a
+    chat vision-language model's image grids (chatvlm.synthetic_batch; None: the worst case)."""
     from bigtune.core.stepmath import IGNORE_INDEX
+    from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config, synthetic_batch
 
     seq = recipe.data.max_seq_length
     g = torch.Generator().manual_seed(0)
+    if family == "image-to-text" and is_chat_vlm_config(cfg):
+        return synthetic_batch(recipe, cfg, image_geometry(recipe, cfg), b_size, padded, images)
     if family != "image-to-text":
         ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
         mask = torch.ones_like(ids)
@@ -221,6 +231,7 @@ def simulate(
     padded: bool = False,
     arch: Optional[tuple[int, int]] = None,
     trace: bool = False,
+    images: Optional[tuple] = None,
 ) -> Sim:
     """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
     to ``depths`` blocks (an int sets every stack).
@@ -231,10 +242,14 @@ def simulate(
     (cuda_kernels). With ``trace`` (CUDA targets), ``Sim.reserved`` is the caching allocator's peak
     reserved over the weights and steps 0-2 (allocator.replay). Accumulation windows are
     simulated with two micro-batches: from the second one on, gradients are held during forward,
-    and a third micro-batch repeats the second one's memory exactly.
+    and a third micro-batch repeats the second one's memory exactly. ``images``: a chat vision-language
+    model's image grids, one per row in turn (None: the worst case; see chatvlm).
+
+    Long because every patch the fake step runs under is set up in one ``with``, where it can be read.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from bigtune.plan.chatvlm import is_chat_vlm_config, real_index_math
     from bigtune.plan.kernels import cuda_attention, cuda_autocast, cuda_dropout
     from bigtune.plan.roofline import scale
 
@@ -242,7 +257,7 @@ def simulate(
     family = recipe.model.family
     r, quantize, eight_bit = _simulated_recipe(recipe, cuda)
     fabric = _fake_fabric(r)
-    batches, tokens = _batches_and_tokens(r, cfg, family, micro_batch or r.train.micro_batch_size, padded)
+    batches, tokens = _batches_and_tokens(r, cfg, family, micro_batch or r.train.micro_batch_size, padded, images)
     no_packing, no_move, foreach_clip = _engine_patches(cuda)
     # Weight initialisers (truncated normal) branch on values, which fake tensors do not have.
     # arch given: choose attention kernels as CUDA on that GPU would (also on a CPU, for tests)
@@ -259,11 +274,12 @@ def simulate(
         cuda_dropout(on_cuda is not None),
         cuda_autocast(on_cuda is not None),
         _cpu_grouped_mm(cuda),
+        real_index_math() if is_chat_vlm_config(cfg) else contextlib.nullcontext(),
     ):
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
         numel, matmul_numel, block_numel = _model_numels(model)
         nf4 = nf4_base(model) if torchao_nf4(recipe) else None
-        constants = 0 if nf4 else block_quant_constants(model, quantize, recipe.model.double_quant)
+        constants = (0, 0) if nf4 else block_quant_constants(model, quantize, recipe.model.double_quant)
         _fake_pixels(batches)
         wrapped = fabric.setup_module(model)
         snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace)
@@ -290,7 +306,7 @@ def simulate(
         fsdp_upcast,
         not eight_bit,
         nf4,
-        constants,
+        *constants,
     )
 
 
@@ -390,10 +406,15 @@ def _shallow_config(config, depths: "int | dict[Stack, int]", recipe: Recipe):
     """A copy of ``config`` with each repeated stack cut to ``depths`` blocks, no KV cache, and the
     recipe's attention implementation (and classification head)."""
     from bigtune.models.build import attention_for, label_config
+    from bigtune.plan.chatvlm import is_chat_vlm_config, shrink_vision
 
     cfg = copy.deepcopy(config)
-    for st in model_stacks(cfg):
+    stacks = model_stacks(cfg)
+    full = [get_depth(cfg, st) for st in stacks]
+    for st in stacks:
         set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
+    if is_chat_vlm_config(cfg) and get_depth(cfg, stacks[0]) != full[0]:
+        shrink_vision(cfg, stacks[0].period)
     cfg.use_cache = False
     family = recipe.model.family
     if family == "image-to-text":
@@ -443,13 +464,15 @@ def _fake_fabric(r: Recipe):
     return fabric
 
 
-def _batches_and_tokens(r: Recipe, cfg, family: str, b_size: int, padded: bool) -> tuple[list[dict], int]:
+def _batches_and_tokens(
+    r: Recipe, cfg, family: str, b_size: int, padded: bool, images: Optional[tuple] = None
+) -> tuple[list[dict], int]:
     """The micro-batches of one simulated window (at most two) and the window's target token count."""
     from bigtune.core.stepmath import target_token_count
 
     k = min(r.accumulate, 2)
     # distinct storages, like distinct real micro-batches
-    batches = [_synthetic_batch(r, cfg, family, b_size, padded) for _ in range(k)]
+    batches = [_synthetic_batch(r, cfg, family, b_size, padded, images) for _ in range(k)]
     if family == "sequence-classification":  # one label per sample: the loss is normalised by samples
         tokens = b_size * r.accumulate
     else:
@@ -622,6 +645,7 @@ def simulate_full_depth(
     padded: bool = False,
     micro_batch: Optional[int] = None,
     arch: Optional[tuple[int, int]] = None,
+    images: Optional[tuple] = None,
 ) -> Sim:
     """The step at the model's real depth, from simulations of shallow copies.
 
@@ -633,15 +657,16 @@ def simulate_full_depth(
     stacks = model_stacks(config)
     full = {st: get_depth(config, st) for st in stacks}
     if all(full[st] <= 2 * st.period for st in stacks):
-        return simulate(recipe, config, full, cuda, micro_batch, padded, arch)
+        return simulate(recipe, config, full, cuda, micro_batch, padded, arch, images=images)
     unit = {st: min(st.period, full[st]) for st in stacks}
     # (Run one after the other on purpose: the first simulation of a process pays the lazy imports and
     # caches that every later one, and every worker forked later, reuses.)
-    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch)
+    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch, images=images)
     grown = []
     for st in stacks:
         if full[st] > unit[st]:
-            sim = simulate(recipe, config, {**unit, st: unit[st] + st.period}, cuda, micro_batch, padded, arch)
+            deeper = {**unit, st: unit[st] + st.period}
+            sim = simulate(recipe, config, deeper, cuda, micro_batch, padded, arch, images=images)
             grown.append((sim, (full[st] - unit[st]) / st.period))
 
     def ext(get) -> int:
@@ -705,6 +730,7 @@ def estimate_reserved(
     padded: bool = False,
     micro_batch: Optional[int] = None,
     workers: int = 1,
+    images: Optional[tuple] = None,
 ) -> tuple[int, int, list[str]]:
     """(peak reserved, peak in-use segment bytes, notes) on a CUDA device for the full-depth step
     ``sim``, from the caching allocator replayed over traced simulations (allocator.py).
@@ -724,9 +750,9 @@ def estimate_reserved(
     a_depths, b_depths = (at(u) for u in RESERVED_DEPTHS)
     how = f"caching-allocator replay of a step simulated {b_depths[stacks[-1]]} blocks deep"
     if b_depths == full:
-        b = simulate(recipe, config, b_depths, True, micro_batch, padded, arch, trace=True)
+        b = simulate(recipe, config, b_depths, True, micro_batch, padded, arch, trace=True, images=images)
         return b.reserved, b.in_use, [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
-    args = [(recipe, config, d, True, micro_batch, padded, arch, True) for d in (a_depths, b_depths)]
+    args = [(recipe, config, d, True, micro_batch, padded, arch, True, images) for d in (a_depths, b_depths)]
     if workers > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -755,7 +781,7 @@ def estimate_reserved(
 
 
 def _traced_sim(args: tuple) -> Sim:
-    return simulate(*args[:7], trace=args[7])
+    return simulate(*args[:7], trace=args[7], images=args[8])
 
 
 def step_kind(recipe: Recipe, strategy: str) -> tuple[bool, bool, bool]:
@@ -800,6 +826,7 @@ def sim_key(r: Recipe, micro: int) -> str:
             r.optim.zero_grad,
             step_kind(r, r.strategy),
             r.train.loss_chunk_tokens,
+            r.tensor_parallel,  # one tensor-parallel rank's model (plan/tensor_parallel.rank_config)
         ]
     )
 

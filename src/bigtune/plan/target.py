@@ -17,6 +17,13 @@ class Target:
     gpu: Any = None
     gpus: int = 1
     strategy: str = "single"  # single | ddp | fsdp | deepspeed_stage_*  (analytic on top of 1 GPU)
+    # GPUs of a tensor-parallel group (strategy fsdp: FSDP2's 2-D mesh); the planner sets it from the recipe
+    tensor_parallel: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that read different micro-batches (and FSDP shards the model states over)."""
+        return max(1, self.gpus // self.tensor_parallel)
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -25,7 +32,8 @@ class Target:
     def label(self) -> str:
         if self.gpu is None:
             return "cpu"
-        return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy})" if self.gpus > 1 else "")
+        tp = f", tensor_parallel={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy}{tp})" if self.gpus > 1 else "")
 
 
 def run_strategy(strategy: str, gpus: int) -> str:

@@ -13,11 +13,18 @@ from bigtune.plan.target import Target
 from bigtune.recipe import Recipe
 
 
-def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float], Optional[float], list[str]]:
+def step_time(
+    recipe: Recipe, sim: Sim, target: Target, config=None
+) -> tuple[Optional[float], Optional[float], list[str]]:
     """(step seconds, tokens/s over all devices, notes): the simulated step's kernels priced on the
     target GPU (roofline.py), plus what the simulation cannot see: CPU-side optimizer updates, PCIe
-    traffic of offloading and the gradient all-reduce/reduce-scatter between GPUs."""
+    traffic of offloading, the gradient all-reduce/reduce-scatter between GPUs and, under tensor
+    parallelism (``config``: the model one rank computes), the all-reduces within each group.
+    Under tensor parallelism ``sim`` is one rank's step and ``target.data_parallel`` ranks read different
+    micro-batches."""
     from bigtune.plan.roofline import scale, step_seconds
+    from bigtune.plan.simulate import total_blocks
+    from bigtune.plan.tensor_parallel import tensor_parallel_seconds
 
     tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
     if target.gpu is None:
@@ -29,10 +36,10 @@ def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float]
     split, moved = shard_layout(target.strategy, fsdp_offload)
     host = states.get("optimizer_cpu", 0)
     if "optimizer_device" in moved:  # ZeRO offload: each process updates its shard on the CPU
-        host += states["optimizer_device"] / target.gpus
+        host += states["optimizer_device"] / target.data_parallel
     # Each device runs the whole window's micro-batches; its update covers its shard of the weights,
     # or none of them when the CPU updates (priced below instead).
-    opt_share = 0.0 if host else 1.0 / target.gpus if "optimizer_device" in split else 1.0
+    opt_share = 0.0 if host else 1.0 / target.data_parallel if "optimizer_device" in split else 1.0
     ops = scale(scale(sim.ops, ("forward", "backward"), recipe.accumulate), ("optimizer",), opt_share)
     half = "fp16" if recipe.precision.startswith("16") else "bf16"
     try:
@@ -46,12 +53,13 @@ def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float]
     if host:
         # CPU-offloaded update: the CPU reads and writes its state once, gradients go down and the
         # updated weights come back over PCIe (both assumed rates, see the constants).
-        shard = target.gpus if "gradients" in split else 1
+        shard = target.data_parallel if "gradients" in split else 1
         t_opt += 2 * host / (HOST_UPDATE_GBS * 1e9) + (states["gradients"] + states["parameters"]) / shard / (
             PCIE_GBS * 1e9
         )
     t_comm = _exposed_communication(recipe, target, states, t)
-    step = t["step_s"] + t_opt + t_comm
+    t_tp = tensor_parallel_seconds(recipe, target, config, total_blocks(config)) if config is not None else 0.0
+    step = t["step_s"] + t_opt + t_comm + t_tp
     host_bound = t["host_s"] > t["device_s"]
     notes = [
         f"time: roofline over the simulated step's kernels, forward {t['forward_s']:.3g} s, backward "
@@ -65,7 +73,12 @@ def step_time(recipe: Recipe, sim: Sim, target: Target) -> tuple[Optional[float]
             "time: the GPU waits for Python to issue kernels: a larger micro-batch (same global batch) or "
             "train.compile (fewer, fused kernels) would keep it busier"
         )
-    return step, tokens * target.gpus / step, notes
+    if target.tensor_parallel > 1:
+        notes.append(
+            f"time: + {t_tp:.3g} s of tensor-parallel all-reduces of the hidden state ({target.tensor_parallel} "
+            "ranks; two per block in the forward, two in the backward), not hidden by compute"
+        )
+    return step, tokens * target.data_parallel / step, notes
 
 
 def _fsdp_offload_seconds(recipe: Recipe, target: Target, states: dict, t: dict) -> float:
@@ -75,7 +88,7 @@ def _fsdp_offload_seconds(recipe: Recipe, target: Target, states: dict, t: dict)
     reduce-scattered gradient shard back (once per window with fsdp_grad_sync=step). The copies run on
     FSDP2's own streams ahead of the compute that needs them (prefetch), so only what exceeds the
     forward and backward is counted (an assumption, like the rates: constants.py)."""
-    n, k = target.gpus, recipe.accumulate
+    n, k = target.data_parallel, recipe.accumulate
     update = 2 * (states["optimizer_device"] / n) / (HOST_UPDATE_GBS * 1e9)
     gathers = 1 if recipe.fsdp_sharding == "grad_op" else 2
     reduces = 1 if recipe.fsdp_grad_sync == "step" else k
@@ -104,7 +117,7 @@ def _exposed_communication(recipe: Recipe, target: Target, states: dict, t: dict
     * ZeRO-2: gradients reduce-scattered after every micro-batch's backward (overlapped with it) and
       the updated parameters all-gathered once after the step (not overlapped).
     """
-    n = target.gpus
+    n = target.data_parallel  # under tensor parallelism each rank gathers and reduces its own block shards
     if n <= 1 or not target.gpu.interconnect_gbs:
         return 0.0
     bw = target.gpu.interconnect_gbs / 2 * 1e9

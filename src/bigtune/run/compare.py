@@ -84,8 +84,10 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
     steady = {s["phase"]: s for s in snaps if s["step"] == last}
     first = steady.get("before_forward", {})
     shape, padded = first.get("batch_shape"), first.get("padded", False)
+    # a chat vision-language batch's image grids (the plan before training took the worst case)
+    images = tuple(tuple(g) for g in first["image_grids"]) if first.get("image_grids") else None
     like = p
-    if shape and (shape[0] != r.train.micro_batch_size or shape[1] != r.data.max_seq_length or padded):
+    if shape and (shape[0] != r.train.micro_batch_size or shape[1] != r.data.max_seq_length or padded or images):
         from bigtune.plan.planner import plan
 
         try:
@@ -93,6 +95,7 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
                 load_recipe(r.to_dict(), {"train.micro_batch_size": shape[0], "data.max_seq_length": shape[1]}),
                 plan_target(r, device, world),
                 padded=padded,
+                images=images,
             )
             out["replanned_at_batch_shape"] = shape
         except Exception as e:  # noqa: BLE001

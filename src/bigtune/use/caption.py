@@ -10,8 +10,9 @@ printed when there is no ``--out``.
 
 The model input is laid out as in training (``bigtune.data.images.TokenLayout``): the image tokens,
 then BOS and the optional ``--prompt`` for OPT, or the prompt and EOS for the Flan-T5 encoder. Chat
-models (Qwen2-VL, Qwen2.5-VL; ``bigtune.data.vlm``) are asked ``--prompt`` (default: the run's
-data.prompt) beside the image in their chat template, and answer until their end-of-turn token.
+models (Qwen2-VL, Qwen2.5-VL, LLaVA; ``bigtune.data.vlm``) are asked ``--prompt`` (default: the run's
+data.prompt) beside the image in their chat template, and answer until their end-of-turn token; PaliGemma
+reads it as its prefix after the image and answers until EOS.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def caption_images(
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tok = processor.tokenizer
-    chat = vlm.is_chat_vlm(base.config)
+    chat = vlm.is_vlm(base.config)
     if chat:
         layout = vlm.ChatImageLayout.for_model(processor, base.config, prompt or DataConfig().prompt)
     else:

@@ -1,0 +1,184 @@
+"""bigtune plan for chat vision-language models (Qwen2-VL, Qwen2.5-VL; issue #27): the engine's CPU step
+against the plan re-made at the measured batch (image grids included), batches holding images of
+different sizes, the depth extrapolation (Qwen2.5-VL's full-attention blocks placed again when the vision
+tower shrinks), the worst case at the processor's max_pixels and --image-size. CPU, tiny."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigtune.core.presets import preset_config, tiny_qwen_vl_processor
+from bigtune.data.images import DEMO_IMAGES
+from bigtune.plan.chatvlm import image_geometry
+from bigtune.plan.planner import plan
+from bigtune.plan.simulate import model_stacks, simulate
+from bigtune.plan.target import Target
+from bigtune.recipe import load_recipe
+from bigtune.run.training import train
+from conftest import ROOT, read_jsonl, run_cli
+
+DEMO = ROOT / "recipes" / "gourmetgram-qwen2-vl-demo.yaml"
+CATEGORIES = ("parameters", "gradients", "optimizer_device", "activations", "allocated", "peak_allocated")
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def mixed_sizes(tmp_path_factory) -> Path:
+    """Photos at two sizes, alternating, captions of different lengths: the bundled 32×32 photos become
+    56×56 pixels (4 image tokens), the same photos at 100×80 become 112×84 (12 tokens; several of
+    Qwen2.5-VL's attention windows)."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("mixed")
+    photos = sorted((DEMO_IMAGES / "images").glob("*.png"))[:4]
+    rows = []
+    for i, photo in enumerate(photos):
+        path = photo
+        if i % 2:
+            path = d / f"big{i}.png"
+            Image.open(photo).convert("RGB").resize((80, 100)).save(path)
+        rows.append({"image": str(path), "text": "a plate of food " + "with herbs " * (3 * i)})
+    src = d / "mixed.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src
+
+
+def _deep_model(tmp_path: Path, preset: str) -> str:
+    """A local folder with a deeper config and the preset's processor: Qwen2-VL with 3 vision and 3 text
+    layers; Qwen2.5-VL with 6 vision layers, full attention in every second (its unit is two blocks), and
+    3 text layers. The planner extrapolates them from shallow simulations; the engine builds them in full."""
+    proc = tiny_qwen_vl_processor("Qwen2_5_VLProcessor" if "2.5" in preset else "Qwen2VLProcessor")
+    cfg = preset_config(preset, proc)
+    if "2.5" in preset:
+        cfg.vision_config.depth, cfg.vision_config.fullatt_block_indexes = 6, [1, 3, 5]
+    else:
+        cfg.vision_config.depth = 3
+    cfg.text_config.num_hidden_layers = 3
+    cfg.text_config.layer_types = ["full_attention"] * 3
+    folder = tmp_path / f"deep-{preset}"
+    cfg.save_pretrained(folder)
+    proc.save_pretrained(folder)
+    return str(folder)
+
+
+MATRIX = [
+    # preset, precision, checkpointing, peft, deep
+    ("tiny-qwen2-vl", "32-true", False, "none", False),
+    ("tiny-qwen2.5-vl", "32-true", False, "none", False),
+    ("tiny-qwen2-vl", "bf16-mixed", True, "lora", True),
+    ("tiny-qwen2.5-vl", "32-true", False, "none", True),
+]
+
+
+@pytest.mark.parametrize("preset, precision, ckpt, peft, deep", MATRIX)
+def test_plan_matches_the_measured_step_with_two_image_sizes(
+    tmp_path, mixed_sizes, preset, precision, ckpt, peft, deep
+):
+    over = {
+        "model.name": _deep_model(tmp_path, preset) if deep else preset,
+        "data.source": str(mixed_sizes),
+        "data.val_fraction": 0.0,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 3,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "memory.plan": True,  # the engine re-plans its last measured batch and compares
+        "checkpoint.save_model": False,
+        "precision": precision,
+        "train.activation_checkpointing": ckpt,
+        "peft.method": peft,
+        "output_dir": str(tmp_path / "run"),
+    }
+    if deep:
+        over["model.init"] = "random"
+    s = train(str(DEMO), over, quiet_recipe=True)
+    steady = {x["phase"]: x for x in read_jsonl(tmp_path / "run" / "memory.jsonl") if x["step"] == 2}
+    grids = steady["before_forward"]["image_grids"]
+    assert sorted({tuple(g) for g in grids}) == [(1, 4, 4), (1, 8, 6)]  # two image sizes in the measured batch
+    c = s["plan"]
+    assert c["replanned_at_batch_shape"] == steady["before_forward"]["batch_shape"], c.get("replan_error")
+    assert abs(c["peak_error_pct"]) < 2, (c["measured_peak_allocated"], c["predicted_peak_allocated_like_for_like"])
+    for phase, cats in c["phases"].items():  # the model states exactly, the activations within 2 %
+        for cat in ("parameters", "gradients", "optimizer_device"):
+            assert cats[cat]["measured"] == cats[cat]["predicted"], (phase, cat, cats[cat])
+        got, want = cats["allocated"]["predicted"], cats["allocated"]["measured"]
+        assert abs(got - want) <= 0.02 * want, (phase, got, want)
+    if deep:  # the extrapolation is really exercised: both stacks are deeper than one simulated unit
+        r = load_recipe(str(DEMO), over)
+        from bigtune.models.configs import resolve_config
+
+        cfg = resolve_config(r)
+        periods = [st.period for st in model_stacks(cfg)]
+        assert periods == ([2, 1] if "2.5" in preset else [1, 1])
+
+
+def test_shrunk_vision_tower_keeps_its_full_attention_pattern():
+    """Qwen2.5-VL's full-attention blocks every 8th (the published placement): the extrapolation from 8 and
+    16 vision blocks equals the step simulated with all 32."""
+    from bigtune.plan.simulate import simulate_full_depth
+
+    proc = tiny_qwen_vl_processor("Qwen2_5_VLProcessor")
+    cfg = preset_config("tiny-qwen2.5-vl", proc)
+    cfg.vision_config.depth, cfg.vision_config.fullatt_block_indexes = 32, [7, 15, 23, 31]
+    r = load_recipe(str(DEMO), {"model.name": "tiny-qwen2.5-vl", "train.micro_batch_size": 2})
+    assert [st.period for st in model_stacks(cfg)] == [8, 1]
+    full = simulate(r, cfg, {st: 32 if st.path[0] == "vision_config" else 2 for st in model_stacks(cfg)}, False)
+    extrapolated = simulate_full_depth(r, cfg, False)
+    assert extrapolated.numel == full.numel
+    assert abs(extrapolated.peak_allocated - full.peak_allocated) <= 0.005 * full.peak_allocated
+
+
+def test_worst_case_is_the_processors_max_pixels_and_image_size_is_planned(tmp_path):
+    r = load_recipe(str(DEMO), {"train.micro_batch_size": 2})
+    from bigtune.models.configs import resolve_config
+
+    cfg = resolve_config(r)
+    geo = image_geometry(r, cfg)
+    assert geo.from_processor and (geo.min_pixels, geo.max_pixels) == (56 * 56, 112 * 112)
+    assert geo.worst_grid() == (1, 8, 8) and geo.tokens(geo.worst_grid()) == 16
+    assert geo.grid(32, 32) == (1, 4, 4) and geo.grid(100, 80) == (1, 8, 6)
+    worst = plan(r, Target("cpu"))
+    small = plan(r, Target("cpu"), images=(geo.grid(32, 32),))
+    assert plan(r, Target("cpu"), images=(geo.worst_grid(),)).peak_allocated == worst.peak_allocated
+    # the batch held before the forward: the two rows' pixel tiles (float32, 3 × 2 frames × 14² each)
+    tiles = (64 - 16) * 2 * 3 * 2 * 14 * 14 * 4
+    assert worst.phases["before_forward"]["activations"] - small.phases["before_forward"]["activations"] >= tiles
+    assert any("112×112 px (16 image tokens): the worst case" in n for n in worst.notes)
+
+    res = run_cli("plan", str(DEMO), "--image-size", "32x32", "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    p = json.loads(res.stdout)["plan"]
+    assert (
+        p["peak_allocated"]
+        < json.loads(run_cli("plan", str(DEMO), "--json", cwd=tmp_path).stdout)["plan"]["peak_allocated"]
+    )
+    assert any("56×56 px (4 image tokens)" in n for n in p["notes"])
+    bad = run_cli("plan", str(DEMO), "--image-size", "big", cwd=tmp_path)
+    assert bad.returncode == 2 and "HEIGHTxWIDTH" in bad.stderr
+
+
+def test_serving_plans_say_they_do_not_cover_chat_vlms(tmp_path):
+    res = run_cli("plan", str(DEMO), "--for", "caption", cwd=tmp_path)
+    assert res.returncode == 2 and "not available yet" in res.stderr and "without --for" in res.stderr
+
+
+def test_data_lengths_plan_the_datas_largest_image(mixed_sizes):
+    from bigtune.plan.lengths import data_lengths, plan_at_data_lengths
+
+    r = load_recipe(str(DEMO), {"data.source": str(mixed_sizes), "data.val_fraction": 0.0, "train.micro_batch_size": 4})
+    d = data_lengths(r)
+    assert d.largest_image == (1, 8, 6) and d.longest <= r.data.max_seq_length
+    p = plan_at_data_lengths(r, Target("cpu"), lengths=d)
+    assert any("112×84 px (12 image tokens)" in n for n in p.notes)
