@@ -157,7 +157,10 @@ def test_plan_is_read_from_the_config_and_checked_against_the_model():
         tensor_parallel_plan(_tiny("OPTConfig", ffn_dim=128), 2)
 
 
-def test_plan_says_tensor_parallelism_is_not_modelled(tmp_path):
+def test_plan_names_the_tensor_parallel_layout(tmp_path):
+    """`bigtune plan` of a TP recipe plans one tensor-parallel rank (tests/test_plan_tensor_parallel.py checks
+    the numbers against a run) and says how the ranks are laid out."""
     res = run_cli("plan", *_args({"devices": 2, "strategy": "fsdp", "tensor_parallel": 2}), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "tensor_parallel=2 is NOT planned yet" in res.stdout
+    assert "1 data-parallel × 2 tensor-parallel ranks" in res.stdout
+    assert "NOT planned" not in res.stdout
