@@ -4,13 +4,63 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Headless Chromium renders report.html and the docs' home page; .ci/run installs it where it can.
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+NO_CHROMIUM = (
+    "no Chromium on this machine to render the page (apt-get install chromium; .ci/run installs it when it can)"
+)
+
+
+def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Headless Chromium with a throwaway profile, no network chatter, console messages on stderr."""
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}",
+                "--enable-logging=stderr",
+                "--v=0",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+def console_messages(stderr: str) -> list[str]:
+    """Console lines Chromium logged (a failed load, a script or parse error)."""
+    return [ln for ln in stderr.splitlines() if ":CONSOLE" in ln]
+
+
+def page_ink(png: Path, box: tuple[int, int, int, int] | None = None) -> tuple[float, set]:
+    """Share of non-white pixels and the set of colours in ``png`` (optionally a box of it)."""
+    from PIL import Image
+
+    img = Image.open(png).convert("RGB")
+    if box:
+        img = img.crop(box)
+    colours = img.getcolors(maxcolors=img.width * img.height)  # [(count, (r, g, b)), ...]
+    white = sum(n for n, c in colours if c == (255, 255, 255))
+    return 1 - white / (img.width * img.height), {c for _, c in colours}
 
 
 def tiny_overrides(run_dir: Path, **extra) -> dict:

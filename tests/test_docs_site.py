@@ -8,7 +8,6 @@ The site is built once per session into a temporary folder (a few seconds). The 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -16,6 +15,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+
+from conftest import CHROMIUM, NO_CHROMIUM, chromium
 
 REPO = Path(__file__).resolve().parents[1]
 SITE_NAME = "bigtune"
@@ -119,38 +120,11 @@ def test_internal_links_and_images_resolve(site):
     assert any("lab-single-tiny-memory.png" in u for _, u in imgs)
 
 
-def _chromium() -> str | None:
-    for name in ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name) if not os.path.isabs(name) else (name if os.access(name, os.X_OK) else None)
-        if path:
-            return path
-    return None
-
-
-def _run_chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-    ]
-    return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=60)
-
-
 def test_home_page_renders_in_chromium(site, tmp_path):
-    binary = _chromium()
-    if binary is None:
-        pytest.skip(
-            "Chromium is not installed (apt-get install chromium; .ci/run installs it): the home page was not rendered"
-        )
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
     url = (site / "index.html").as_uri()
-    dom = _run_chromium(binary, tmp_path / "profile-dom", "--virtual-time-budget=3000", "--dump-dom", url)
+    dom = chromium("--virtual-time-budget=3000", "--dump-dom", url, timeout=60)
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert f"<title>{SITE_NAME}</title>" in html or f"{SITE_NAME}</title>" in html, html[:1000]
@@ -160,14 +134,13 @@ def test_home_page_renders_in_chromium(site, tmp_path):
     assert "lab-single-tiny-memory.png" in html
 
     png = tmp_path / "home.png"
-    shot = _run_chromium(
-        binary,
-        tmp_path / "profile-shot",
+    shot = chromium(
         "--window-size=1280,900",
         "--hide-scrollbars",
         "--virtual-time-budget=3000",
         f"--screenshot={png}",
         url,
+        timeout=60,
     )
     assert shot.returncode == 0, shot.stderr[-2000:]
     data = png.read_bytes()

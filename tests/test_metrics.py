@@ -89,3 +89,46 @@ def test_eval_cli_scores_an_image_to_text_run(tmp_path):
     assert 0 <= m["bleu"] <= 100 and 0 <= m["rouge_l"] <= 1
     assert 1 <= m["caption_length_words"]["max"] <= 6
     assert m["bleu_signature"].startswith("nrefs:")
+
+
+# Four food captions, their references, and what pycocoevalcap 1.2's CiderScorer (n=4, sigma=6, the COCO
+# evaluation's CIDEr-D) printed for the same tokenised strings on 2026-11-25: the corpus mean and each image's.
+CIDER_PREDS = ["a bowl of soup on a table", "a plate of rice with beans", "grilled fish and lemon", "a cup of coffee"]
+CIDER_REFS = [
+    ["a bowl of tomato soup on a wooden table", "soup in a white bowl"],
+    ["rice and black beans on a plate", "a plate of rice"],
+    ["grilled salmon with a slice of lemon", "fish on a grill", "a lemon and fish"],
+    ["a cup of black coffee on a saucer"],
+]
+PYCOCOEVALCAP_CIDER = 2.8952005248219734
+PYCOCOEVALCAP_PER_IMAGE = [2.597960847269625, 4.50580244751494, 1.3851030341381056, 3.0919357703652213]
+
+
+def test_cider_d_equals_the_coco_reference_implementation():
+    from bigtune.core.metrics import cider_d
+
+    assert cider_d(CIDER_PREDS, CIDER_REFS) == pytest.approx(PYCOCOEVALCAP_CIDER, rel=1e-12)
+    # the per-image scores too: the document frequencies come from the whole corpus, so score one image
+    # by subtracting the others' contribution from the corpus sum
+    total = 4 * cider_d(CIDER_PREDS, CIDER_REFS)
+    swapped = list(CIDER_PREDS)
+    swapped[1] = "zebra xylophone"  # shares no n-gram with its references: that image scores 0
+    without_second = 4 * cider_d(swapped, CIDER_REFS)
+    assert total - without_second == pytest.approx(PYCOCOEVALCAP_PER_IMAGE[1], rel=1e-9)
+
+
+def test_cider_d_properties_and_its_place_in_caption_metrics():
+    from bigtune.core.metrics import caption_tokens, cider_d
+
+    assert caption_tokens("A bowl of Soup, on a table. Don't!") == ["a", "bowl", "of", "soup", "on", "a", "table", "don't"]
+    # punctuation and case do not change the score
+    shouted = [p.upper() + "!" for p in CIDER_PREDS]
+    assert cider_d(shouted, CIDER_REFS) == pytest.approx(cider_d(CIDER_PREDS, CIDER_REFS))
+    # clipping: repeating a matching word does not raise the score
+    assert cider_d(["soup soup soup soup", *CIDER_PREDS[1:]], CIDER_REFS) < cider_d(CIDER_PREDS, CIDER_REFS)
+    disjoint = cider_d(["zebra", "xylophone", "quartz", "velvet"], CIDER_REFS)
+    assert disjoint == 0.0
+    m = caption_metrics(CIDER_PREDS, CIDER_REFS)
+    assert m["cider_d"] == pytest.approx(PYCOCOEVALCAP_CIDER)
+    # one image: every n-gram is in every reference set, so CIDEr has no weights; it is not reported
+    assert caption_metrics(CIDER_PREDS[:1], CIDER_REFS[:1])["cider_d"] is None

@@ -10,9 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import shutil
-import subprocess
-import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -22,10 +19,10 @@ import yaml
 from bigtune.cli.sweep import main as sweep_cli
 from bigtune.sweep.ladder import SweepError, expand_grid, load_sweep, read_sweep, run_sweep
 from bigtune.sweep.report import CAT_COLORS, SERIES, ReportError, write_report
+from conftest import CHROMIUM, NO_CHROMIUM, chromium, console_messages, page_ink
 
 ROOT = Path(__file__).resolve().parents[1]
 LADDER = ROOT / "ladders" / "llm-single.yaml"
-CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 
 BASE = {
     "model": {"name": "tiny-llama"},
@@ -297,76 +294,30 @@ def test_llm_single_ladder_validates(tiny):
     )
 
 
-def _chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Headless Chromium with a throwaway profile, no network chatter, console messages on stderr."""
-    with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run(
-            [
-                CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                "--enable-logging=stderr",
-                "--v=0",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-
-def _console_messages(stderr: str) -> list[str]:
-    # The page has no script: any console line (a failed load, a parse error) is a problem.
-    return [ln for ln in stderr.splitlines() if ":CONSOLE" in ln]
-
-
-def _ink(png: Path, box: tuple[int, int, int, int] | None = None) -> tuple[float, set]:
-    """Share of non-white pixels and the set of colours in ``png`` (optionally a box of it)."""
-    from PIL import Image
-
-    img = Image.open(png).convert("RGB")
-    if box:
-        img = img.crop(box)
-    colours = img.getcolors(maxcolors=img.width * img.height)  # [(count, (r, g, b)), ...]
-    white = sum(n for n, c in colours if c == (255, 255, 255))
-    return 1 - white / (img.width * img.height), {c for _, c in colours}
-
-
 def _has(colours: set, hex_color: str, tol: int = 10) -> bool:
     """``hex_color`` (give or take anti-aliasing) among ``colours``."""
     want = tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return any(all(abs(a - b) <= tol for a, b in zip(c, want)) for c in colours)
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no Chromium on this machine to render report.html "
-    "(apt-get install chromium; .ci/run installs it when it can)",
-)
-def test_report_renders_in_headless_chromium(swept, tmp_path):
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_report_renders_in_headlesschromium(swept, tmp_path):
     _, out, _ = swept
     res = write_report(out, out_dir=tmp_path / "r")
     html_path = Path(res["html"]).resolve()
 
     # 1) the whole page: loads without a console message and is drawn
     png = tmp_path / "report.png"
-    run = _chromium(f"--screenshot={png}", "--window-size=1400,3000", html_path.as_uri())
+    run = chromium(f"--screenshot={png}", "--window-size=1400,3000", html_path.as_uri())
     assert run.returncode == 0, run.stderr[-2000:]
-    assert not _console_messages(run.stderr), _console_messages(run.stderr)
+    assert not console_messages(run.stderr), console_messages(run.stderr)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    ink, _ = _ink(png)
+    ink, _ = page_ink(png)
     assert ink > 0.03, f"the page screenshot is nearly blank ({ink:.3%} non-white)"
 
     # 2) the DOM Chromium built: three inline SVG plots, each with drawn content
-    dom = _chromium("--dump-dom", html_path.as_uri())
-    assert dom.returncode == 0 and not _console_messages(dom.stderr)
+    dom = chromium("--dump-dom", html_path.as_uri())
+    assert dom.returncode == 0 and not console_messages(dom.stderr)
     plots = re.findall(r'<svg[^>]*class="plot (\w+)".*?</svg>', dom.stdout, re.S)
     assert plots == ["memory", "throughput", "loss"]
     marks = {"memory": 'class="measured ', "throughput": 'class="bar ', "loss": 'class="curve"'}
@@ -391,15 +342,15 @@ def test_report_renders_in_headless_chromium(swept, tmp_path):
             f"<body style='margin:0'>{markup}</body></html>"
         )
         shot = tmp_path / f"{kind}.png"
-        run = _chromium(f"--screenshot={shot}", f"--window-size={int(w) + 40},{int(h) + 40}", one.resolve().as_uri())
-        assert run.returncode == 0 and not _console_messages(run.stderr), kind
-        ink, colours = _ink(shot, (0, 0, int(w), int(h)))
+        run = chromium(f"--screenshot={shot}", f"--window-size={int(w) + 40},{int(h) + 40}", one.resolve().as_uri())
+        assert run.returncode == 0 and not console_messages(run.stderr), kind
+        ink, colours = page_ink(shot, (0, 0, int(w), int(h)))
         assert ink > 0.04, f"{kind} plot is nearly empty ({ink:.3%} non-white)"
         for c in expect[kind]:
             assert _has(colours, c), f"{kind} plot lacks {c}"
     # 4) the PNG copies of the plots are pictures too
     for f in res["pngs"]:
-        ink, colours = _ink(Path(f))
+        ink, colours = page_ink(Path(f))
         assert ink > 0.04, f
-    ink, colours = _ink(Path(res["pngs"][0]))
+    ink, colours = page_ink(Path(res["pngs"][0]))
     assert _has(colours, CAT_COLORS["parameters"]) and _has(colours, CAT_COLORS["activations"])

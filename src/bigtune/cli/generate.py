@@ -83,7 +83,7 @@ def main_generate(args) -> int:
 
 def main_eval(args) -> int:
     """``bigtune eval``: loss and perplexity of a language model on a data source; for a classifier
-    accuracy, macro-F1 and the confusion matrix; for an image-to-text model BLEU, ROUGE-L and caption
+    accuracy, macro-F1 and the confusion matrix; for an image-to-text model BLEU, ROUGE-L, CIDEr-D and caption
     lengths of its greedy captions against the source's reference captions."""
     if args.batch_size < 1:
         raise InferError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -201,7 +201,7 @@ def add_cli(subparsers) -> None:
     e = subparsers.add_parser(
         "eval",
         help="score a trained model on a data source: loss and perplexity; "
-        "classifiers: accuracy, macro-F1, confusion matrix; image-to-text: BLEU, ROUGE-L",
+        "classifiers: accuracy, macro-F1, confusion matrix; image-to-text: BLEU, ROUGE-L, CIDEr-D",
     )
     _add_load_args(e)
     e.add_argument(

@@ -1,18 +1,27 @@
-"""Task metrics, computed by maintained libraries (torchmetrics, sacrebleu, rouge-score), never by hand.
+"""Task metrics, computed by maintained libraries (torchmetrics, sacrebleu, rouge-score) where one exists.
 
 * classification: accuracy, macro-F1 (every class weighs the same, so a model that ignores a rare
   class is seen), per-class F1 and the confusion matrix (rows: true class, columns: predicted);
 * captions: corpus BLEU (sacrebleu's default 13a tokenisation, 0-100, several references per image
   allowed), ROUGE-L F-measure (rouge-score, best reference per image, averaged), and the length in
-  words of the generated and the reference captions. CIDEr and METEOR are left out: their usual
-  implementations need Java (pycocoevalcap's tokenizer) or a WordNet download.
+  words of the generated and the reference captions, and CIDEr-D (``cider_d`` below). METEOR and SPICE
+  are left out: their implementations need Java or a WordNet download.
+
+CIDEr-D is the one metric computed here: the reference implementation (pycocoevalcap 1.2, last released in
+2020) is a 104 MB wheel whose tokenizer needs Java, and the maintained alternatives pull in sentence
+encoders. ``cider_d`` follows pycocoevalcap's CiderScorer rule for rule (tests/test_metrics.py checks it
+against values that scorer printed); only the Java PTB tokenizer is replaced by a lower-case word split
+that drops the same punctuation marks.
 
 Each library is imported inside the function that needs it, with an error naming the ``pip install``.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
+from collections import Counter
 from typing import Optional, Sequence
 
 
@@ -105,11 +114,67 @@ def caption_metrics(
         "bleu": float(bleu.score),
         "bleu_signature": str(metric.get_signature()),
         "rouge_l": float(statistics.fmean(rouge)),
+        "cider_d": cider_d(predictions, references) if len(predictions) > 1 else None,
         "captions": len(predictions),
         "references_per_caption": statistics.fmean(len(r) for r in references),
         "caption_length_words": length_stats(predictions),
         "reference_length_words": length_stats([c for refs in references for c in refs]),
     }
+
+
+# Words: runs of letters and digits, an apostrophe allowed inside ("don't" stays one word; the Java PTB
+# tokenizer pycocoevalcap runs splits it as "do n't", and keeps hyphenated words whole, which this splits).
+# Every other mark is dropped, as that tokenizer's punctuation list drops them.
+_WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")
+
+
+def caption_tokens(text: str) -> list[str]:
+    """Lower-case words of a caption with punctuation removed (CIDEr-D's input)."""
+    return _WORD.findall(text.lower())
+
+
+def _ngrams(words: Sequence[str], n: int = 4) -> Counter:
+    return Counter(tuple(words[i : i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
+
+
+def cider_d(
+    predictions: Sequence[str], references: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0
+) -> float:
+    """Corpus CIDEr-D (Vedantam et al., 2015, as the COCO caption evaluation computes it), on its usual
+    0-10 scale. Each caption and reference becomes TF-IDF vectors of its 1..n-grams, the document
+    frequencies counted over the corpus's reference sets (so the corpus must hold at least two images:
+    with one, every n-gram is in every "document" and all weights are 0). Per n, the similarity is the
+    cosine with the candidate's weights clipped at the reference's (so repeating a word cannot inflate
+    it), times a Gaussian penalty on the length difference (sigma words); the n's are averaged, the
+    references averaged, times 10."""
+    docs = [[_ngrams(caption_tokens(r), n) for r in refs] for refs in references]
+    df: Counter = Counter()
+    for refs in docs:
+        df.update({g for r in refs for g in r})
+    log_docs = math.log(len(docs))
+
+    def vectors(counts: Counter):
+        # pycocoevalcap measures the length by the bigram count (words - 1); the difference is the same
+        vec = [dict() for _ in range(n)]
+        for g, tf in counts.items():
+            vec[len(g) - 1][g] = tf * (log_docs - math.log(max(1.0, df[g])))
+        norms = [math.sqrt(sum(w * w for w in v.values())) for v in vec]
+        return vec, norms, sum(tf for g, tf in counts.items() if len(g) == 2)
+
+    scores = []
+    for pred, refs in zip(predictions, docs):
+        vh, nh, lh = vectors(_ngrams(caption_tokens(pred), n))
+        total = [0.0] * n
+        for ref in refs:
+            vr, nr, lr = vectors(ref)
+            penalty = math.exp(-((lh - lr) ** 2) / (2 * sigma**2))
+            for k in range(n):
+                dot = sum(min(w, vr[k].get(g, 0.0)) * vr[k].get(g, 0.0) for g, w in vh[k].items())
+                if nh[k] and nr[k]:
+                    dot /= nh[k] * nr[k]
+                total[k] += dot * penalty
+        scores.append(10.0 * statistics.fmean(total) / len(refs))
+    return statistics.fmean(scores)
 
 
 def format_classification(m: dict, prefix: Optional[str] = None) -> str:

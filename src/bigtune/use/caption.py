@@ -181,8 +181,8 @@ def evaluate_captions(
     examples: int = 5,
 ) -> dict:
     """Caption every distinct image of an image + caption source greedily and score the captions against
-    its reference captions (all captions of the same image are its references): corpus BLEU, ROUGE-L
-    and caption length stats (``bigtune.metrics.caption_metrics``). Records without an image or a
+    its reference captions (all captions of the same image are its references): corpus BLEU, ROUGE-L,
+    CIDEr-D and caption length stats (``bigtune.metrics.caption_metrics``). Records without an image or a
     caption, and images that do not decode, are skipped and counted."""
     from bigtune.core.metrics import caption_metrics
     from bigtune.data.images import read_image_source
@@ -228,8 +228,10 @@ def evaluate_captions(
 
 def format_caption_eval(res: dict) -> str:
     c, r = res["caption_length_words"], res["reference_length_words"]
+    cider = "n/a (one image)" if res.get("cider_d") is None else f"{res['cider_d']:.3f}"
     lines = [
-        f"eval: {res['source']}: BLEU {res['bleu']:.2f}, ROUGE-L {res['rouge_l']:.4f} over {res['captions']} "
+        f"eval: {res['source']}: BLEU {res['bleu']:.2f}, ROUGE-L {res['rouge_l']:.4f}, CIDEr-D {cider} over "
+        f"{res['captions']} "
         f"images ({res['references_per_caption']:.2f} references each; {res['unreadable_images']} unreadable "
         f"images, {res['skipped_records']} records skipped)",
         f"caption length (words): mean {c['mean']:.1f}, min {c['min']}, max {c['max']}; references: mean "

@@ -1,0 +1,101 @@
+"""The chat-VLM alt-text recipes at their real sizes (bundled configs, planned on fake tensors) and the
+lab-style ladder ladders/vlm-alt-text.yaml under --tiny, with its report rendered in Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from bigtune.cli.sweep import main as sweep_cli
+from bigtune.core.gpus import find_gpu
+from bigtune.models.configs import bundled_config_path, resolve_config
+from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config
+from bigtune.plan.constants import PlanError
+from bigtune.plan.planner import plan
+from bigtune.plan.target import Target
+from bigtune.recipe import load_recipe
+from conftest import CHROMIUM, NO_CHROMIUM, ROOT, chromium, console_messages, page_ink
+
+# Parameter counts printed on the model cards (Hugging Face's safetensors count, 3 significant figures);
+# the exact number our bundled config.json builds is in the comment.
+MODEL_CARD_PARAMS = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": 3.75e9,  # 3,754,622,976 (tied embeddings)
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29e9,  # 8,292,166,656
+    "google/paligemma2-3b-pt-224": 3.03e9,  # 3,032,242,416
+    "llava-hf/llava-1.5-7b-hf": 7.06e9,  # 7,063,427,072
+    "HuggingFaceTB/SmolVLM-Instruct": 2.25e9,  # 2,246,272,880
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CARD_PARAMS))
+def test_bundled_vlm_configs_have_the_model_cards_sizes(name):
+    config = AutoConfig.for_model(**json.loads(bundled_config_path(name).read_text()))
+    with torch.device("meta"):  # shapes only: no memory, no weights
+        model = AutoModelForImageTextToText.from_config(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert float(f"{n:.3g}") == MODEL_CARD_PARAMS[name], (name, n)
+
+
+@pytest.mark.parametrize(
+    "recipe, gpu, image_tokens",
+    [("qwen2.5-vl-3b-alt-text", "rtx-4090", 256), ("paligemma2-alt-text", "l4", 256)],
+)
+def test_alt_text_recipes_plan_on_their_cards(recipe, gpu, image_tokens):
+    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", {"accelerator": "cpu"})
+    assert r.peft.method == "lora" and r.model.family == "image-to-text"
+    config = resolve_config(r)
+    # Qwen sees a photo at about its own size: plan 448 × 448 photos (as `plan --image-size 448x448`)
+    images = (image_geometry(r, config).grid(448, 448),) if is_chat_vlm_config(config) else None
+    p = plan(r, Target("cuda", find_gpu(gpu), 1), config=config, images=images, replay=False)
+    assert p.fits, p.notes
+    # LoRA: the frozen bf16 base is the parameters; gradients and Adam state are the adapters' only
+    after = p.phases["after_optimizer"]
+    assert after["gradients"] < after["parameters"] / 20
+    assert any(f"({image_tokens} image tokens)" in n for n in p.notes), p.notes
+
+
+def test_smolvlm_recipe_loads_and_says_why_it_is_not_planned():
+    r = load_recipe(ROOT / "recipes" / "smolvlm-alt-text.yaml", {"accelerator": "cpu"})
+    assert r.model.quantize == "nf4" and r.peft.method == "lora"
+    with pytest.raises(PlanError, match="idefics3 .*not supported"):
+        plan(r, Target("cuda", find_gpu("l4"), 1), replay=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_ladder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vlm-ladder") / "out"
+    rc = sweep_cli(["sweep", str(ROOT / "ladders" / "vlm-alt-text.yaml"), "--tiny", "--out", str(out)])
+    return rc, out
+
+
+def test_tiny_vlm_ladder_runs_every_rung(tiny_ladder):
+    rc, out = tiny_ladder
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads((out / "sweep.json").read_text())["rows"]}
+    assert list(rows) == ["01-full-frozen-vision", "02-full-all", "03-lora", "04-lora-all-linear", "05-qlora"]
+    for name, r in rows.items():
+        assert r["status"] == "ok" and r["steps"] == 3 and r["final_loss"] is not None, (name, r.get("error"))
+        assert r["overrides"]["model.name"] == "tiny-qwen2.5-vl"
+    trainable = {n: json.loads((out / n / "summary.json").read_text())["parameters"]["trainable"] for n in rows}
+    # each rung's knob does what its note says
+    assert trainable["02-full-all"] > trainable["01-full-frozen-vision"] > trainable["04-lora-all-linear"]
+    assert trainable["04-lora-all-linear"] > trainable["03-lora"] == trainable["05-qlora"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_tiny_vlm_ladder_report_renders(tiny_ladder, tmp_path):
+    _, out = tiny_ladder
+    page = (out / "report.html").resolve()
+    shot = tmp_path / "report.png"
+    run = chromium(f"--screenshot={shot}", "--window-size=1400,2400", page.as_uri())
+    assert run.returncode == 0 and not console_messages(run.stderr), run.stderr[-2000:]
+    share, _ = page_ink(shot)
+    assert share > 0.03, f"the report screenshot is nearly blank ({share:.2%} non-white)"
+    dom = chromium("--dump-dom", page.as_uri())
+    assert re.findall(r'<svg[^>]*class="plot (\w+)"', dom.stdout) == ["memory", "throughput", "loss"]
+    for rung in ("01-full-frozen-vision", "05-qlora"):
+        assert rung in dom.stdout
