@@ -122,3 +122,71 @@ def test_reserved_extrapolation_close_to_a_full_depth_replay():
     assert abs(estimate - full.reserved) / full.reserved < 0.03, (estimate, full.reserved)
     assert abs(in_use - full.in_use) / full.in_use < 0.03, (in_use, full.in_use)
     assert "8 blocks deep" in how[0]
+
+
+def test_logits_of_two_lengths_cannot_reuse_each_others_segments():
+    """The loss of a large-vocabulary LoRA step, reasoned from the allocator's rules: where the shifted logits
+    ((T-1) rows) are a copy a little smaller than the full fp32 logits (T rows), their 2 MiB-rounded segments
+    (get_allocation_size) cannot serve a full-size request again (get_free_block: the smallest cached block
+    >= the request), so the backward's full-size gradient needs one more logits-sized segment. This is what
+    puts the planned reserved of bigtune's loss (causal_lm_loss_sum slices the logits) at 1.2-1.25 x peak
+    allocated on Qwen-sized vocabularies, where a loss that shifts the labels instead (transformers'
+    ForCausalLMLoss) keeps every logits-sized block one size."""
+    row, t = int(2.5 * MiB), 64  # one row of fp32 logits, tokens
+    full, shifted, half = t * row, (t - 1) * row, t * row // 2  # 160, 157.5 and 80 MiB
+    sliced = [
+        ("alloc", 1, half),  # bf16 logits: an 80 MiB segment
+        ("alloc", 2, full),  # fp32 logits: 160 MiB segment
+        ("free", 1),
+        ("alloc", 3, shifted),  # the contiguous shifted copy: a 158 MiB segment, 0.5 MiB left unsplit
+        ("alloc", 4, shifted),  # log_softmax: another 158 MiB segment (peak: 160 + 158 + 158)
+        ("free", 3),
+        ("free", 2),
+        ("alloc", 5, shifted),  # nll backward: best fit is 3's 158 MiB block
+        ("alloc", 6, shifted),  # log_softmax backward: 2's 160 MiB block, split (2.5 MiB > 1 MiB stays cached)
+        ("free", 5),
+        ("free", 4),
+        ("alloc", 7, full),  # slice backward, full size: cached 80, 158, 158, 2.5 MiB: none fits, a new segment
+        ("free", 6),
+        ("alloc", 8, half),  # back to bf16: 1's 80 MiB block
+        ("free", 7),
+        ("free", 8),
+    ]
+    s = replay(sliced).stats
+    assert (s.peak_reserved, s.peak_allocated, s.segments) == (716 * MiB, 476 * MiB, 5)
+    shifted_labels = [  # the same step with the labels shifted: every fp32 logits-sized block is one size
+        ("alloc", 1, half),
+        ("alloc", 2, full),
+        ("free", 1),
+        ("alloc", 4, full),  # log_softmax: a second 160 MiB segment
+        ("free", 2),
+        ("alloc", 5, full),  # nll backward: 2's block
+        ("alloc", 6, full),  # log_softmax backward: a third 160 MiB segment
+        ("free", 5),
+        ("free", 4),
+        ("alloc", 8, half),  # 1's 80 MiB block
+        ("free", 6),
+        ("free", 8),
+    ]
+    s = replay(shifted_labels).stats
+    assert (s.peak_reserved, s.peak_allocated, s.segments) == (560 * MiB, 480 * MiB, 4)
+
+
+def test_lora_adapters_pack_into_small_segments():
+    """LoRA's adapter weights, their gradients and AdamW's two states (each r x 4096 bf16 = 128 KiB: the
+    small pool, requests <= 1 MiB) pack 16 to a 2 MiB segment (kSmallBuffer, split while >= 512 bytes remain);
+    the frozen base weights get no gradient. The per-step LoRA temporaries (tokens x r) reuse freed small
+    blocks, so reserved is the packed size and does not grow from step to step."""
+    adapter = 16 * 4096 * 2
+    events, key = [], 0
+    for _ in range(4 * 64):  # 64 adapters: weights, gradients, exp_avg, exp_avg_sq
+        events.append(("alloc", key, adapter))
+        key += 1
+    for _step in range(3):  # each step: a few adapter activations born and freed
+        born = list(range(key, key + 8))
+        events += [("alloc", k, adapter) for k in born] + [("free", k) for k in born]
+        key += 8
+    s = replay(events).stats
+    assert s.peak_allocated == (256 + 8) * adapter
+    assert s.peak_reserved == -(-(256 + 8) * adapter // (2 * MiB)) * 2 * MiB == 34 * MiB
+    assert s.segments == 17

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from conftest import ROOT, run_cli
 
@@ -216,3 +217,19 @@ def test_plan_data_lengths_of_hub_model_and_data_offline_fails_at_once(tmp_path)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "hf:mhenrichsen/alpaca_2k_test" in res.stderr and "OfflineModeIsEnabled" in res.stderr
     assert "save_to_disk" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_plan_gpus_n_plans_the_recipe_as_devices_n_trains_it(tmp_path):
+    # A recipe with a global batch: on N GPUs the accumulation shrinks N-fold, so the step keeps its tokens
+    # (and halves its time on 2 GPUs) — as `--set devices=N` and training on N GPUs do.
+    recipe = tmp_path / "global.yaml"
+    text = (
+        (ROOT / "recipes" / "tiny-opt.yaml").read_text().replace("accumulate_grad_batches: 2", "global_batch_size: 32")
+    )
+    recipe.write_text(text)
+    got = {}
+    for name, flags in (("one", []), ("gpus", ["--gpus", "2"]), ("set", ["--set", "devices=2"])):
+        res = run_cli("plan", str(recipe), "--gpu", "h100", *flags, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        got[name] = re.search(r"\(([\d,]+) tokens per optimizer step\)", res.stdout).group(1)
+    assert got["gpus"] == got["set"] == got["one"]

@@ -70,3 +70,37 @@ def test_legacy_softmax_keeps_an_fp32_input_and_keeps_the_gradient(monkeypatch, 
     assert torch.equal(saved[0], x.float())  # the input, kept beside the output
     (grad,) = torch.autograd.grad(y, x, g)
     assert torch.allclose(grad.float(), expected.float(), atol=1e-2 if dtype == "bfloat16" else 1e-6)
+
+
+def test_published_rates_faster_than_the_dense_peak_are_kept_out_of_the_time_statistic():
+    """A published rate is checked against the plan's dense-peak floor (time.step_time's note, parsed here):
+    faster than the card can multiply the step's FLOPs, it cannot be the stated setup."""
+    from bigtune.core.gpus import find_gpu as gpu
+    from bigtune.plan.roofline import step_seconds
+    from bigtune.plan.time import peak_floor_note
+
+    ops = {("gemm", "forward", "bf16", (1, 4096, 4096, 4096)): [1, 2.0 * 4096**3, 1.0]}
+    t = step_seconds(ops, gpu("rtx-4090"), "bf16")
+    assert published.peak_floor_s(["time: roofline ...", peak_floor_note(t)]) == pytest.approx(t["peak_s"], rel=1e-3)
+    assert published.peak_floor_s(["no time"]) is None
+    rows = [
+        {
+            "id": "slow",
+            "metric": "reserved",
+            "impl": "",
+            "error_pct": 1.0,
+            "time_error_pct": 20.0,
+            "implied_peak_pct": 40,
+        },
+        {
+            "id": "fast",
+            "metric": "reserved",
+            "impl": "",
+            "error_pct": 2.0,
+            "time_error_pct": 90.0,
+            "implied_peak_pct": 130,
+        },
+    ]
+    s = published.statistics_of(rows)
+    assert s["step_time"]["n"] == 1 and s["step_time"]["worst_id"] == "slow"
+    assert s["step_time_beyond_peak"] == ["fast"] and s["reserved"]["n"] == 2

@@ -103,6 +103,26 @@ def test_one_large_gemm_runs_at_the_tile_occupancy_of_the_assumed_efficiency():
     assert t["step_s"] == t["device_s"] == t["forward_s"]
 
 
+def test_the_dense_peak_floor_counts_matmuls_and_attention_at_the_catalog_rate():
+    """step_seconds' ``peak_s``: each tensor-core row's FLOPs at its dtype's catalog peak, nothing else; the
+    floor bench/published.py holds published rates against. On a GeForce card that is the FP32-accumulate
+    rate (RTX 4090: 165.2 dense bf16, not the 330 fp16-accumulate marketing figure)."""
+    rtx = find_gpu("rtx-4090")
+    assert rtx.bf16_tflops == 165.2
+    gemm, attn = 2.0 * 4096**3, 1e12
+    ops = {
+        ("gemm", "forward", "bf16", (1, 4096, 4096, 4096)): [1, gemm, 3 * 4096**2 * 2],
+        ("gemm", "backward", "fp32", (1, 4096, 16, 4096)): [1, 2.0 * 4096 * 16 * 4096, 4096**2 * 4],
+        ("attn", "backward", "bf16", ()): [1, attn, 1e6],
+        ("mem", "forward", "", (30,)): [1, 0.0, 1e9],
+    }
+    t = step_seconds(ops, rtx, "bf16")
+    lora_a = 2.0 * 4096 * 16 * 4096
+    assert t["tensor_flops"] == gemm + lora_a + attn
+    assert t["peak_s"] == pytest.approx((gemm + attn) / 165.2e12 + lora_a / (rtx.fp32_tflops * 1e12))
+    assert t["peak_s"] < t["device_s"]  # efficiencies, occupancy and the memory-bound row only add
+
+
 def test_memory_bound_kernels_take_their_bytes_over_the_bandwidth_and_the_host_can_bound_the_step():
     h100 = find_gpu("h100-sxm-80gb")
     big = {("mem", "optimizer", "", (33,)): [10, 0.0, 80e9]}

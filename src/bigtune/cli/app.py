@@ -307,6 +307,12 @@ def _cmd_plan(args) -> int:
     # several-process recipe plans its CPU ranks, as training does).
     gpus = args.gpus if args.gpus is not None else r.world_size if args.for_task == "train" else 1
     strategy = run_strategy(args.strategy or r.strategy, gpus)
+    if args.for_task == "train" and gpus != r.world_size:
+        # --gpus N plans the recipe as `--set devices=N` would train it: the global batch, the accumulation
+        # derived from it and the lr scaling follow the data-parallel ranks (else N GPUs would each run the
+        # one-GPU accumulation and the step would hold N times the tokens)
+        over = [f"devices={gpus}", "num_nodes=1", f"strategy={strategy}"]
+        r = load_recipe(args.recipe, _overrides(args) + ["accelerator=cpu", *over], check=not for_gpu)
     if for_gpu:
         gpu = find_gpu(args.gpu) if args.gpu else None
         if args.gpu_memory:
@@ -358,7 +364,12 @@ def _image_grids(args, r, config) -> "tuple | None":
     from bigtune.plan.constants import PlanError
 
     if not is_chat_vlm_config(config):
-        raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {r.model.name} sees images at a fixed size")
+        from bigtune.data.vlm import SPLIT_IMAGE_VLM_TYPES
+
+        why = "sees images at a fixed size"
+        if getattr(config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES:  # SmolVLM: its tiles follow the size
+            why = "(SmolVLM / Idefics3) is not planned yet; train it with memory.plan=false"
+        raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {r.model.name} {why}")
     if args.alternatives or args.data_lengths:
         raise PlanError("--image-size plans the recipe itself; leave out --alternatives and --data-lengths")
     try:

@@ -37,11 +37,17 @@ def causal_lm_loss_sum(
     the sum is still divided by the target count (not by the summed weights, as torch's weighted
     mean would), so a weight of 2 counts a sample twice in every step.
     """
-    shift_logits = (logits[..., :-1, :] if shift else logits).float()
-    shift_labels = labels[..., 1:] if shift else labels
+    if shift:
+        # Shift the labels, not the logits (Hugging Face's loss does the same): slicing T-1 of T rows
+        # would copy the whole logits tensor once more, and that copy's blocks round to another size
+        # than the T-row logits and their gradient, so the caching allocator could reuse none of them
+        # for the other and reserved grew by a logits-sized segment (issue #25, item 1).
+        pad = torch.full_like(labels[..., :1], IGNORE_INDEX)
+        labels = torch.cat([labels[..., 1:], pad], dim=-1)
+    logits = logits.float()  # a no-op when the logits already are fp32 (Fabric's bf16-true output)
     return torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
+        logits.reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
         weight=class_weights,
         ignore_index=IGNORE_INDEX,
         reduction="sum",

@@ -25,6 +25,14 @@ allocator's release of cached segments when a reservation fails near the capacit
 peak reserved is what a GPU with room to spare shows. On a full GPU PyTorch frees the wholly cached
 segments and retries, so what must fit is less: the segments still in use (``peak_in_use``).
 
+Each rule above is checked against the C++ functions it models (round_size, get_allocation_size,
+get_free_block, should_split, free_block's merge) on synthetic traces reasoned by hand (tests/test_allocator.py).
+A high reserved/allocated ratio on large-vocabulary models (1.2-1.25 for Qwen's 152k tokens at 4 x 512) is the
+trace, not the replay: the engine's loss (core.stepmath.causal_lm_loss_sum) copies the shifted logits,
+(T-1) rows whose 2 MiB-rounded segments cannot serve the T-row fp32 logits' gradient, so the backward
+reserves one more logits-sized segment. A loss that shifts the labels instead (transformers' ForCausalLMLoss,
+and this engine's chunked loss) keeps those blocks one size: 1.08-1.10 on the same plans.
+
 Also not modelled: a run's micro-batches of different lengths. The planner replays steps of one shape
 (full rows). Padded to their longest sample, real batches change shape every step, and cached blocks cut
 for one shape often cannot serve the next, so reserved creeps up over a run. With this model, six steps of

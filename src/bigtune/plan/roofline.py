@@ -213,7 +213,11 @@ def step_seconds(ops: dict, gpu, half: str, allow_tf32: bool = False) -> dict[st
     """Price an ``OpCounter`` record on ``gpu``: seconds of GPU work per phase, of host work, and the
     step (the slower queue). ``half`` is the tensor-core format the simulation's bf16 stands for
     ("bf16", or "fp16" under 16-mixed, simulated as bf16). Raises ValueError where the GPU has no rate
-    for a dtype the step multiplies in (bf16 on a V100 or T4)."""
+    for a dtype the step multiplies in (bf16 on a V100 or T4).
+
+    Also ``tensor_flops`` (the matmuls' and fused attention's FLOPs) and ``peak_s``: those FLOPs at the
+    catalog's dense peak of each dtype, no efficiency applied. No run of this step on this card can take
+    less, which makes ``peak_s`` a check on a published rate: one faster than it was not this step."""
     if not gpu.mem_bandwidth_gbs:
         raise ValueError(f"{gpu.name} has no memory bandwidth in the catalog")
     bandwidth = gpu.mem_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY
@@ -233,7 +237,7 @@ def step_seconds(ops: dict, gpu, half: str, allow_tf32: bool = False) -> dict[st
         return rate * 1e12, GEMM_EFFICIENCY
 
     gpu_s = {ph: 0.0 for ph in PHASES}
-    host = 0.0
+    host = tensor_flops = peak_s = 0.0
     for (kind, phase, dtype, shape), (count, flops, moved) in ops.items():
         host += count * HOST_SECONDS_PER_OP
         if kind == "host" or count <= 0:
@@ -249,9 +253,19 @@ def step_seconds(ops: dict, gpu, half: str, allow_tf32: bool = False) -> dict[st
             t = max(flops / (rate * ATTENTION_EFFICIENCY), memory, count * KERNEL_FLOOR_S)
         else:
             t = max(memory, count * KERNEL_FLOOR_S)
+        if kind in ("gemm", "attn"):
+            tensor_flops += flops
+            peak_s += flops / rate
         gpu_s[phase] += t
     device = sum(gpu_s.values())
-    return {**{f"{ph}_s": gpu_s[ph] for ph in PHASES}, "device_s": device, "host_s": host, "step_s": max(device, host)}
+    return {
+        **{f"{ph}_s": gpu_s[ph] for ph in PHASES},
+        "device_s": device,
+        "host_s": host,
+        "step_s": max(device, host),
+        "tensor_flops": tensor_flops,
+        "peak_s": peak_s,
+    }
 
 
 def scale(ops: dict, phases: tuple[str, ...], factor: float) -> dict:
