@@ -120,7 +120,16 @@ def test_cider_d_equals_the_coco_reference_implementation():
 def test_cider_d_properties_and_its_place_in_caption_metrics():
     from bigtune.core.metrics import caption_tokens, cider_d
 
-    assert caption_tokens("A bowl of Soup, on a table. Don't!") == ["a", "bowl", "of", "soup", "on", "a", "table", "don't"]
+    assert caption_tokens("A bowl of Soup, on a table. Don't!") == [
+        "a",
+        "bowl",
+        "of",
+        "soup",
+        "on",
+        "a",
+        "table",
+        "don't",
+    ]
     # punctuation and case do not change the score
     shouted = [p.upper() + "!" for p in CIDER_PREDS]
     assert cider_d(shouted, CIDER_REFS) == pytest.approx(cider_d(CIDER_PREDS, CIDER_REFS))

@@ -137,9 +137,7 @@ def _ngrams(words: Sequence[str], n: int = 4) -> Counter:
     return Counter(tuple(words[i : i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
 
 
-def cider_d(
-    predictions: Sequence[str], references: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0
-) -> float:
+def cider_d(predictions: Sequence[str], references: Sequence[Sequence[str]], n: int = 4, sigma: float = 6.0) -> float:
     """Corpus CIDEr-D (Vedantam et al., 2015, as the COCO caption evaluation computes it), on its usual
     0-10 scale. Each caption and reference becomes TF-IDF vectors of its 1..n-grams, the document
     frequencies counted over the corpus's reference sets (so the corpus must hold at least two images:
