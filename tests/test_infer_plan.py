@@ -224,3 +224,62 @@ def test_launch_slurm_takes_mem_and_cpus_from_the_host_plan(tmp_path):
     )
     own = (tmp_path / "own.sbatch").read_text()
     assert "#SBATCH --mem=500G" in own and "#SBATCH --cpus-per-task=12" in own and "host plan" not in own
+
+
+# --- chat vision-language models: plan --for caption against the batch `bigtune caption` generates from ---
+CHAT_VLM_CASES = [
+    # preset, batch, new tokens, dtype: Qwen's M-RoPE and dynamic grid, Qwen2.5-VL's windows, LLaVA's CLIP,
+    # PaliGemma's prefix LM, PaliGemma 2's Gemma-2 (eager attention)
+    ("tiny-qwen2-vl", 4, 8, torch.float32),
+    ("tiny-qwen2.5-vl", 2, 3, torch.bfloat16),
+    ("tiny-llava", 4, 8, torch.float32),
+    ("tiny-paligemma", 2, 6, torch.bfloat16),
+    ("tiny-paligemma2", 4, 8, torch.float32),
+]
+
+
+@pytest.mark.parametrize("model, b, n, dtype", CHAT_VLM_CASES)
+def test_chat_vlm_caption_plan_matches_the_measured_generate(model, b, n, dtype):
+    """The plan (vision tower in the prefill, image tokens + chat template in the KV cache) against the
+    generate call `bigtune caption` makes, on the batch it builds from the bundled photos (32×32; Qwen
+    planned at --image-size 32x32), greedy with every row generating ``n`` tokens (no early EOS)."""
+    from bigtune.data.images import DEMO_IMAGES, open_image
+    from bigtune.data.vlm import ChatImageLayout, generation_batch
+    from bigtune.models.build import attention_for, load_processor
+    from bigtune.plan.serving import caption_workload, make_inputs
+
+    r = _recipe(model, **{"model.family": "image-to-text"})
+    cfg = resolve_config_name(r.model)
+    qwen = "qwen" in model
+    w = Workload("caption", b, 0, n, dtype, image_size=(32, 32) if qwen else None)
+    plan = plan_inference(r, Target("cpu"), w)
+    proc = load_processor(r.model)
+    photos = [open_image(p) for p in sorted((DEMO_IMAGES / "images").glob("*.png"))[:b]]
+    real = generation_batch(ChatImageLayout.for_model(proc, cfg, r.data.prompt), proc.image_processor, photos)
+    real["pixel_values"] = real["pixel_values"].to(dtype)  # as caption casts them to the model's dtype
+    planned = make_inputs(cfg, caption_workload(r, cfg, w))
+    assert {k: v.shape for k, v in planned.items()} == {k: v.shape for k, v in real.items()}
+    assert torch.equal(planned["input_ids"], real["input_ids"])  # the same prompt and image tokens
+    measured = measure_cpu(cfg, r.model.family, w, attention_for(r.model, cfg)[0], inputs=real)
+    assert plan.weights == measured["weights"]
+    assert plan.image_tokens == (4 if qwen else 16) and plan.lm_prompt_tokens == real["input_ids"].shape[1]
+    assert plan.kv_cache == kv_cache_bytes(cfg, caption_workload(r, cfg, w))
+    assert abs(plan.peak_allocated - measured["peak"]) / measured["peak"] < 0.02, (plan.peak_allocated, measured)
+
+
+def test_chat_vlm_caption_plan_cli(tmp_path):
+    """The worst case follows data.image_max_pixels; --image-size plans that size; SmolVLM and a chat model's
+    --prompt-tokens are refused with the fix."""
+    demo = str(ROOT / "recipes" / "gourmetgram-qwen2-vl-demo.yaml")
+    res = run_cli("plan", demo, "--for", "caption", "--batch-size", "2", "--max-new-tokens", "4", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "16 image tokens" in res.stdout and "the worst case, the processor's max_pixels=12544" in res.stdout
+    budget = ("--set", "data.image_max_pixels=3136", "--json")
+    res = run_cli("plan", demo, "--for", "caption", "--batch-size", "2", "--max-new-tokens", "4", *budget, cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["plan"]["image_tokens"] == 4, res.stderr
+    res = run_cli("plan", demo, "--for", "caption", "--image-size", "100x80", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["plan"]["image_tokens"] == 12, res.stderr
+    bad = run_cli("plan", demo, "--for", "caption", "--prompt-tokens", "8", cwd=tmp_path)
+    assert bad.returncode == 2 and "data.prompt in its chat template" in bad.stderr, bad.stderr
+    bad = run_cli("plan", demo, "--for", "caption", "--model", "tiny-smolvlm", cwd=tmp_path)
+    assert bad.returncode == 2 and "SmolVLM / Idefics3 (tiny-smolvlm) are not available yet" in bad.stderr, bad.stderr

@@ -73,6 +73,24 @@ def _deep_model(tmp_path: Path, preset: str) -> str:
     return str(folder)
 
 
+def train_and_compare(run: Path, over: dict) -> dict:
+    """Train with the engine re-planning its last measured batch (memory.plan), and check that plan against
+    the measurement: the batch shape re-planned, the peak within 2 %, the model states exact and each phase's
+    allocated bytes within 2 %. Returns the last measured step's snapshots by phase."""
+    s = train(str(DEMO), {**over, "output_dir": str(run)}, quiet_recipe=True)
+    last = max(x["step"] for x in read_jsonl(run / "memory.jsonl"))
+    steady = {x["phase"]: x for x in read_jsonl(run / "memory.jsonl") if x["step"] == last}
+    c = s["plan"]
+    assert c["replanned_at_batch_shape"] == steady["before_forward"]["batch_shape"], c.get("replan_error")
+    assert abs(c["peak_error_pct"]) < 2, (c["measured_peak_allocated"], c["predicted_peak_allocated_like_for_like"])
+    for phase, cats in c["phases"].items():  # the model states exactly, the activations within 2 %
+        for cat in ("parameters", "gradients", "optimizer_device"):
+            assert cats[cat]["measured"] == cats[cat]["predicted"], (phase, cat, cats[cat])
+        got, want = cats["allocated"]["predicted"], cats["allocated"]["measured"]
+        assert abs(got - want) <= 0.02 * want, (phase, got, want)
+    return steady
+
+
 MATRIX = [
     # preset, precision, checkpointing, peft, deep
     ("tiny-qwen2-vl", "32-true", False, "none", False),
@@ -99,22 +117,12 @@ def test_plan_matches_the_measured_step_with_two_image_sizes(
         "precision": precision,
         "train.activation_checkpointing": ckpt,
         "peft.method": peft,
-        "output_dir": str(tmp_path / "run"),
     }
     if deep:
         over["model.init"] = "random"
-    s = train(str(DEMO), over, quiet_recipe=True)
-    steady = {x["phase"]: x for x in read_jsonl(tmp_path / "run" / "memory.jsonl") if x["step"] == 2}
+    steady = train_and_compare(tmp_path / "run", over)
     grids = steady["before_forward"]["image_grids"]
     assert sorted({tuple(g) for g in grids}) == [(1, 4, 4), (1, 8, 6)]  # two image sizes in the measured batch
-    c = s["plan"]
-    assert c["replanned_at_batch_shape"] == steady["before_forward"]["batch_shape"], c.get("replan_error")
-    assert abs(c["peak_error_pct"]) < 2, (c["measured_peak_allocated"], c["predicted_peak_allocated_like_for_like"])
-    for phase, cats in c["phases"].items():  # the model states exactly, the activations within 2 %
-        for cat in ("parameters", "gradients", "optimizer_device"):
-            assert cats[cat]["measured"] == cats[cat]["predicted"], (phase, cat, cats[cat])
-        got, want = cats["allocated"]["predicted"], cats["allocated"]["measured"]
-        assert abs(got - want) <= 0.02 * want, (phase, got, want)
     if deep:  # the extrapolation is really exercised: both stacks are deeper than one simulated unit
         r = load_recipe(str(DEMO), over)
         from bigtune.models.configs import resolve_config
@@ -169,11 +177,6 @@ def test_worst_case_is_the_processors_max_pixels_and_image_size_is_planned(tmp_p
     assert bad.returncode == 2 and "HEIGHTxWIDTH" in bad.stderr
 
 
-def test_serving_plans_say_they_do_not_cover_chat_vlms(tmp_path):
-    res = run_cli("plan", str(DEMO), "--for", "caption", cwd=tmp_path)
-    assert res.returncode == 2 and "not available yet" in res.stderr and "without --for" in res.stderr
-
-
 def test_data_lengths_plan_the_datas_largest_image(mixed_sizes):
     from bigtune.plan.lengths import data_lengths, plan_at_data_lengths
 
@@ -182,3 +185,83 @@ def test_data_lengths_plan_the_datas_largest_image(mixed_sizes):
     assert d.largest_image == (1, 8, 6) and d.longest <= r.data.max_seq_length
     p = plan_at_data_lengths(r, Target("cpu"), lengths=d)
     assert any("112×84 px (12 image tokens)" in n for n in p.notes)
+
+
+# --- data.image_max_pixels: the pixel budget that bounds the image tokens --------------------------------
+BUDGET = 56 * 56  # one 56×56 image: 4 merged 28-px units, 4 image tokens
+
+
+def test_image_max_pixels_shrinks_the_image_tokens_and_the_plan_follows(tmp_path, mixed_sizes):
+    """The 100×80 photos, 112×84 px and 12 image tokens under the processor's 112² bound (the matrix
+    above), are scaled to 56×28 px (2 tokens) under a 56² budget; the engine's re-plan of that batch
+    stays within 2 %."""
+    over = {
+        "model.name": "tiny-qwen2-vl",
+        "data.source": str(mixed_sizes),
+        "data.val_fraction": 0.0,
+        "data.image_max_pixels": BUDGET,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 2,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "memory.plan": True,
+        "checkpoint.save_model": False,
+    }
+    steady = train_and_compare(tmp_path / "run", over)
+    grids = sorted({tuple(g) for g in steady["before_forward"]["image_grids"]})
+    assert grids == [(1, 4, 2), (1, 4, 4)]  # tokens per photo: 2 and 4, against 12 and 4 without the budget
+
+
+def test_plan_worst_case_follows_image_max_pixels(tmp_path):
+    from bigtune.models.configs import resolve_config
+
+    r = load_recipe(str(DEMO), {"train.micro_batch_size": 2, "data.image_max_pixels": BUDGET})
+    cfg = resolve_config(r)
+    geo = image_geometry(r, cfg)
+    assert (geo.min_pixels, geo.max_pixels) == (BUDGET, BUDGET) and geo.max_pixels_from_recipe
+    assert geo.worst_grid() == (1, 4, 4) and geo.tokens(geo.worst_grid()) == 4
+    assert geo.grid(100, 80) == (1, 4, 2)  # --image-size: that image as the bounded processor resizes it
+    bounded = plan(r, Target("cpu"))
+    assert any("56×56 px (4 image tokens): the worst case, data.image_max_pixels=3136" in n for n in bounded.notes)
+    unbounded = plan(load_recipe(str(DEMO), {"train.micro_batch_size": 2}), Target("cpu"))
+    assert bounded.peak_allocated < unbounded.peak_allocated
+    res = run_cli("plan", str(DEMO), "--image-size", "100x80", "--set", f"data.image_max_pixels={BUDGET}", cwd=tmp_path)
+    assert res.returncode == 0 and "56×28 px (2 image tokens)" in res.stdout, res.stdout + res.stderr
+
+
+def test_image_max_pixels_bounds_smolvlm_tiles_and_fixed_size_models_refuse_it(tmp_path):
+    """Idefics3 (SmolVLM): the budget is the longest edge, rounded down to the 32-px tile: 32² px makes a
+    100×80 photo one unsplit image instead of 2×2 tiles and the whole image. LLaVA resizes every image to
+    32×32: the key is refused in training and in the plan, naming the fix."""
+    from PIL import Image
+
+    from bigtune.data.text import DataError
+    from bigtune.data.vlm import ChatImageLayout, bound_image_pixels, image_item
+    from bigtune.models.build import load_processor
+    from bigtune.models.configs import resolve_config
+
+    r = load_recipe(str(DEMO), {"model.name": "tiny-smolvlm"})
+    cfg, proc = resolve_config(r), load_processor(r.model)
+    layout = ChatImageLayout.for_model(proc, cfg, r.data.prompt)
+    photo = Image.new("RGB", (80, 100))
+
+    def image_tokens() -> int:
+        row = image_item(layout, proc.image_processor, photo, layout.prompt_ids, None)
+        return row["input_ids"].count(layout.image_token_id)
+
+    whole = image_tokens()
+    bound_image_pixels(proc, cfg, 32 * 32 + 100, "tiny-smolvlm")
+    assert proc.image_processor.size.longest_edge == 32
+    assert image_tokens() * 5 == whole  # the global image alone, against 4 tiles + the global image
+    with pytest.raises(DataError, match="below one 32×32 px tile"):
+        bound_image_pixels(proc, cfg, 31 * 31, "tiny-smolvlm")
+
+    llava = {"model.name": "tiny-llava", "data.image_max_pixels": BUDGET, "output_dir": str(tmp_path / "run")}
+    with pytest.raises(DataError, match=r"resizes every image to 32×32 px; remove data.image_max_pixels"):
+        train(str(DEMO), llava, quiet_recipe=True)
+    res = run_cli("plan", str(DEMO), "--model", "tiny-llava", "--set", f"data.image_max_pixels={BUDGET}", cwd=tmp_path)
+    assert res.returncode == 2 and "tiny-llava (llava) resizes every image to 32×32 px" in res.stderr, res.stderr
+    from bigtune.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="data.image_max_pixels: only image-to-text models read images"):
+        load_recipe({}, {"model.name": "tiny-llama", "data.image_max_pixels": BUDGET})

@@ -485,7 +485,7 @@ def test_extrapolated_running_peak_includes_every_phase_own_peak(monkeypatch):
     config = resolve_config(load_recipe({}, {"model.name": "openlm-research/open_llama_7b"}))
     stack = planner.model_stacks(config)[0]
 
-    def fake_simulate(recipe, config, depths, cuda, micro_batch=None, padded=False, arch=None, images=None):
+    def fake_simulate(recipe, config, depths, cuda, micro_batch=None, padded=False, arch=None, images=None, stage=None):
         n = depths[stack]
         fwd, opt, states = 10 + 5 * n, 8 + 6 * n, 4 + 3 * n  # forward high-water, optimizer high-water, states
         phases = {

@@ -60,7 +60,7 @@ class ModelConfig:
         "Built-in preset (tiny-llama, tiny-opt, and one per decoder family: tiny-llama3, tiny-qwen2, tiny-qwen3, "
         "tiny-gemma2, tiny-gemma3, tiny-mistral, tiny-phi3, tiny-gpt-neox, tiny-stablelm, tiny-falcon, tiny-bloom, tiny-mixtral, "
         "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-llava, "
-        "tiny-paligemma, tiny-paligemma2; "
+        "tiny-paligemma, tiny-paligemma2, tiny-smolvlm; "
         "sequence-classification: tiny-bert), Hugging "
         "Face hub id, or local folder holding config.json + safetensors weights. "
         "Lab: model_name.",
@@ -179,6 +179,15 @@ class DataConfig:
         "the image; the caption is the assistant's answer and carries the loss. PaliGemma: the prefix after the "
         "image (e.g. 'caption en'; may be empty). `bigtune caption` asks the same. BLIP-2 captions without a prompt.",
     )
+    image_max_pixels: Optional[int] = _f(
+        None,
+        "image-to-text: pixels per image at most, which bounds the image tokens (they drive memory). Qwen2-VL / "
+        "Qwen2.5-VL: the processor's max_pixels (a larger image is scaled down to multiples of patch × merge "
+        "pixels within it). SmolVLM / Idefics3: the longest edge images are resized to, floor(sqrt(N)) rounded down "
+        "to the tile size (so at most that many tiles). `bigtune plan` takes it as the worst-case image. null: the "
+        "processor's own. BLIP-2, LLaVA-1.5 and PaliGemma resize every image to one size and refuse it.",
+        min=1,
+    )
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
     max_seq_length: int = _f(
         512,
@@ -257,6 +266,16 @@ class TrainConfig:
         "chunk's logits in backward: the full tokens × vocab logits (and their fp32 copy) are never held, for one "
         "extra output-layer matmul. Same loss value. Applies to Llama/Mistral/Qwen2/OPT with a plain (no adapter) "
         "output layer, not under FSDP; elsewhere the plain loss is used. None: off.",
+        min=1,
+    )
+    pipeline_microbatches: Optional[int] = _f(
+        None,
+        "pipeline_parallel > 1: the pipeline micro-batches each micro_batch_size batch is split into (it must "
+        "divide train.micro_batch_size; 1f1b needs at least pipeline_parallel of them). None: micro_batch_size "
+        "(one row each, the smallest bubble). Stages work on different pipeline micro-batches at once; more of them "
+        "shrink the pipeline bubble ((stages - 1) / (pipeline_microbatches + stages - 1) of the step idle). "
+        "Every schedule step sums the token losses of its pipeline micro-batches and divides by the target "
+        "tokens of the whole optimizer step, as without pipelining.",
         min=1,
     )
 
@@ -439,6 +458,23 @@ class Recipe:
         "loss). 1: none.",
         min=1,
     )
+    pipeline_parallel: int = _f(
+        1,
+        "Pipeline parallelism: the number of stages the decoder stack is split into, one per rank (the embeddings "
+        "on the first, the final norm, output layer and loss on the last; the layers split evenly). It must equal "
+        "devices × num_nodes (no data parallelism beside it) with strategy auto or ddp; each rank holds and steps "
+        "its stage only, every rank reads the same micro-batches, and each micro-batch is padded to "
+        "data.max_seq_length (the stages exchange fixed-shape activations). Llama-architecture causal LMs, full "
+        "fine-tuning. 1: none.",
+        min=1,
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b"] = _f(
+        "1f1b",
+        "pipeline_parallel > 1: the order of forwards and backwards (torch.distributed.pipelining). gpipe: every "
+        "pipeline micro-batch's forward, then every backward, so a stage holds all their activations at once. "
+        "1f1b: one forward, one backward after a warm-up, so stage i holds at most pipeline_parallel - i "
+        "micro-batches' activations. The same bubble and the same losses.",
+    )
     fsdp_sharding: Literal["full", "grad_op", "hybrid"] = _f(
         "full",
         "FSDP: full re-shards parameters after forward (least memory); grad_op keeps them gathered until "
@@ -494,13 +530,18 @@ class Recipe:
         return t.accumulate_grad_batches
 
     @property
+    def pipeline_microbatches(self) -> int:
+        """Pipeline micro-batches per micro-batch (train.pipeline_microbatches, default one row each)."""
+        return self.train.pipeline_microbatches or self.train.micro_batch_size
+
+    @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that read different micro-batches: the world divided into tensor-parallel groups."""
-        return max(1, self.world_size // self.tensor_parallel)
+        return max(1, self.world_size // (self.tensor_parallel * self.pipeline_parallel))
 
     @property
     def lr(self) -> float:
@@ -818,6 +859,7 @@ def check_combinations(r: Recipe) -> list[str]:
     if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
         p.append("fsdp_sharding=hybrid needs num_nodes > 1 (it replicates across nodes); use full on one node")
     p.extend(check_tensor_parallel(r))
+    p.extend(check_pipeline_parallel(r))
     accel = resolve_accelerator(r)
     p.extend(check_deepspeed(r, accel))
     if accel == "cuda":
@@ -945,6 +987,60 @@ def check_tensor_parallel(r: Recipe) -> list[str]:
     return p
 
 
+def check_pipeline_parallel(r: Recipe) -> list[str]:
+    """pipeline_parallel > 1: one stage per rank, and only the features the stage split applies. The model's
+    architecture and layer count are checked when it is built."""
+    pp = r.pipeline_parallel
+    if pp == 1:
+        return []
+    p: list[str] = []
+    if r.world_size != pp:
+        p.append(
+            f"pipeline_parallel: {pp} stages need devices × num_nodes = {pp} ranks (one stage each; pipeline "
+            f"parallelism beside data parallelism is not supported), but devices × num_nodes = {r.world_size}; "
+            f"set devices={pp} (num_nodes=1) or pipeline_parallel={r.world_size}"
+        )
+    m = r.pipeline_microbatches
+    if r.train.micro_batch_size % m:
+        p.append(
+            f"train.pipeline_microbatches: {m} does not divide train.micro_batch_size="
+            f"{r.train.micro_batch_size}; each micro-batch is split into equal pipeline micro-batches, pick a divisor"
+        )
+    if r.pipeline_schedule == "1f1b" and m < pp:
+        p.append(
+            f"train.pipeline_microbatches: pipeline_schedule=1f1b needs at least pipeline_parallel={pp} pipeline "
+            f"micro-batches, got {m}; raise train.pipeline_microbatches (and train.micro_batch_size, which it "
+            "divides) or use pipeline_schedule=gpipe"
+        )
+    unsupported = {  # key: (its value, supported, why not)
+        "strategy": (r.strategy, r.strategy in ("auto", "ddp"), "each rank holds its own stage; set strategy=auto"),
+        "tensor_parallel": (r.tensor_parallel, r.tensor_parallel == 1, "2-D pipeline × tensor parallel is not built"),
+        "model.family": (r.model.family, r.model.family == "causal-lm", "only decoder-only causal LMs are split"),
+        "model.quantize": (r.model.quantize, r.model.quantize == "none", "stages train full weights only"),
+        "peft.method": (r.peft.method, r.peft.method == "none", "stages train full weights only"),
+        "train.compile": (r.train.compile, not r.train.compile, "not tested with pipeline stages"),
+        "train.loss_chunk_tokens": (
+            r.train.loss_chunk_tokens,
+            not r.train.loss_chunk_tokens,
+            "the last stage computes the plain loss",
+        ),
+        "data.packing": (r.data.packing, not r.data.packing, "packed rows need position ids the stages do not pass"),
+        "precision": (r.precision, r.precision != "16-mixed", "the schedule's backward bypasses the loss scaler"),
+        "optim.in_backward": (r.optim.in_backward, not r.optim.in_backward, "the schedule runs the backward"),
+        "optim.zero_grad": (
+            r.optim.zero_grad,
+            r.optim.zero_grad == "after_step",
+            "forwards and backwards interleave within a schedule step",
+        ),
+        "data.val_fraction": (r.data.val_fraction, not r.data.val_fraction, "evaluation is not pipelined"),
+        "data.val_source": (r.data.val_source, not r.data.val_source, "evaluation is not pipelined"),
+    }
+    for key, (value, ok, reason) in unsupported.items():
+        if not ok:
+            p.append(f"pipeline_parallel={pp} with {key}={value}: not supported ({reason}); use pipeline_parallel=1")
+    return p
+
+
 def check_deepspeed(r: Recipe, accel: str) -> list[str]:
     """Rules for the deepspeed_* strategies (also used by `bigtune launch slurm`, which validates off-GPU)."""
     if r.strategy not in DEEPSPEED_STRATEGIES:
@@ -1001,6 +1097,8 @@ def _check_image_to_text(r: Recipe) -> list[str]:
                 "model.freeze_*: only image-to-text models have vision / Q-Former / language-model parts; remove "
                 "them or set model.family=image-to-text"
             )
+        if r.data.image_max_pixels is not None:
+            p.append("data.image_max_pixels: only image-to-text models read images; remove it")
         return p
     if m.freeze_vision and m.freeze_qformer and m.freeze_language_model and r.peft.method == "none":
         p.append(

@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--image-size",
         metavar="HxW",
-        help="Qwen2-VL / Qwen2.5-VL: plan every image at HEIGHTxWIDTH pixels (resized as the processor "
-        "does). Default: the processor's max_pixels, the worst case",
+        help="Qwen2-VL / Qwen2.5-VL (training and --for caption): plan every image at HEIGHTxWIDTH pixels "
+        "(resized as the processor does). Default: the worst case, the processor's max_pixels or "
+        "data.image_max_pixels",
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument(

@@ -450,6 +450,63 @@ def _paligemma(text_type: str, **text_shape):
     return make
 
 
+# SmolVLM (issue #27), the Idefics3 architecture of HuggingFaceTB/SmolVLM-Instruct: SigLIP + pixel-shuffle
+# connector + Llama. Its processor upscales an image to ``size`` on its longest side and splits it into tiles
+# of ``max_image_size`` plus the whole image at that size, each tile (image_size / patch)² / scale_factor²
+# tokens. Tiny: 64 px images, 32 px tiles of 4 tokens; a square photo is 2×2 tiles + the global image.
+# SmolVLM-Instruct's published chat template; its turns end with <end_of_utterance>, its EOS.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+TINY_SMOLVLM_SCALE = 2  # the connector's pixel shuffle: 4×4 patches of a 32 px tile → 2×2 = 4 tokens
+
+
+def tiny_smolvlm_processor():
+    """An Idefics3Processor built locally (SmolVLM-Instruct's layout): Idefics3's PIL image processor (no
+    torchvision) resizing to 64 px and splitting into 32 px tiles, and the bundled tokenizer plus SmolVLM's
+    image, tile-position and end-of-utterance tokens (EOS, as in SmolVLM-Instruct)."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tok = tiny_tokenizer()
+    tiles = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    special = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>", *tiles]
+    tok.add_special_tokens({"additional_special_tokens": special})
+    tok.eos_token = "<end_of_utterance>"
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * TINY_IMAGE_SIZE}, max_image_size={"longest_edge": TINY_IMAGE_SIZE}
+    )
+    tile_tokens = (TINY_IMAGE_SIZE // TINY_FIXED_PATCH) ** 2 // TINY_SMOLVLM_SCALE**2
+    return Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=tile_tokens, chat_template=SMOLVLM_CHAT_TEMPLATE
+    )
+
+
+def _smolvlm(vocab: int, ids: dict):
+    from transformers import Idefics3Config
+
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=TINY_IMAGE_SIZE,
+        patch_size=TINY_FIXED_PATCH,
+    )
+    text = _llama(vocab, {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}).to_dict()
+    return Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["image_token_id"],
+        scale_factor=TINY_SMOLVLM_SCALE,
+        pad_token_id=ids["pad_token_id"],
+        use_cache=False,
+    )
+
+
 # Model families (issue #26): one tiny random-init model per architecture, 2 layers and hidden 64, so a
 # family's real code path (its attention, norms, rotary variant, MoE routing) trains, plans and exports in
 # seconds. Each keeps the family's defining traits; the rest is the config class's defaults.
@@ -526,6 +583,13 @@ PRESETS: dict[str, Preset] = {
         "PaliGemma 2: as tiny-paligemma with a Gemma-2 text model (logit soft-capping, sliding window 16 on "
         "alternate layers; eager attention).",
         processor=tiny_paligemma_processor,
+    ),
+    "tiny-smolvlm": Preset(
+        "image-to-text",
+        _smolvlm,
+        "SmolVLM (Idefics3): SigLIP ViT 32 px/patch 8 (1 layer, width 32), pixel-shuffle connector (4 tokens a "
+        "tile), Llama 2 layers, hidden 64; images upscaled to 64 px and split into 32 px tiles + the whole image.",
+        processor=tiny_smolvlm_processor,
     ),
     # model families: see _family above
     "tiny-llama3": Preset(

@@ -45,6 +45,10 @@ FIXED_IMAGE_VLM_TYPES = ("llava", "paligemma")
 # prefix LMs: the image and prompt attend both ways (token_type_ids 0), the answer causally
 PREFIX_LM_TYPES = ("paligemma",)
 
+# ... and of those that split a large image into tiles plus the whole image scaled down (Idefics3, which
+# SmolVLM is): a fixed number of tokens per tile, the tiles' count following the image's size
+SPLIT_IMAGE_VLM_TYPES = ("idefics3",)
+
 
 def is_chat_vlm(model_config) -> bool:
     """Qwen2-VL / Qwen2.5-VL: image tokens per image size (see CHAT_VLM_TYPES)."""
@@ -53,7 +57,7 @@ def is_chat_vlm(model_config) -> bool:
 
 def is_vlm(model_config) -> bool:
     """Any model this module lays out: the caption is the answer to data.prompt beside the image."""
-    return getattr(model_config, "model_type", "") in CHAT_VLM_TYPES + FIXED_IMAGE_VLM_TYPES
+    return getattr(model_config, "model_type", "") in CHAT_VLM_TYPES + FIXED_IMAGE_VLM_TYPES + SPLIT_IMAGE_VLM_TYPES
 
 
 def fixed_image_tokens(model_config) -> int:
@@ -62,6 +66,105 @@ def fixed_image_tokens(model_config) -> int:
     vc = model_config.vision_config
     n = (int(vc.image_size) // int(vc.patch_size)) ** 2
     return n + 1 if getattr(model_config, "vision_feature_select_strategy", "default") == "full" else n
+
+
+@dataclass(frozen=True)
+class SplitImageText:
+    """Idefics3's (SmolVLM's) image text, as Idefics3Processor writes it in place of ``<image>``: for each
+    tile ``<fake_token_around_image><row_r_col_c>`` and its ``<image>`` tokens, a newline after each row of
+    tiles, then a newline and ``<fake_token_around_image><global-img>`` with the whole image's tokens, closed
+    by ``<fake_token_around_image>``; an image not split (rows = cols = 0) is the global part alone. Each piece
+    sits between special tokens, so its ids are the same in any text: tokenized once here."""
+
+    image_token_id: int
+    tile_tokens: int  # <image> tokens per tile: (image_size / patch)² / scale_factor²
+    fake: tuple[int, ...]
+    global_tag: tuple[int, ...]
+    newline: tuple[int, ...]
+    blank_line: tuple[int, ...]
+    tile_tags: tuple[tuple[int, ...], ...]  # row-major, 6 × 6 as the processor's <row_r_col_c> tokens
+
+    @classmethod
+    def for_tokenizer(cls, tok, image_token_id: int, tile_tokens: int) -> "SplitImageText":
+        tags = tuple(tuple(encode(tok, f"<row_{r}_col_{c}>")) for r in range(1, 7) for c in range(1, 7))
+        ids = (encode(tok, t) for t in ("<fake_token_around_image>", "<global-img>", "\n", "\n\n"))
+        fake, global_tag, newline, blank_line = (tuple(x) for x in ids)
+        return cls(image_token_id, tile_tokens, fake, global_tag, newline, blank_line, tags)
+
+    def ids(self, rows: int, cols: int) -> list[int]:
+        """The ids in place of one image split into ``rows`` × ``cols`` tiles."""
+        if rows > 6 or cols > 6:
+            raise DataError(f"an image split into {rows}×{cols} tiles: Idefics3's tile tokens go up to 6×6")
+        tokens = [self.image_token_id] * self.tile_tokens
+        out: list[int] = []
+        for r in range(rows):
+            for c in range(cols):
+                out += [*self.fake, *self.tile_tags[r * 6 + c], *tokens]
+            out += self.newline if r < rows - 1 else self.blank_line
+        return out + [*self.fake, *self.global_tag, *tokens, *self.fake]
+
+
+def image_max_pixels_problem(model_config, name: str) -> Optional[str]:
+    """Why data.image_max_pixels cannot apply to ``model_config`` (None: it can): every model but Qwen2-VL and
+    Idefics3 resizes each image to its vision tower's one size, so the budget would change nothing."""
+    model_type = getattr(model_config, "model_type", "")
+    if model_type in CHAT_VLM_TYPES + SPLIT_IMAGE_VLM_TYPES:
+        return None
+    size = getattr(getattr(model_config, "vision_config", None), "image_size", None)
+    what = f"resizes every image to {size}×{size} px" if size else "does not take a pixel budget"
+    return f"data.image_max_pixels: {name} ({model_type}) {what}; remove data.image_max_pixels"
+
+
+def image_size_for_budget(image_processor, model_config, max_pixels: int, name: str) -> dict:
+    """The image processor's ``size`` under a budget of ``max_pixels`` pixels per image (data.image_max_pixels).
+    Qwen2-VL: the budget is max_pixels (``longest_edge``; min_pixels lowered to it if above). Idefics3: the
+    longest edge images are resized to, floor(sqrt(budget)) rounded down to the tile size, so a square image
+    at that edge fits the budget and no image has more tiles than it. Raises DataError for other models and
+    for a budget below one image token (Qwen: (patch × merge)² px) or one tile (Idefics3)."""
+    import math
+
+    if problem := image_max_pixels_problem(model_config, name):
+        raise DataError(problem)
+    size = getattr(image_processor, "size", None) or {}
+    if is_chat_vlm(model_config):
+        vc = model_config.vision_config
+        patch = int(getattr(image_processor, "patch_size", None) or vc.patch_size)
+        merge = int(getattr(image_processor, "merge_size", None) or vc.spatial_merge_size)
+        if max_pixels < (patch * merge) ** 2:
+            raise DataError(
+                f"data.image_max_pixels={max_pixels}: below one image token of {name} ({patch * merge}×"
+                f"{patch * merge} px); set it to at least {(patch * merge) ** 2}"
+            )
+        shortest = size.get("shortest_edge") or max_pixels
+        return {"shortest_edge": min(int(shortest), max_pixels), "longest_edge": max_pixels}
+    tile = int((getattr(image_processor, "max_image_size", None) or {}).get("longest_edge") or 0)
+    tile = tile or int(model_config.vision_config.image_size)
+    edge = math.isqrt(max_pixels) // tile * tile
+    if edge < tile:
+        raise DataError(
+            f"data.image_max_pixels={max_pixels}: below one {tile}×{tile} px tile of {name}; set it to at least "
+            f"{tile * tile}"
+        )
+    return {"longest_edge": edge}
+
+
+def bound_image_pixels(processor, model_config, max_pixels: Optional[int], name: str) -> None:
+    """Set data.image_max_pixels on ``processor``'s image processor (see image_size_for_budget), so the
+    training data, and the run's saved processor that `bigtune caption` loads, keep within it."""
+    if max_pixels is None:
+        return
+    ip = processor.image_processor
+    ip.size = type(ip.size)(**image_size_for_budget(ip, model_config, int(max_pixels), name))
+
+
+def split_tile_tokens(processor, model_config) -> int:
+    """``<image>`` tokens per Idefics3 tile: the processor's image_seq_len, else from the config (patches per
+    tile over scale_factor², the connector's pixel shuffle)."""
+    n = getattr(processor, "image_seq_len", None)
+    if n:
+        return int(n)
+    vc = model_config.vision_config
+    return (int(vc.image_size) // int(vc.patch_size)) ** 2 // int(model_config.scale_factor) ** 2
 
 
 def _text_ids(tok, text: str) -> list[int]:
@@ -93,6 +196,7 @@ class ChatImageLayout:
     merge_size: int
     image_tokens: int = 0  # LLaVA / PaliGemma: tokens of every image; 0: from each image's grid (Qwen2-VL)
     prefix_lm: bool = False  # PaliGemma: no chat template; token_type_ids mark the prefix
+    split: Optional[SplitImageText] = None  # Idefics3 / SmolVLM: the image's tiles written out as text
 
     @classmethod
     def for_model(cls, processor, model_config, prompt: str) -> "ChatImageLayout":
@@ -119,6 +223,9 @@ class ChatImageLayout:
             return cls(
                 template, prompt, prompt_ids, image_id, int(pad), int(model_config.vision_config.spatial_merge_size)
             )
+        if getattr(model_config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES:
+            split = SplitImageText.for_tokenizer(tok, image_id, split_tile_tokens(processor, model_config))
+            return cls(template, prompt, prompt_ids, image_id, int(pad), 1, split=split)
         return cls(template, prompt, prompt_ids, image_id, int(pad), 1, fixed_image_tokens(model_config))
 
     @classmethod
@@ -160,23 +267,23 @@ class ChatImageLayout:
         full = full[:max_len]
         return full, [IGNORE_INDEX] * n + full[n:], truncated
 
-    def image_token_count(self, grid_thw: Optional[torch.Tensor]) -> int:
-        """Language-model tokens of one image: fixed (LLaVA, PaliGemma), or its patches over merge_size²."""
-        if self.image_tokens:
-            return self.image_tokens
-        return int(grid_thw.prod()) // self.merge_size**2
+    def image_ids(self, pixels) -> list[int]:
+        """The ids in place of one image's placeholder, from the image processor's output: the image token
+        repeated (a fixed count for LLaVA / PaliGemma, Qwen's patches over merge_size²), or Idefics3's
+        tiles written out (its rows and columns)."""
+        if self.split is not None:
+            return self.split.ids(int(pixels["rows"][0][0]), int(pixels["cols"][0][0]))
+        count = self.image_tokens or int(pixels["image_grid_thw"][0].prod()) // self.merge_size**2
+        return [self.image_token_id] * count
 
     def prefix_length(self, count: int) -> int:
-        """Tokens before the answer once the placeholder is ``count`` image tokens (the prompt comes first)."""
+        """Tokens before the answer once the placeholder is ``count`` tokens (the prompt comes first)."""
         return len(self.prompt_ids) - 1 + count
 
-    def expand(self, ids: list[int], labels: list[int], count: int) -> tuple[list[int], list[int]]:
-        """``ids``/``labels`` with the image placeholder repeated ``count`` times (labels -100)."""
+    def expand(self, ids: list[int], labels: list[int], image: list[int]) -> tuple[list[int], list[int]]:
+        """``ids``/``labels`` with the image placeholder replaced by ``image`` (labels -100)."""
         at = ids.index(self.image_token_id)
-        return (
-            ids[:at] + [self.image_token_id] * count + ids[at + 1 :],
-            labels[:at] + [IGNORE_INDEX] * count + labels[at + 1 :],
-        )
+        return ids[:at] + image + ids[at + 1 :], labels[:at] + [IGNORE_INDEX] * len(image) + labels[at + 1 :]
 
 
 class ChatImageDataset(torch.utils.data.Dataset):
@@ -198,13 +305,17 @@ class ChatImageDataset(torch.utils.data.Dataset):
 def image_item(layout: ChatImageLayout, image_processor, image, ids: list[int], labels: Optional[list[int]]) -> dict:
     """One row: the image's pixels (and Qwen's tile grid), its placeholder expanded, and for a prefix LM the
     prefix length (the collator's token_type_ids)."""
-    pixels = image_processor(image, return_tensors="pt")
+    extra = {"return_row_col_info": True} if layout.split is not None else {}
+    pixels = image_processor(image, return_tensors="pt", **extra)
     grid = pixels.get("image_grid_thw")
-    count = layout.image_token_count(None if grid is None else grid[0])
-    ids, expanded = layout.expand(ids, ids if labels is None else labels, count)
-    item: dict = {"pixel_values": pixels["pixel_values"], "input_ids": ids}
+    image_ids = layout.image_ids(pixels)
+    count = len(image_ids)
+    ids, expanded = layout.expand(ids, ids if labels is None else labels, image_ids)
+    item: dict = {"pixel_values": pixels["pixel_values"], "input_ids": ids, "image_length": count}
     if grid is not None:
         item["image_grid_thw"] = grid
+    if "pixel_attention_mask" in pixels:  # Idefics3: (1, tiles + 1, height, width), the real pixels of each
+        item["pixel_attention_mask"] = pixels["pixel_attention_mask"]
     if labels is not None:
         item["labels"] = expanded
     if layout.prefix_lm:
@@ -223,6 +334,15 @@ def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
     return out
 
 
+def _cat_images(pixels: list[torch.Tensor], per_row: bool) -> torch.Tensor:
+    """The rows' pixels as one tensor; with ``per_row`` (Idefics3's (1, images, ...) rows) padded with all-zero
+    images to the most images of a row, as its processor pads them (the model skips all-zero images)."""
+    if not per_row:
+        return torch.cat(pixels)
+    n = max(p.shape[1] for p in pixels)
+    return torch.cat([torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, n - p.shape[1])) for p in pixels])
+
+
 def collate_chat_images(items: list[dict], layout: ChatImageLayout, left: bool = False) -> dict[str, Any]:
     """One batch: rows padded to the longest (right for training, ``left`` for generation), the images'
     pixels concatenated (Qwen's patches along one axis, fixed-size images stacked), Qwen's
@@ -231,15 +351,20 @@ def collate_chat_images(items: list[dict], layout: ChatImageLayout, left: bool =
     processor pads them)."""
     ids = _pad([x["input_ids"] for x in items], layout.pad_id, left)
     mask = _pad([[1] * len(x["input_ids"]) for x in items], 0, left)
+    per_row = "pixel_attention_mask" in items[0]
     out: dict[str, Any] = {
-        "pixel_values": torch.cat([x["pixel_values"] for x in items]),
+        "pixel_values": _cat_images([x["pixel_values"] for x in items], per_row),
         "input_ids": ids,
         "attention_mask": mask,
         "padded": any(len(x["input_ids"]) < ids.shape[1] for x in items),
     }
+    if per_row:
+        out["pixel_attention_mask"] = _cat_images([x["pixel_attention_mask"] for x in items], per_row)
     if "image_grid_thw" in items[0]:
         out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in items])
         out["mm_token_type_ids"] = (ids == layout.image_token_id).long() * mask
+    else:  # the most tokens a row's image takes: how the engine counts the batch's text tokens (its shape)
+        out["image_tokens"] = max(x["image_length"] for x in items)
     if layout.prefix_lm:
         types = [[0] * x["prefix_length"] + [1] * (len(x["input_ids"]) - x["prefix_length"]) for x in items]
         out["token_type_ids"] = _pad(types, 0, left)
@@ -261,4 +386,5 @@ def generation_batch(layout: ChatImageLayout, image_processor, images: list) -> 
     items = [image_item(layout, image_processor, img, layout.prompt_ids, None) for img in images]
     batch = collate_chat_images(items, layout, left=True)
     del batch["padded"]
+    batch.pop("image_tokens", None)
     return batch

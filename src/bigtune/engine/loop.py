@@ -43,6 +43,7 @@ from bigtune.core.stepmath import (
 from bigtune.data.text import Collator, DataReport, EpochSampler, ListDataset, build_examples, pack_examples
 from bigtune.engine.meter import WindowMeter
 from bigtune.engine.optim import make_optimizer
+from bigtune.engine.pipeline import PipelineRunner
 from bigtune.memory import monitor as mem
 from bigtune.models.build import (
     PLAIN_HEAD_TYPES,
@@ -131,6 +132,7 @@ class Built:
     base_dir: Optional[Path] = None  # initial weights of a preset/random model under adapters
     val_loader: Any = None  # the held-out split, when there is one
     class_weights: Optional[torch.Tensor] = None  # sequence-classification: per-class loss weights
+    pipeline: Any = None  # pipeline_parallel > 1: this rank's stage and schedule (engine/pipeline.py)
 
 
 def _image_data(recipe: Recipe, processor):
@@ -140,6 +142,7 @@ def _image_data(recipe: Recipe, processor):
     from bigtune.models.configs import resolve_config_name
 
     config = resolve_config_name(recipe.model)
+    vlm.bound_image_pixels(processor, config, recipe.data.image_max_pixels, recipe.model.name)
     if vlm.is_vlm(config):  # Qwen2-VL, LLaVA, PaliGemma: the caption answers data.prompt beside the image
         layout = vlm.ChatImageLayout.for_model(processor, config, recipe.data.prompt)
         dataset = lambda items: vlm.ChatImageDataset(items, processor.image_processor, layout)  # noqa: E731
@@ -224,6 +227,10 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
         print(
             f"train.compile: {len(blocks)} blocks ({kinds}) compile on first use; the first steps are slow", flush=True
         )
+    if recipe.pipeline_parallel > 1:  # built whole (the single process's weights), this rank's stage kept
+        from bigtune.engine.pipeline import split_model
+
+        model = split_model(recipe, fabric, model)
     params = count_parameters(model)
     if load_report is not None:
         params["nf4_load"] = load_report  # this rank's (the summary is rank 0's)
@@ -358,6 +365,7 @@ def build(recipe: Recipe, fabric) -> Built:
         base_dir,
         val_loader,
         weights,
+        pipeline=PipelineRunner(recipe, fabric, model) if recipe.pipeline_parallel > 1 else None,
     )
 
 
@@ -420,6 +428,8 @@ def train_step(
         micro_batch_context,
     )
 
+    if getattr(b, "pipeline", None) is not None:  # the schedule orders the stages' forwards and backwards
+        return b.pipeline.step(b, batches, monitor, measure, state, token_count)
     fabric, model, opt = b.fabric, b.model, b.optimizer
     shift = shifts_labels(model)
     if token_count is None and fabric.world_size > 1:
@@ -515,6 +525,8 @@ def _text_shape(batch: dict) -> list[int]:
     b, n = batch["labels"].shape[:2]
     if "image_grid_thw" in batch and "mm_token_type_ids" in batch:
         return [int(b), int(n) - int(batch["mm_token_type_ids"].sum(1).max()) + 1]
+    if "image_tokens" in batch:  # LLaVA / PaliGemma: every row's image is that many tokens, one placeholder
+        return [int(b), int(n) - int(batch["image_tokens"]) + 1]
     if "pixel_values" in batch and "decoder_input_ids" not in batch:
         n -= int((batch["labels"][0] == IGNORE_INDEX).sum()) - int((batch["attention_mask"][0] == 0).sum())
     return [int(b), int(n)]
@@ -610,6 +622,8 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> N
     shape = _text_shape(batches[0])
     # Packed rows attend through an explicit block mask, as padded batches do (for the planner).
     padded = any(x.get("padded", True) or x.get("packed", False) for x in batches)
+    if b.pipeline is not None:  # the stages compute on micro-batches padded to one shape, without a padding mask
+        shape, padded = list(b.pipeline.shape), False
     # chat vision-language models: each image's (t, h, w) tile grid, which the re-plan lays out again
     grids = {"image_grids": batches[0]["image_grid_thw"].tolist()} if "image_grid_thw" in batches[0] else {}
     per_rank = mem.gather_snapshots(b.fabric, snaps)

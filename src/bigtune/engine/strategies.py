@@ -304,6 +304,10 @@ def make_strategy(recipe: Recipe, accelerator: str):
         strategy = "ddp" if world > 1 else "single"
     timeout = timedelta(seconds=recipe.dist_timeout_s)
     backend = "gloo" if accelerator == "cpu" else None
+    if recipe.pipeline_parallel > 1:
+        from bigtune.engine.pipeline import make_pipeline_strategy
+
+        return make_pipeline_strategy(timeout, backend)
     if strategy == "single":
         return "auto"
     if strategy == "ddp":
@@ -353,6 +357,10 @@ def full_state_dict(fabric, module: torch.nn.Module, trainable_only: bool = Fals
         # A collective: every rank gathers its partitions (config stage3_gather_16bit_weights_on_model_save).
         sd = engine._zero3_consolidated_16bit_state_dict()
         return {k: v.cpu() for k, v in sd.items()} if fabric.global_rank == 0 else {}
+    from bigtune.engine.pipeline import gather_state_dict, is_pipeline
+
+    if is_pipeline(fabric):  # each rank holds one stage: gathered piece by piece
+        return gather_state_dict(fabric, module)
     if not is_sharded(fabric):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -425,7 +433,12 @@ def collective_failure_hint(error: BaseException, recipe: Recipe, world_size: in
 
 def data_parallel(fabric) -> tuple[int, int]:
     """(this rank's index, number of ranks) in the data-parallel dimension: the ranks that read different
-    micro-batches. Every rank of a tensor-parallel group has the same index (it reads the same batches)."""
+    micro-batches. Every rank of a tensor-parallel group has the same index (it reads the same batches), and
+    so has every stage of a pipeline (one data-parallel rank)."""
+    from bigtune.engine.pipeline import is_pipeline
+
+    if is_pipeline(fabric):
+        return 0, 1
     if is_sharded(fabric):
         mesh = fabric.strategy.device_mesh["data_parallel"]
         return mesh.get_local_rank(), mesh.size()
@@ -440,7 +453,9 @@ def all_sum(fabric, value: float | int, data_parallel_only: bool = False) -> flo
     """``value`` summed over every rank, or over this rank's data-parallel group only (counts of what the ranks
     read: under tensor parallelism each group reads the same batches, so a sum over all ranks would count
     them tensor_parallel times)."""
-    if fabric.world_size == 1:
+    from bigtune.engine.pipeline import is_pipeline
+
+    if fabric.world_size == 1 or data_parallel_only and is_pipeline(fabric):  # the stages read the same batches
         return value
     group = None
     if data_parallel_only and tensor_parallel_size(fabric) > 1:
@@ -455,7 +470,13 @@ def all_sum(fabric, value: float | int, data_parallel_only: bool = False) -> flo
 def clip_gradients(fabric, model: torch.nn.Module, optimizer, max_norm: float) -> None:
     """Clip to a global gradient norm. Under tensor parallelism the gradients are DTensors on two meshes (the
     split projections on data_parallel × tensor_parallel, the replicated rest on data_parallel only), which
-    torch's clip_grad_norm_ cannot stack: each mesh's norm is reduced to a full one, then combined."""
+    torch's clip_grad_norm_ cannot stack: each mesh's norm is reduced to a full one, then combined. Pipeline
+    stages combine their norms likewise."""
+    from bigtune.engine.pipeline import global_grad_norm_clip, is_pipeline
+
+    if is_pipeline(fabric):
+        global_grad_norm_clip(model, max_norm)
+        return
     if tensor_parallel_size(fabric) == 1:
         # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
         fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)

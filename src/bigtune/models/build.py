@@ -379,6 +379,12 @@ VLM_PARTS = {
     "qwen2_5_vl": CHAT_VLM_PARTS,
     "llava": PROJECTOR_VLM_PARTS,
     "paligemma": PROJECTOR_VLM_PARTS,
+    # Idefics3 (SmolVLM): SigLIP, the pixel-shuffle connector (model.freeze_qformer), the language model and head
+    "idefics3": {
+        "vision": ("model.vision_model.",),
+        "qformer": ("model.connector.",),
+        "language_model": ("model.text_model.", "lm_head."),
+    },
 }
 
 CHAT_VLM_TYPES = tuple(VLM_PARTS)
@@ -457,6 +463,7 @@ DEFAULT_TARGETS = {
     # LLaVA / PaliGemma: likewise (CLIP's and SigLIP's attention have q_proj/v_proj too: the regex skips them)
     "llava": r".*language_model\..*\.(q_proj|v_proj)$",
     "paligemma": r".*language_model\..*\.(q_proj|v_proj)$",
+    "idefics3": r".*text_model\..*\.(q_proj|v_proj)$",  # SmolVLM: its language model is model.text_model
 }
 
 

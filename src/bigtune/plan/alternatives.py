@@ -33,6 +33,8 @@ def _variant_recipe(recipe: Recipe, over: dict, check: bool = True, cuda: bool =
     GPU target only what concerns the GPU run (not this machine's installs: recipe.gpu_plan_problems)."""
     from bigtune.recipe import gpu_plan_problems
 
+    if recipe.pipeline_parallel > 1 and "pipeline_parallel" not in over:  # the other variants are not pipelined
+        over = {"pipeline_parallel": 1, "train.pipeline_microbatches": None, **over}
     r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"}, check=check and not cuda)
     if check and cuda and (problems := gpu_plan_problems(r)):
         raise RecipeError(problems)
@@ -213,8 +215,44 @@ def alternatives(
             p = _plan_variant(recipe, o, target, gpus, strategy, label, config, sims[k])
             if p.fits is None or p.fits:
                 plans.append(p)
+    pipelined = _pipeline_plans(recipe, target, config, max_gpus, workers) if tensor_parallel else []
+    n_evaluated += len(pipelined)
+    plans += [p for p in pipelined if p.fits is None or p.fits]
     plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
     return Alternatives(plans, evaluated=n_evaluated)
+
+
+def _pipeline_plans(recipe: Recipe, target: Target, config, max_gpus: int, workers: int) -> list[Plan]:
+    """Pipeline parallelism over the target's GPUs (one stage each, where training would run it: a Llama-style
+    causal LM whose layers split evenly, full fine-tuning): the whole global batch in one schedule step, as
+    pipeline micro-batches of one row (the smallest bubble). 1F1B only: GPipe has the same bubble and holds
+    more activations. Planned stage by stage (plan/pipeline.py), not through the shared simulations."""
+    from bigtune.engine.pipeline import PIPELINE_MODEL_TYPES
+
+    p, g = target.gpus, recipe.global_batch_size
+    if p < 2 or p > max_gpus or config.num_hidden_layers % p or config.model_type not in PIPELINE_MODEL_TYPES:
+        return []
+    if getattr(config, "tie_word_embeddings", False):
+        return []
+    over = {
+        "devices": p,
+        "num_nodes": 1,
+        "strategy": "auto",
+        "tensor_parallel": 1,
+        "pipeline_parallel": p,
+        "pipeline_schedule": "1f1b",
+        "train.micro_batch_size": g,
+        "train.pipeline_microbatches": g,
+        "train.accumulate_grad_batches": 1,
+        "train.global_batch_size": None,
+        "optim.in_backward": False,
+    }
+    try:
+        r = _variant_recipe(recipe, over, cuda=target.device == "cuda")
+    except RecipeError:
+        return []  # training refuses pipelining this recipe (adapters, a 4-bit base, another family...)
+    label = f"{recipe.precision}, {p} GPUs pipeline_parallel={p} (1f1b, {g} pipeline micro-batches of 1 row)"
+    return [plan(r, Target(target.device, target.gpu, p, "ddp"), label, over, config, workers=workers)]
 
 
 def _single_gpu_variants(vs: _Variants) -> None:

@@ -4,7 +4,8 @@ Such a model sees each image at about its own size: the processor resizes it to 
 patch × merge pixels within its min/max pixels, cuts it into patch × patch tiles (each repeated over
 ``temporal_patch_size`` frames), and every merge² tiles become one language-model token. So a
 synthetic batch needs the processor's bounds, not just the model config. A plain plan is the worst
-case: every image at the processor's max_pixels. ``bigtune plan --image-size HxW`` and the engine's
+case: every image at the processor's max_pixels (data.image_max_pixels when set, as training sets it on the
+processor). ``bigtune plan --image-size HxW`` (that image as the processor resizes it) and the engine's
 re-plan of a measured batch give their own image grids instead.
 
 The batch is laid out as ``bigtune.data.vlm`` lays out a real one: the user turn (chat template, the
@@ -46,6 +47,7 @@ class ImageGeometry:
     image_token_id: int
     from_processor: bool  # False: the prompt is a bare placeholder (and without a processor, default bounds)
     bounds_from_processor: bool = True  # False: min/max pixels are transformers' defaults
+    max_pixels_from_recipe: bool = False  # True: max_pixels is data.image_max_pixels
 
     @property
     def factor(self) -> int:
@@ -79,6 +81,29 @@ def is_chat_vlm_config(config) -> bool:
     return is_chat_vlm(config)
 
 
+def is_fixed_image_vlm_config(config) -> bool:
+    """LLaVA-1.5, PaliGemma: every image resized to the vision tower's size, so a fixed number of tokens."""
+    from bigtune.data.vlm import FIXED_IMAGE_VLM_TYPES
+
+    return getattr(config, "model_type", "") in FIXED_IMAGE_VLM_TYPES
+
+
+def check_image_budget(recipe: Recipe, config) -> None:
+    """Refuse data.image_max_pixels for a model that resizes every image to one size (DataError, as training)."""
+    from bigtune.data.text import DataError
+    from bigtune.data.vlm import image_max_pixels_problem
+
+    if recipe.data.image_max_pixels is not None and (problem := image_max_pixels_problem(config, recipe.model.name)):
+        raise DataError(problem)
+
+
+def is_vlm_config(config) -> bool:
+    """Any vision-language model whose batch bigtune.data.vlm lays out (and this module plans)."""
+    from bigtune.data.vlm import is_vlm
+
+    return is_vlm(config)
+
+
 _PROCESSORS: dict[tuple, object] = {}  # one load per model for the several simulations of a plan
 
 
@@ -94,7 +119,7 @@ def _processor(model):
 def image_geometry(recipe: Recipe, config) -> ImageGeometry:
     """The processor's geometry for ``recipe``'s model (bounds and prompt from its processor where it loads
     here: a preset's is built locally; else transformers' default bounds and a bare image placeholder)."""
-    from bigtune.data.vlm import ChatImageLayout
+    from bigtune.data.vlm import ChatImageLayout, image_size_for_budget
 
     vc = config.vision_config
     proc = layout = None
@@ -105,17 +130,22 @@ def image_geometry(recipe: Recipe, config) -> ImageGeometry:
         pass
     ip = getattr(proc, "image_processor", None)
     size = getattr(ip, "size", None)
+    bounds = {k: getattr(size, k, None) for k in ("shortest_edge", "longest_edge")}
+    budget = recipe.data.image_max_pixels
+    if budget is not None:  # the bounds training sets on the processor (bigtune.data.vlm.bound_image_pixels)
+        bounds = image_size_for_budget(ip, config, int(budget), recipe.model.name)
     return ImageGeometry(
         patch=int(getattr(ip, "patch_size", None) or vc.patch_size),
         merge=int(getattr(ip, "merge_size", None) or vc.spatial_merge_size),
         temporal=int(getattr(ip, "temporal_patch_size", None) or vc.temporal_patch_size),
         channels=int(getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)),
-        min_pixels=int(getattr(size, "shortest_edge", None) or DEFAULT_MIN_PIXELS),
-        max_pixels=int(getattr(size, "longest_edge", None) or DEFAULT_MAX_PIXELS),
+        min_pixels=int(bounds["shortest_edge"] or DEFAULT_MIN_PIXELS),
+        max_pixels=int(bounds["longest_edge"] or DEFAULT_MAX_PIXELS),
         prompt_ids=tuple(layout.prompt_ids) if layout else (int(config.image_token_id),),
         image_token_id=int(config.image_token_id),
         from_processor=layout is not None,
-        bounds_from_processor=size is not None,
+        bounds_from_processor=size is not None or budget is not None,
+        max_pixels_from_recipe=budget is not None,
     )
 
 
@@ -195,6 +225,153 @@ def synthetic_batch(
     }
 
 
+@dataclass(frozen=True)
+class FixedImageLayout:
+    """A fixed-image model's exchange (LLaVA-1.5, PaliGemma): its user turn or prefix, one image placeholder
+    among the ids, and every image's token count and pixel size from the config."""
+
+    prompt_ids: tuple[int, ...]
+    image_token_id: int
+    image_tokens: int
+    prefix_lm: bool  # PaliGemma: token_type_ids 0 on the prefix, 1 on the answer
+    from_processor: bool  # False: a bare image placeholder (the processor did not load here)
+
+
+def fixed_image_layout(recipe: Recipe, config) -> FixedImageLayout:
+    """The layout bigtune.data.vlm gives ``recipe``'s data (from the model's processor where it loads here)."""
+    from bigtune.data.vlm import PREFIX_LM_TYPES, ChatImageLayout, fixed_image_tokens
+
+    image_id = int(config.image_token_id)
+    try:
+        chat = ChatImageLayout.for_model(_processor(recipe.model), config, recipe.data.prompt)
+        prompt, known = tuple(chat.prompt_ids), True
+    except Exception:  # noqa: BLE001 - no processor (hub unreachable, ...) or no chat template: a bare placeholder
+        prompt, known = (image_id,), False
+    prefix_lm = getattr(config, "model_type", "") in PREFIX_LM_TYPES
+    return FixedImageLayout(prompt, image_id, fixed_image_tokens(config), prefix_lm, known)
+
+
+def fixed_image_batch(recipe: Recipe, cfg, layout: FixedImageLayout, b_size: int, padded: bool) -> dict:
+    """A micro-batch shaped as ChatImageCollator builds it for LLaVA / PaliGemma: every row the prompt (its
+    placeholder as the image's tokens) and an answer up to data.max_seq_length text tokens; the images
+    stacked as (batch, channels, size, size) pixels; a prefix LM's token_type_ids."""
+    from bigtune.core.stepmath import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(0)
+    prompt = list(layout.prompt_ids)
+    at = prompt.index(layout.image_token_id)
+    row = prompt[:at] + [layout.image_token_id] * layout.image_tokens + prompt[at + 1 :]
+    answer_len = max(1, recipe.data.max_seq_length - len(prompt))
+    top = min(int(cfg.text_config.vocab_size), layout.image_token_id)  # answer ids below the image token
+    answers = torch.randint(3, top, (b_size, answer_len), generator=g)
+    ids = torch.cat([torch.tensor([row] * b_size, dtype=torch.long), answers], 1)
+    labels = torch.cat([torch.full((b_size, len(row)), IGNORE_INDEX, dtype=torch.long), answers], 1)
+    mask = torch.ones_like(ids)
+    types = torch.cat([torch.zeros(b_size, len(row), dtype=torch.long), torch.ones_like(answers)], 1)
+    if padded:  # one padded row: the explicit-mask attention path a real padded batch takes
+        mask[-1, -1], labels[-1, -1], types[-1, -1] = 0, IGNORE_INDEX, 0
+    vc = cfg.vision_config
+    # A shape only: simulate() swaps in a fake tensor (see _fake_pixels).
+    pixels = torch.empty(b_size, int(getattr(vc, "num_channels", 3)), int(vc.image_size), int(vc.image_size))
+    batch = {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask, "labels": labels, "padded": padded}
+    if layout.prefix_lm:
+        batch["token_type_ids"] = types
+    batch["image_tokens"] = layout.image_tokens  # the engine's batch-shape rule reads it (loop._text_shape)
+    return batch
+
+
+def fixed_images_note(config, layout: FixedImageLayout) -> str:
+    """What the plan assumed about a fixed-image model's images."""
+    size = int(config.vision_config.image_size)
+    src = "" if layout.from_processor else "; the processor did not load here, so a bare image placeholder"
+    return f"images: every image resized to {size}×{size} px ({layout.image_tokens} image tokens){src}"
+
+
+@dataclass(frozen=True)
+class CaptionImages:
+    """What ``bigtune caption`` gives a chat vision-language model per image (bigtune.data.vlm.generation_batch):
+    the processor's prompt with one image placeholder, the image's tokens and one image's pixel_values."""
+
+    prompt_ids: tuple[int, ...]
+    image_token_id: int
+    image_tokens: int  # language-model tokens of one image
+    vision_patches: int  # patches the vision tower runs per image (time estimates)
+    grid: Optional[Grid]  # Qwen2-VL: the image's (t, h, w) tile grid; None: a fixed-size image
+    pixel_shape: tuple[int, ...]  # Qwen2-VL: (tiles, tile width), one image's rows; else (channels, size, size)
+    prefix_lm: bool  # PaliGemma: token_type_ids (0 on the whole prefix)
+    note: str
+
+
+def caption_images(recipe: Recipe, config, image_size: Optional[tuple[int, int]] = None) -> CaptionImages:
+    """The images a caption plan gives ``recipe``'s model: Qwen2-VL's worst case (max_pixels, or
+    data.image_max_pixels) or ``image_size`` as its processor resizes it; LLaVA / PaliGemma's one size."""
+    from bigtune.data.text import DataError
+    from bigtune.data.vlm import image_max_pixels_problem
+
+    check_image_budget(recipe, config)
+    if is_chat_vlm_config(config):
+        geo = image_geometry(recipe, config)
+        grid = geo.grid(*image_size) if image_size else geo.worst_grid()
+        patches = grid[0] * grid[1] * grid[2]
+        note = images_note(geo, (grid,) if image_size else None, 1)
+        return CaptionImages(
+            geo.prompt_ids,
+            geo.image_token_id,
+            geo.tokens(grid),
+            patches,
+            grid,
+            (patches, geo.tile_width()),
+            False,
+            note,
+        )
+    if image_size:  # the same refusal as a training plan's --image-size
+        raise DataError(
+            f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {recipe.model.name} sees images at a fixed size"
+        )
+    if not is_fixed_image_vlm_config(config):
+        raise DataError(image_max_pixels_problem(config, recipe.model.name) or f"{recipe.model.name}: not a chat VLM")
+    layout = fixed_image_layout(recipe, config)
+    vc = config.vision_config
+    size, patch = int(vc.image_size), int(vc.patch_size)
+    clip_class_token = getattr(vc, "model_type", "") == "clip_vision_model"  # CLIP's tower adds one, SigLIP's none
+    return CaptionImages(
+        layout.prompt_ids,
+        layout.image_token_id,
+        layout.image_tokens,
+        (size // patch) ** 2 + int(clip_class_token),
+        None,
+        (int(getattr(vc, "num_channels", 3)), size, size),
+        layout.prefix_lm,
+        fixed_images_note(config, layout),
+    )
+
+
+def caption_inputs(images: CaptionImages, batch_size: int, dtype: torch.dtype) -> dict:
+    """A generation batch as generation_batch builds it for ``batch_size`` such images (every row the same
+    length, so no padding). Integer tensors from Python lists: under fake tensors they keep their values
+    (real_index_math); the pixels are random (fake under fake tensors)."""
+    at = images.prompt_ids.index(images.image_token_id)
+    row = [*images.prompt_ids[:at], *[images.image_token_id] * images.image_tokens, *images.prompt_ids[at + 1 :]]
+    ids = torch.tensor([row] * batch_size, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    rows = (
+        (batch_size * images.pixel_shape[0], *images.pixel_shape[1:])
+        if images.grid
+        else (batch_size, *images.pixel_shape)
+    )
+    out = {
+        "pixel_values": torch.randn(rows, generator=g).to(dtype),
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+    }
+    if images.grid:
+        out["image_grid_thw"] = torch.tensor([list(images.grid)] * batch_size, dtype=torch.long)
+        out["mm_token_type_ids"] = (ids == images.image_token_id).long()
+    if images.prefix_lm:
+        out["token_type_ids"] = torch.zeros_like(ids)
+    return out
+
+
 def vision_period(config) -> int:
     """Vision blocks that repeat as one unit: Qwen2.5-VL attends within windows except in its
     full-attention blocks (every 8th in the published models), so its unit runs from one full-attention
@@ -224,7 +401,8 @@ def images_note(geometry: ImageGeometry, images: Optional[tuple[Grid, ...]], mic
     what = ", ".join(f"{h}×{w} px ({n} image tokens)" for h, w, n in sizes)
     why = ""
     if not images:
-        why = f": the worst case, the processor's max_pixels={geometry.max_pixels} (--image-size HxW to plan yours)"
+        whose = "data.image_max_pixels" if geometry.max_pixels_from_recipe else "the processor's max_pixels"
+        why = f": the worst case, {whose}={geometry.max_pixels} (--image-size HxW to plan yours)"
     src = ""
     if not geometry.from_processor:
         src = "; the processor or its chat template did not load here, so a bare image placeholder" + (

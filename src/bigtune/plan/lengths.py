@@ -55,11 +55,11 @@ def _examples(recipe: Recipe):
     family = recipe.model.family
     if family == "image-to-text":
         from bigtune.data.images import TokenLayout, build_image_examples
-        from bigtune.data.vlm import ChatImageLayout, is_chat_vlm
+        from bigtune.data.vlm import ChatImageLayout, is_vlm
         from bigtune.models.configs import resolve_config_name
 
         config = resolve_config_name(recipe.model)
-        if is_chat_vlm(config):  # text tokens (the image placeholder among them); the images' tokens apart
+        if is_vlm(config):  # text tokens (the image placeholder among them); the images' tokens apart
             chat = ChatImageLayout.for_model(tok, config, recipe.data.prompt)
             examples, report = build_image_examples(recipe.data, tok, chat, recipe.seed)
             return examples, report, [len(e.input_ids) for e in examples]

@@ -31,6 +31,7 @@ import torch
 
 from bigtune.models.configs import resolve_config
 from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
+from bigtune.plan.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
 from bigtune.plan.quantized import EIGHT_BIT
 from bigtune.plan.sharding import host_state_bytes, shard_states
 from bigtune.plan.simulate import (
@@ -88,13 +89,20 @@ def plan(
     t0 = time.perf_counter()
     whole = config if config is not None else resolve_config(recipe)
     target, config, sim_recipe = tensor_parallel_layout(recipe, target, whole)
+    target = with_pipeline_parallel(recipe, target)
     cuda = target.device == "cuda"
     own_sim = sim is None
-    if own_sim:
+    stage_peaks = None  # pipeline_parallel: each stage's peak; the plan is the largest stage's (pipeline.py)
+    if own_sim and target.pipeline_parallel > 1:
+        sim, stage_peaks = largest_stage(sim_recipe, config, cuda, target_arch(target), workers)
+    elif own_sim:
         sim = simulate_full_depth(sim_recipe, config, cuda, padded=padded, arch=target_arch(target), images=images)
         if sims is not None and not padded and not images:
             sims[sim_key(sim_recipe, sim_recipe.train.micro_batch_size)] = sim
-    phases, peak, notes = shard_states(sim, recipe, target, total_blocks(config))
+    if stage_peaks is not None:  # one stage per GPU, nothing sharded
+        phases, peak, notes = sim.phases, sim.peak_allocated, [pipeline_note(recipe, stage_peaks)]
+    else:
+        phases, peak, notes = shard_states(sim, recipe, target, total_blocks(config))
     notes += _simulation_notes(recipe, sim_recipe, sim, target)
     simulated_host = max((ph.get("optimizer_cpu", 0) for ph in sim.phases.values()), default=0)
     if cuda and simulated_host:
@@ -111,6 +119,7 @@ def plan(
         # Replayed only for the recipe's own simulation, without a CPU-offloaded optimizer, where not a certain OOM.
         cap = target.capacity_bytes
         replayed = replay and own_sim and not simulated_host and not (cap is not None and peak > cap)
+        replayed = replayed and stage_peaks is None  # the replay's traced simulations are of the whole model
         reserved, needed = _reserved_and_needed(
             recipe, sim_recipe, config, sim, target, peak, workspaces, padded, workers, replayed, notes, images
         )
@@ -138,7 +147,7 @@ def plan(
         capacity=cap,
         fits=fits,
         needed_total=needed + overhead,
-        parameters_total=sim.numel if whole is config else count_parameters(whole),
+        parameters_total=sim.numel if whole is config and stage_peaks is None else count_parameters(whole),
         step_time_s=step,
         tokens_per_s=tps,
         tokens_per_step=tokens_per_step(recipe, target),
@@ -256,6 +265,11 @@ def _recipe_notes(recipe: Recipe, sim_recipe: Recipe, phases: dict, target: Targ
             f"tensor_parallel={recipe.tensor_parallel} is not planned for {target.gpus} GPU(s) with "
             f"{target.strategy} (it needs strategy=fsdp on a multiple of it): planned without tensor parallelism"
         )
+    if recipe.pipeline_parallel > target.pipeline_parallel:  # training runs one stage per GPU, nothing else
+        notes.append(
+            f"pipeline_parallel={recipe.pipeline_parallel} is not planned for {target.gpus} GPU(s) (it needs one GPU "
+            "per stage): planned without pipeline parallelism"
+        )
     if recipe.model.quantize != "none":
         notes.append(_quantized_note(recipe))
     if recipe.optim.in_backward:
@@ -282,11 +296,14 @@ def _model_notes(recipe: Recipe, config, images: Optional[tuple] = None) -> list
     images a chat vision-language model was planned with."""
     from bigtune.engine.loop import loss_chunk_skipped
     from bigtune.models.build import attention_for
-    from bigtune.plan.chatvlm import image_geometry, images_note, is_chat_vlm_config
+    from bigtune.plan import chatvlm
 
     notes = []
-    if is_chat_vlm_config(config):
-        notes.append(images_note(image_geometry(recipe, config), images, recipe.train.micro_batch_size))
+    if chatvlm.is_chat_vlm_config(config):
+        geometry = chatvlm.image_geometry(recipe, config)
+        notes.append(chatvlm.images_note(geometry, images, recipe.train.micro_batch_size))
+    elif chatvlm.is_fixed_image_vlm_config(config):
+        notes.append(chatvlm.fixed_images_note(config, chatvlm.fixed_image_layout(recipe, config)))
     attn_note = attention_for(recipe.model, config)[1]
     if attn_note:
         notes.append(attn_note)

@@ -11,7 +11,10 @@ CPU runs, inside a greedy decoding loop that mirrors transformers' ``generate`` 
   so the old and the new copy of one layer's cache briefly coexist), ``max_new_tokens - 1`` steps.
 
 ``caption`` runs BLIP-2's own ``generate`` (vision tower, Q-Former, projection, the image tokens
-put in the prompt) with the language model's ``generate`` replaced by that loop; ``predict`` is one
+put in the prompt) with the language model's ``generate`` replaced by that loop; a chat
+vision-language model (Qwen2-VL, LLaVA, PaliGemma) runs that loop itself on the batch ``bigtune
+caption`` builds (chatvlm.caption_images: the chat template, each image's tokens, its pixels), the
+vision tower inside the prefill forward; ``predict`` is one
 forward without a cache (a classification head's, or a causal LM's full logits). Only the language
 model's first two and three layers are simulated;
 every byte count is then extrapolated linearly to the real depth, per phase, so a phase that peaks
@@ -27,8 +30,10 @@ every weight and the whole cache once), prefill is compute bound.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import inspect
 import math
 import random
 import time
@@ -69,6 +74,8 @@ class Workload:
     dtype: torch.dtype  # weights / compute dtype
     quantize: str = "none"  # none | nf4 | fp4 | int8 (linear weights of the base)
     double_quant: bool = True
+    image_size: Optional[tuple[int, int]] = None  # caption, Qwen2-VL: --image-size (None: the worst case)
+    images: Any = None  # caption, chat vision-language models: chatvlm.CaptionImages (plan_inference sets it)
 
 
 def inference_dtype(recipe: Recipe, dtype: str = "auto") -> torch.dtype:
@@ -110,6 +117,8 @@ def _with_depth(config, n: int):
 
 def lm_prompt_length(config, w: Workload) -> int:
     """Tokens the language model's cache starts from: the prompt (caption: the image tokens, BOS, prompt)."""
+    if w.task == "caption" and w.images is not None:  # the chat template's text around the image's tokens
+        return len(w.images.prompt_ids) - 1 + w.images.image_tokens
     if w.task == "caption":
         nq = int(getattr(config, "num_query_tokens", 0))
         if _is_t5_like(_text_config(config)):
@@ -225,17 +234,21 @@ def greedy_config(new_tokens: int, pad_id: int):
     )
 
 
-def decode_loop(lm, input_ids, attention_mask, new_tokens: int, tracker, phases: dict, inputs_embeds=None) -> Any:
+def decode_loop(
+    lm, input_ids, attention_mask, new_tokens: int, tracker, phases: dict, inputs_embeds=None, extra=None
+) -> Any:
     """Greedy decoding as ``transformers.GenerationMixin._sample`` does it, on any tensors.
 
     Mirrors generate's per-step allocations: the previous step's outputs stay alive until the next
     forward returns, the float32 copy of the last position's logits, the argmax and the growing
-    ``input_ids``. Phase peaks are written to ``phases`` (prefill, decode). Returns the cache.
+    ``input_ids``. Phase peaks are written to ``phases`` (prefill, decode). ``extra``: further model
+    inputs (a chat vision-language model's pixels, image grids, token types), which the model's own
+    prepare_inputs_for_generation passes to the prefill only. Returns the cache.
     """
     from transformers import DynamicCache, EncoderDecoderCache
 
     enc_dec = bool(getattr(lm.config, "is_encoder_decoder", False))
-    kw: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
+    kw: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True, **(extra or {})}
     if enc_dec:
         # generate runs the encoder once, then decodes from the decoder start token.
         enc_kw = {"attention_mask": attention_mask, "return_dict": True}
@@ -246,15 +259,19 @@ def decode_loop(lm, input_ids, attention_mask, new_tokens: int, tracker, phases:
         start = lm.config.decoder_start_token_id
         b = attention_mask.shape[0]
         input_ids = torch.full((b, 1), int(start if start is not None else 0), dtype=torch.long)
-        kw["past_key_values"] = EncoderDecoderCache(DynamicCache(config=lm.config), DynamicCache(config=lm.config))
+        kw["cache"] = EncoderDecoderCache(DynamicCache(config=lm.config), DynamicCache(config=lm.config))
     else:
-        kw["past_key_values"] = DynamicCache(config=lm.config)
+        kw["cache"] = DynamicCache(config=lm.config)
         if inputs_embeds is not None:
             kw["inputs_embeds"] = inputs_embeds
     if lm._supports_logits_to_keep():
         kw["logits_to_keep"] = 1
+    if extra and "position_ids" in inspect.signature(lm.forward).parameters:
+        # generate's own start: positions from the mask (Qwen2-VL: its 3-D M-RoPE positions, from the image grids)
+        kw["position_ids"] = lm._prepare_position_ids_for_generation(input_ids, {**kw, "input_ids": input_ids})
+    # generate (transformers 5.2x) passes the cache as ``cache`` and no cache_position: the model works
+    # positions out from the cache (a stale cache_position kept in the kwargs misplaces Qwen2-VL's M-RoPE)
     length = input_ids.shape[1] if inputs_embeds is None or enc_dec else inputs_embeds.shape[1]
-    kw["cache_position"] = torch.arange(length)
     inputs = lm.prepare_inputs_for_generation(input_ids, next_sequence_length=length, is_first_iteration=True, **kw)
     out = lm(**inputs, return_dict=True)
     for step in range(new_tokens):
@@ -272,7 +289,7 @@ def decode_loop(lm, input_ids, attention_mask, new_tokens: int, tracker, phases:
         phases["prefill"] = tracker.peak_bytes
     else:
         phases["decode"] = tracker.peak_bytes
-    return kw["past_key_values"]
+    return kw["cache"]
 
 
 def cache_bytes(cache) -> int:
@@ -298,6 +315,10 @@ def make_inputs(config, w: Workload):
     t = _text_config(config)
     vocab = int(t.vocab_size)
     g = torch.Generator().manual_seed(0)
+    if w.task == "caption" and w.images is not None:
+        from bigtune.plan.chatvlm import caption_inputs
+
+        return caption_inputs(w.images, w.batch_size, w.dtype)
     if w.task == "caption":
         vc = config.vision_config
         pixels = torch.randn(
@@ -325,6 +346,11 @@ def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict):
         phases["forward"] = tracker.peak_bytes
         del out
         return None
+    if w.task == "caption" and w.images is not None:  # the vision tower runs inside the prefill forward
+        rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        return decode_loop(
+            model, inputs["input_ids"], inputs["attention_mask"], w.new_tokens, tracker, phases, extra=rest
+        )
     if w.task == "caption":
         holder: dict[str, Any] = {}
 
@@ -357,7 +383,9 @@ def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
         if not isinstance(mod, torch.nn.Linear):
             continue
         n = mod.weight.numel()
-        if "vision_model" in name or "qformer" in name or "language_projection" in name:
+        if any(k in name for k in ("vision_model", "qformer", "language_projection", "visual", "vision_tower")) or (
+            "multi_modal_projector" in name
+        ):
             vision += n
         else:
             lm += n
@@ -389,6 +417,7 @@ def simulate(
 
     from bigtune.core.stepmath import storage_bytes
     from bigtune.memory.tracker import LiveTensorTracker
+    from bigtune.plan.chatvlm import real_index_math
     from bigtune.plan.kernels import cuda_attention
 
     # Fake tensors look like tracing to transformers, which would then keep an explicit mask for packed
@@ -400,7 +429,9 @@ def simulate(
     no_trunc_init = mock.patch.dict(TORCH_INIT_FUNCTIONS, {"trunc_normal_": lambda tensor, **_: tensor})
     phases: dict[str, int] = {}
     kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
-    with FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad(), kernels:
+    # a chat vision-language model places its image tokens and positions from its integer inputs' values
+    index_math = real_index_math() if w.images is not None else contextlib.nullcontext()
+    with index_math, FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad(), kernels:
         model = build_inference_model(config, family, w.dtype, attn_implementation)
         inputs = make_inputs(config, w)
         tracker = LiveTensorTracker(round_to=512 if cuda else 1)
@@ -479,6 +510,7 @@ class InferencePlan:
     host_cpus: int = 1
     notes: list[str] = field(default_factory=list)
     plan_seconds: float = 0.0
+    image_tokens: int = 0  # caption, chat vision-language models: language-model tokens per image
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -526,7 +558,7 @@ def _time(
     prompt_flops = b * p * (2 * sim.lm_matmul_numel + 4 * layers * hidden * p / 2)
     if w.task == "caption":
         vc = config.vision_config
-        patches = (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
+        patches = w.images.vision_patches if w.images else (int(vc.image_size) // int(vc.patch_size)) ** 2 + 1
         prompt_flops += b * patches * 2 * sim.vision_matmul_numel
     prefill = prompt_flops / (flops * ASSUMED_PREFILL_MFU)
     notes = [
@@ -579,6 +611,32 @@ def host_resources(
     return ram, cpus, notes
 
 
+def caption_workload(recipe: Recipe, config, w: Workload) -> Workload:
+    """``w`` with a chat vision-language model's images laid out as ``bigtune caption`` lays them out
+    (chatvlm.caption_images; its prompt is data.prompt in the chat template); BLIP-2's unchanged."""
+    from bigtune.data.vlm import SPLIT_IMAGE_VLM_TYPES, is_vlm
+    from bigtune.plan.chatvlm import caption_images, check_image_budget
+
+    check_image_budget(recipe, config)
+    if getattr(config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES:
+        raise PlanError(
+            f"--for {w.task}: serving plans for SmolVLM / Idefics3 ({recipe.model.name}) are not available yet "
+            "(its image splitting is not simulated); plan Qwen2-VL, LLaVA, PaliGemma or BLIP-2"
+        )
+    if not is_vlm(config):
+        if w.image_size:
+            raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {recipe.model.name} is BLIP-2")
+        return w
+    images = caption_images(recipe, config, w.image_size)
+    text = len(images.prompt_ids) - 1
+    if w.prompt_tokens:
+        raise PlanError(
+            f"--prompt-tokens: {recipe.model.name} is asked data.prompt in its chat template ({text} text tokens); "
+            "leave --prompt-tokens out and set data.prompt"
+        )
+    return dataclasses.replace(w, images=images, prompt_tokens=text)
+
+
 def plan_inference(
     recipe: Recipe,
     target: Target,
@@ -614,14 +672,15 @@ def plan_inference(
     if target.gpus > 1:
         raise PlanError("inference plans are for one device (--gpus 1): bigtune generates on one GPU")
     config = config if config is not None else resolve_config_name(recipe.model)
-    if getattr(config, "model_type", "") in ("qwen2_vl", "qwen2_5_vl"):
-        # The serving simulation drives BLIP-2's generate (a fixed count of image tokens, its Q-Former);
-        # a chat model's image tokens follow each image's size and its positions are 3-D (M-RoPE).
-        raise PlanError(
-            f"--for {w.task}: serving plans for Qwen2-VL / Qwen2.5-VL are not available yet (only BLIP-2 is "
-            "simulated); `bigtune plan` without --for plans their training step"
-        )
-    attn = attn_implementation or recipe.model.attn_implementation
+    if w.task == "caption":
+        w = caption_workload(recipe, config, w)
+        notes += [w.images.note] if w.images is not None else []
+    attn = attn_implementation
+    if attn is None:  # as training and caption build the model: eager where sdpa has no path (Gemma-2)
+        from bigtune.models.build import attention_for
+
+        attn, why = attention_for(recipe.model, config)
+        notes += [why] if why else []
     cuda = target.device == "cuda"
     sim = simulate_full_depth(config, family, w, cuda, attn, target_arch(target))
     peak, reserved, overhead, total = _totals(sim, cuda)
@@ -676,6 +735,7 @@ def plan_inference(
         host_cpus=cpus,
         notes=notes + tnotes + hnotes,
         plan_seconds=time.perf_counter() - t0,
+        image_tokens=w.images.image_tokens if w.images is not None else 0,
     )
 
 
@@ -739,6 +799,11 @@ def format_inference_plan(p: InferencePlan) -> str:
             f"batch {p.batch_size} images × {p.lm_prompt_tokens} LM prompt tokens "
             f"(image tokens + BOS + {p.prompt_tokens} text)"
         )
+        if p.image_tokens:  # a chat vision-language model: its prompt (data.prompt) around the image's tokens
+            shape = (
+                f"batch {p.batch_size} images × {p.lm_prompt_tokens} LM prompt tokens ({p.image_tokens} image "
+                f"tokens + {p.prompt_tokens} prompt)"
+            )
     if p.task != "predict":
         shape += f" + {p.new_tokens} new tokens"
     lines = [
@@ -823,9 +888,12 @@ def training_host_request(recipe: Recipe, tasks_per_node: int) -> tuple[int, int
     return mem, cpus, rule
 
 
-def measure_cpu(config, family: str, w: Workload, attn_implementation: str = "sdpa", seed: int = 0) -> dict[str, int]:
+def measure_cpu(
+    config, family: str, w: Workload, attn_implementation: str = "sdpa", seed: int = 0, inputs: Optional[dict] = None
+) -> dict[str, int]:
     """Run the workload for real on the CPU with transformers' own ``generate`` (BLIP-2: the model's
     ``generate``; predict: one forward) under the live tensor tracker: the peak to compare a plan with.
+    ``inputs``: the batch to run (e.g. the one ``bigtune caption`` builds); default: make_inputs.
 
     Random weights: greedy decoding with no EOS, so every row produces ``new_tokens`` tokens, as planned.
     """
@@ -835,7 +903,7 @@ def measure_cpu(config, family: str, w: Workload, attn_implementation: str = "sd
     torch.manual_seed(seed)
     with torch.no_grad():
         model = build_inference_model(config, family, w.dtype, attn_implementation)
-        inputs = make_inputs(config, w)
+        inputs = make_inputs(config, w) if inputs is None else inputs
         tracker = LiveTensorTracker()
         held = list(model.parameters()) + list(model.buffers())
         tracker.track(held + list(inputs.values()))
@@ -877,7 +945,21 @@ def workload_from_args(args, recipe: Recipe) -> Workload:
         dtype=inference_dtype(recipe, args.dtype),
         quantize=recipe.model.quantize,
         double_quant=recipe.model.double_quant,
+        image_size=_image_size_arg(args),
     )
+
+
+def _image_size_arg(args) -> Optional[tuple[int, int]]:
+    from bigtune.plan.chatvlm import parse_image_size
+
+    if not getattr(args, "image_size", None):
+        return None
+    if args.for_task not in ("caption", "generate"):
+        raise PlanError(f"--image-size plans images: it does not apply to --for {args.for_task}")
+    try:
+        return parse_image_size(args.image_size)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
 
 
 def main_plan_inference(args, recipe: Recipe, target: Target) -> int:

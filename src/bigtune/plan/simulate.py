@@ -73,16 +73,19 @@ def model_stacks(config) -> list[Stack]:
     """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
     stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack); the vision tower and
     the language model for Qwen2-VL / Qwen2.5-VL (whose unit runs to the next full-attention block)."""
-    from bigtune.plan.chatvlm import is_chat_vlm_config, vision_period
+    from bigtune.plan.chatvlm import is_chat_vlm_config, is_fixed_image_vlm_config, vision_period
 
     kind = getattr(config, "model_type", "")
     if is_chat_vlm_config(config):
         return [Stack(("vision_config", "depth"), vision_period(config)), Stack(("text_config", "num_hidden_layers"))]
+    if is_fixed_image_vlm_config(config):  # LLaVA, PaliGemma: the vision tower and the language model
+        return [Stack(("vision_config", "num_hidden_layers")), Stack(("text_config", "num_hidden_layers"))]
     if kind != "blip-2" and getattr(config, "vision_config", None) is not None:
         from bigtune.plan.constants import PlanError
 
         raise PlanError(
-            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL and Qwen2.5-VL are); train with "
+            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL, Qwen2.5-VL, LLaVA and PaliGemma "
+            "are); train with "
             "memory.plan=false and read the measured memory"
         )
     if kind != "blip-2":
@@ -125,9 +128,9 @@ def total_blocks(config) -> int:
 
 
 def config_family(config) -> str:
-    from bigtune.plan.chatvlm import is_chat_vlm_config
+    from bigtune.plan.chatvlm import is_vlm_config
 
-    image = getattr(config, "model_type", "") == "blip-2" or is_chat_vlm_config(config)
+    image = getattr(config, "model_type", "") == "blip-2" or is_vlm_config(config)
     return "image-to-text" if image else "causal-lm"
 
 
@@ -141,12 +144,17 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     loss normaliser needs a concrete target count; everything computed from it is fake. ``images``: a
     chat vision-language model's image grids (chatvlm.synthetic_batch; None: the worst case)."""
     from bigtune.core.stepmath import IGNORE_INDEX
-    from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config, synthetic_batch
+    from bigtune.plan import chatvlm
 
     seq = recipe.data.max_seq_length
     g = torch.Generator().manual_seed(0)
-    if family == "image-to-text" and is_chat_vlm_config(cfg):
-        return synthetic_batch(recipe, cfg, image_geometry(recipe, cfg), b_size, padded, images)
+    if family == "image-to-text":
+        chatvlm.check_image_budget(recipe, cfg)
+    if family == "image-to-text" and chatvlm.is_chat_vlm_config(cfg):
+        return chatvlm.synthetic_batch(recipe, cfg, chatvlm.image_geometry(recipe, cfg), b_size, padded, images)
+    if family == "image-to-text" and chatvlm.is_fixed_image_vlm_config(cfg):
+        layout = chatvlm.fixed_image_layout(recipe, cfg)
+        return chatvlm.fixed_image_batch(recipe, cfg, layout, b_size, padded)
     if family != "image-to-text":
         ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
         mask = torch.ones_like(ids)
@@ -232,9 +240,11 @@ def simulate(
     arch: Optional[tuple[int, int]] = None,
     trace: bool = False,
     images: Optional[tuple] = None,
+    stage: Optional[int] = None,
 ) -> Sim:
     """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
-    to ``depths`` blocks (an int sets every stack).
+    to ``depths`` blocks (an int sets every stack). ``stage``: that pipeline stage's step, holding every
+    layer of the cut model (plan/pipeline.py).
 
     The optimizer state is created first (one update with zero gradients), so the simulated step is
     like the engine's step 1 and later: its peak is the run's peak. On a CUDA target of compute
@@ -249,7 +259,7 @@ def simulate(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bigtune.plan.chatvlm import is_chat_vlm_config, real_index_math
+    from bigtune.plan.chatvlm import is_vlm_config, real_index_math
     from bigtune.plan.kernels import cuda_attention, cuda_autocast, cuda_dropout
     from bigtune.plan.roofline import scale
 
@@ -274,15 +284,24 @@ def simulate(
         cuda_dropout(on_cuda is not None),
         cuda_autocast(on_cuda is not None),
         _cpu_grouped_mm(cuda),
-        real_index_math() if is_chat_vlm_config(cfg) else contextlib.nullcontext(),
+        real_index_math() if is_vlm_config(cfg) else contextlib.nullcontext(),
     ):
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
+        if stage is not None:
+            from bigtune.engine.pipeline import StageModule
+
+            model = StageModule(model, stage, r.pipeline_parallel, layers=range(cfg.num_hidden_layers))
         numel, matmul_numel, block_numel = _model_numels(model)
         nf4 = nf4_base(model) if torchao_nf4(recipe) else None
         constants = (0, 0) if nf4 else block_quant_constants(model, quantize, recipe.model.double_quant)
         _fake_pixels(batches)
         wrapped = fabric.setup_module(model)
-        snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace)
+        pipeline = None
+        if stage is not None:
+            from bigtune.plan.pipeline import emulated_runner
+
+            pipeline = emulated_runner(r, fabric, wrapped, stage, cfg)
+        snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace, pipeline)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
     reserved = in_use = 0
@@ -545,7 +564,9 @@ def _model_numels(model: torch.nn.Module) -> tuple[int, int, int]:
     return numel, matmul_numel, block_numel
 
 
-def _run_steps(fabric, model, wrapped, r: Recipe, batches: list, tokens: int, cuda: bool, trace: bool) -> tuple:
+def _run_steps(
+    fabric, model, wrapped, r: Recipe, batches: list, tokens: int, cuda: bool, trace: bool, pipeline=None
+) -> tuple:
     """Step 0 (creates the optimizer state) and the measured step 1 on the fake model: (step 1's
     snapshots, its OpCounter, the storage events traced from the weights on or None, where step 1's begin).
 
@@ -558,7 +579,7 @@ def _run_steps(fabric, model, wrapped, r: Recipe, batches: list, tokens: int, cu
 
     opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r)
+    built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r, pipeline=pipeline)
     events: Optional[list] = [] if cuda and trace else None
     trace_mode = LiveTensorTracker(events=events) if events is not None else contextlib.nullcontext()
     if events is not None:
@@ -646,8 +667,9 @@ def simulate_full_depth(
     micro_batch: Optional[int] = None,
     arch: Optional[tuple[int, int]] = None,
     images: Optional[tuple] = None,
+    stage: Optional[int] = None,
 ) -> Sim:
-    """The step at the model's real depth, from simulations of shallow copies.
+    """The step at the model's real depth, from simulations of shallow copies (``stage``: a pipeline stage's).
 
     Memory is linear in the depth of each repeated stack (every block adds the same parameters,
     states and saved activations), so one simulation with every stack at one unit of depth plus one
@@ -657,16 +679,16 @@ def simulate_full_depth(
     stacks = model_stacks(config)
     full = {st: get_depth(config, st) for st in stacks}
     if all(full[st] <= 2 * st.period for st in stacks):
-        return simulate(recipe, config, full, cuda, micro_batch, padded, arch, images=images)
+        return simulate(recipe, config, full, cuda, micro_batch, padded, arch, images=images, stage=stage)
     unit = {st: min(st.period, full[st]) for st in stacks}
     # (Run one after the other on purpose: the first simulation of a process pays the lazy imports and
     # caches that every later one, and every worker forked later, reuses.)
-    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch, images=images)
+    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch, images=images, stage=stage)
     grown = []
     for st in stacks:
         if full[st] > unit[st]:
             deeper = {**unit, st: unit[st] + st.period}
-            sim = simulate(recipe, config, deeper, cuda, micro_batch, padded, arch, images=images)
+            sim = simulate(recipe, config, deeper, cuda, micro_batch, padded, arch, images=images, stage=stage)
             grown.append((sim, (full[st] - unit[st]) / st.period))
 
     def ext(get) -> int:

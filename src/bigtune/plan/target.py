@@ -19,11 +19,13 @@ class Target:
     strategy: str = "single"  # single | ddp | fsdp | deepspeed_stage_*  (analytic on top of 1 GPU)
     # GPUs of a tensor-parallel group (strategy fsdp: FSDP2's 2-D mesh); the planner sets it from the recipe
     tensor_parallel: int = 1
+    # pipeline stages, one per GPU (recipe pipeline_parallel = gpus); the planner sets it from the recipe
+    pipeline_parallel: int = 1
 
     @property
     def data_parallel(self) -> int:
         """Ranks that read different micro-batches (and FSDP shards the model states over)."""
-        return max(1, self.gpus // self.tensor_parallel)
+        return max(1, self.gpus // (self.tensor_parallel * self.pipeline_parallel))
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -33,6 +35,8 @@ class Target:
         if self.gpu is None:
             return "cpu"
         tp = f", tensor_parallel={self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        if self.pipeline_parallel > 1:
+            return f"{self.gpus}× {self.gpu.key} (pipeline_parallel={self.pipeline_parallel})"
         return f"{self.gpus}× {self.gpu.key}" + (f" ({self.strategy}{tp})" if self.gpus > 1 else "")
 
 

@@ -22,6 +22,7 @@ def step_time(
     parallelism (``config``: the model one rank computes), the all-reduces within each group.
     Under tensor parallelism ``sim`` is one rank's step and ``target.data_parallel`` ranks read different
     micro-batches."""
+    from bigtune.plan.pipeline import pipeline_seconds
     from bigtune.plan.roofline import scale, step_seconds
     from bigtune.plan.simulate import total_blocks
     from bigtune.plan.tensor_parallel import tensor_parallel_seconds
@@ -59,14 +60,16 @@ def step_time(
         )
     t_comm = _exposed_communication(recipe, target, states, t)
     t_tp = tensor_parallel_seconds(recipe, target, config, total_blocks(config)) if config is not None else 0.0
-    step = t["step_s"] + t_opt + t_comm + t_tp
+    t_pp, pp_note = pipeline_seconds(recipe, target, config, t) if target.pipeline_parallel > 1 else (0.0, "")
+    step = t["step_s"] + t_opt + t_comm + t_tp + t_pp
     host_bound = t["host_s"] > t["device_s"]
     notes = [
         f"time: roofline over the simulated step's kernels, forward {t['forward_s']:.3g} s, backward "
         f"{t['backward_s']:.3g} s, optimizer {t['optimizer_s']:.3g} s of GPU time against {t['host_s']:.3g} s of "
         f"host dispatch (the {'host (eager dispatch)' if host_bound else 'GPU'} bounds the step); "
         f"+ {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s communication not hidden by compute "
-        "(efficiencies assumed, uncalibrated: roofline.py)"
+        "(efficiencies assumed, uncalibrated: roofline.py)",
+        peak_floor_note(t),
     ]
     if host_bound:
         notes.append(
@@ -78,7 +81,18 @@ def step_time(
             f"time: + {t_tp:.3g} s of tensor-parallel all-reduces of the hidden state ({target.tensor_parallel} "
             "ranks; two per block in the forward, two in the backward), not hidden by compute"
         )
+    if pp_note:
+        notes.append(pp_note)
     return step, tokens * target.data_parallel / step, notes
+
+
+def peak_floor_note(t: dict) -> str:
+    """The note of a priced step's (roofline.step_seconds) dense-peak floor; bench/published.py reads it back."""
+    # The floor no efficiency can beat: a published rate faster than it was not this step on this card.
+    return (
+        f"time: {t['tensor_flops'] / 1e12:.4g} TFLOP of matmuls and attention per device and step, "
+        f"{t['peak_s']:.4g} s at the card's dense peak (the least any run of this step can take)"
+    )
 
 
 def _fsdp_offload_seconds(recipe: Recipe, target: Target, states: dict, t: dict) -> float:

@@ -77,7 +77,9 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
         "notes": p.notes,
         "phases": {},
     }
-    snaps = [s for s in snaps if s.get("rank", 0) == 0]  # the plan is per device; compare rank 0's
+    # The plan is per device: compare rank 0's; a pipeline's plan is its largest stage's, so the rank that peaks
+    rank = max(snaps, key=lambda s: s["peak_allocated"]).get("rank", 0) if r.pipeline_parallel > 1 and snaps else 0
+    snaps = [s for s in snaps if s.get("rank", 0) == rank]
     if not snaps:
         return out
     last = max(s["step"] for s in snaps)
