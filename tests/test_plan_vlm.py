@@ -5,6 +5,7 @@ tower shrinks), the worst case at the processor's max_pixels and --image-size. C
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from bigtune.core.presets import preset_config, tiny_qwen_vl_processor
 from bigtune.data.images import DEMO_IMAGES
 from bigtune.plan.chatvlm import image_geometry
 from bigtune.plan.planner import plan
-from bigtune.plan.simulate import model_stacks, simulate
+from bigtune.plan.simulate import get_depth, model_stacks, simulate
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from bigtune.run.training import train
@@ -128,21 +129,27 @@ def test_plan_matches_the_measured_step_with_two_image_sizes(
         from bigtune.models.configs import resolve_config
 
         cfg = resolve_config(r)
-        periods = [st.period for st in model_stacks(cfg)]
-        assert periods == ([2, 1] if "2.5" in preset else [1, 1])
+        stacks = [(st.kind, get_depth(cfg, st)) for st in model_stacks(cfg)]
+        assert stacks == ([("window", 3), ("full", 3), ("", 3)] if "2.5" in preset else [("", 3), ("", 3)])
 
 
-def test_shrunk_vision_tower_keeps_its_full_attention_pattern():
-    """Qwen2.5-VL's full-attention blocks every 8th (the published placement): the extrapolation from 8 and
-    16 vision blocks equals the step simulated with all 32."""
+def test_vision_tower_extrapolates_its_window_and_full_attention_blocks_apart():
+    """Qwen2.5-VL's full-attention blocks every 8th (the published placement): the extrapolation from
+    shallow towers of one window and one full-attention block, and one more of each, equals the step
+    simulated with all 32 (28 window, 4 full attention)."""
+    from bigtune.plan.chatvlm import set_vision_blocks
     from bigtune.plan.simulate import simulate_full_depth
 
     proc = tiny_qwen_vl_processor("Qwen2_5_VLProcessor")
     cfg = preset_config("tiny-qwen2.5-vl", proc)
     cfg.vision_config.depth, cfg.vision_config.fullatt_block_indexes = 32, [7, 15, 23, 31]
     r = load_recipe(str(DEMO), {"model.name": "tiny-qwen2.5-vl", "train.micro_batch_size": 2})
-    assert [st.period for st in model_stacks(cfg)] == [8, 1]
-    full = simulate(r, cfg, {st: 32 if st.path[0] == "vision_config" else 2 for st in model_stacks(cfg)}, False)
+    stacks = model_stacks(cfg)
+    assert [(st.kind, get_depth(cfg, st)) for st in stacks] == [("window", 28), ("full", 4), ("", 2)]
+    shallow = copy.deepcopy(cfg)
+    set_vision_blocks(shallow, "window", 2)  # the full-attention blocks spread as published: each closes its share
+    assert (shallow.vision_config.depth, shallow.vision_config.fullatt_block_indexes) == (6, [0, 2, 3, 5])
+    full = simulate(r, cfg, {st: get_depth(cfg, st) for st in stacks}, False)
     extrapolated = simulate_full_depth(r, cfg, False)
     assert extrapolated.numel == full.numel
     assert abs(extrapolated.peak_allocated - full.peak_allocated) <= 0.005 * full.peak_allocated

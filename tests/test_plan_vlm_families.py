@@ -10,6 +10,7 @@ from bigtune.plan.chatvlm import fixed_image_layout
 from bigtune.plan.planner import plan
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
+from conftest import run_cli
 from test_plan_vlm import DEMO, mixed_sizes, one_thread, train_and_compare  # noqa: F401 - fixtures
 
 MATRIX = [
@@ -65,3 +66,66 @@ def test_plan_lays_out_the_collators_batch(preset):
         assert "token_type_ids" not in batch
     p = plan(r, Target("cpu"))
     assert any("resized to 32×32 px (16 image tokens)" in n for n in p.notes), p.notes
+
+
+@pytest.fixture(scope="module")
+def tiled_sizes(tmp_path_factory):
+    """Photos SmolVLM's tiny processor (64 px longest edge, 32 px tiles) splits differently, alternating: the
+    bundled 32×32 ones into 2×2 tiles + the whole image, the same photos at 30×90 into 1×2 tiles + the whole
+    image (so the collator pads those rows with two all-zero images); captions of different lengths."""
+    import json
+
+    from PIL import Image
+
+    from bigtune.data.images import DEMO_IMAGES
+
+    d = tmp_path_factory.mktemp("tiled")
+    rows = []
+    for i, photo in enumerate(sorted((DEMO_IMAGES / "images").glob("*.png"))[:4]):
+        path = photo
+        if i % 2:
+            path = d / f"wide{i}.png"
+            Image.open(photo).convert("RGB").resize((90, 30)).save(path)
+        rows.append({"image": str(path), "text": "a plate of food " + "with herbs " * (3 * i)})
+    src = d / "tiled.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src
+
+
+def test_smolvlm_plan_matches_the_measured_step_with_two_tile_grids(tmp_path, tiled_sizes):
+    """Idefics3 (SmolVLM): the re-plan lays out each row's tile grid from memory.jsonl, padding images
+    included (found from pixel_attention_mask; the fake pixels have no zeros to test)."""
+    steady = train_and_compare(
+        tmp_path / "run",
+        {
+            "model.name": "tiny-smolvlm",
+            "data.source": str(tiled_sizes),
+            "data.val_fraction": 0.0,
+            "train.micro_batch_size": 4,
+            "train.max_steps": 3,
+            "train.max_epochs": None,
+            "memory.every_steps": 1,
+            "memory.plan": True,
+            "checkpoint.save_model": False,
+            "peft.method": "lora",
+        },
+    )
+    assert sorted({tuple(g) for g in steady["before_forward"]["image_grids"]}) == [(1, 2), (2, 2)]
+
+
+def test_smolvlm_worst_case_is_the_largest_tile_grid_and_image_size_is_planned(tmp_path):
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.chatvlm import split_geometry
+
+    r = load_recipe(str(DEMO), {"model.name": "tiny-smolvlm", "train.micro_batch_size": 2})
+    geo = split_geometry(r, resolve_config(r))
+    assert geo.from_processor and (geo.longest_edge, geo.tile, geo.tile_tokens) == (64, 32, 4)
+    assert geo.worst_grid() == (2, 2) and geo.grid(30, 90) == (1, 2)
+    worst = plan(r, Target("cpu"))
+    assert any("2×2 tiles of 32 px + the whole image (34 image tokens): the worst case" in n for n in worst.notes)
+    small = plan(r, Target("cpu"), images=(geo.grid(30, 90),))
+    assert small.peak_allocated < worst.peak_allocated
+    budget = load_recipe(str(DEMO), {"model.name": "tiny-smolvlm", "data.image_max_pixels": 32 * 32})
+    assert split_geometry(budget, resolve_config(budget)).worst_grid() == (0, 0)  # one unsplit image
+    res = run_cli("plan", str(DEMO), "--model", "tiny-smolvlm", "--image-size", "30x90", cwd=tmp_path)
+    assert res.returncode == 0 and "1×2 tiles of 32 px + the whole image" in res.stdout, res.stdout + res.stderr

@@ -52,18 +52,35 @@ def single(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("single"), "run", **{"train.micro_batch_size": 8, **CLIPPED})
 
 
-def test_tensor_parallel_two_ranks_equal_one_process(tmp_path, single):
-    # TP=2 on 2 processes: one data-parallel rank, so each rank reads the whole micro-batch of 8.
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_two_ranks_equal_one_process(tmp_path, single, sequence_parallel):
+    # TP=2 on 2 processes: one data-parallel rank, so each rank reads the whole micro-batch of 8. With sequence
+    # parallelism each rank's norms and residual stream hold half of the (even-padded) sequence: the same
+    # tolerances (measured: identical losses but for one step at rel 1e-7).
+    sp = {"sequence_parallel": True} if sequence_parallel else {}
     run = _train(
-        tmp_path, "tp2", devices=2, strategy="fsdp", tensor_parallel=2, **{"train.micro_batch_size": 8, **CLIPPED}
+        tmp_path, "tp2", devices=2, strategy="fsdp", tensor_parallel=2, **{"train.micro_batch_size": 8, **CLIPPED, **sp}
     )
     assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
     _same_weights(run, single)  # gathered to a plain HF folder: full shapes, the same names
     metrics = read_jsonl(run / "metrics.jsonl")
     # tokens counted once per tensor-parallel group, not once per rank
     assert [m["tokens"] for m in metrics] == [m["tokens"] for m in read_jsonl(single / "metrics.jsonl")]
-    unclipped = _train(tmp_path, "unclipped", **{"train.micro_batch_size": 8})
-    assert _losses(unclipped)[1:] != pytest.approx(_losses(single)[1:], rel=1e-5), "the clip must change the run"
+    if not sequence_parallel:  # once is enough
+        unclipped = _train(tmp_path, "unclipped", **{"train.micro_batch_size": 8})
+        assert _losses(unclipped)[1:] != pytest.approx(_losses(single)[1:], rel=1e-5), "the clip must change the run"
+
+
+def test_sequence_parallel_pads_odd_lengths(tmp_path):
+    # Unpacked demo rows at max_seq_length 512 give a first batch of 54 tokens, a second of 67: sequence
+    # parallelism pads it to 68 (label -100, masked) so each rank holds half; the real tokens' losses stay.
+    over = {"data.max_seq_length": 512, "train.micro_batch_size": 2, "train.max_steps": 2}
+    one = _train(tmp_path, "one", **over)
+    sp = _train(tmp_path, "sp", devices=2, strategy="fsdp", tensor_parallel=2, sequence_parallel=True, **over)
+    lengths = sorted({m["batch_shape"][1] for m in read_jsonl(one / "memory.jsonl")})
+    assert any(n % 2 for n in lengths), lengths
+    assert [n + n % 2 for n in lengths] == sorted({m["batch_shape"][1] for m in read_jsonl(sp / "memory.jsonl")})
+    assert _losses(sp) == pytest.approx(_losses(one), rel=1e-5)
 
 
 def test_two_dimensional_mesh_equals_one_process(tmp_path, single):
@@ -108,6 +125,11 @@ def test_tensor_parallel_resume_continues_exactly(tmp_path):
         (["devices=2", "strategy=fsdp", "tensor_parallel=2", "peft.method=lora"], "with peft.method=lora"),
         (["devices=2", "strategy=fsdp", "tensor_parallel=2", "fsdp_wrap=none"], "with fsdp_wrap=none"),
         (["devices=2", "strategy=fsdp", "tensor_parallel=2", "model.quantize=nf4"], "with model.quantize=nf4"),
+        (["devices=2", "strategy=fsdp", "sequence_parallel=true"], "sequence_parallel=true needs tensor_parallel > 1"),
+        (
+            ["devices=2", "strategy=fsdp", "tensor_parallel=2", "sequence_parallel=true", "data.max_seq_length=63"],
+            "data.max_seq_length=63 is not a multiple of tensor_parallel=2",
+        ),
     ],
 )
 def test_unsupported_recipes_are_refused(overrides, message):
@@ -135,8 +157,8 @@ def test_plan_is_read_from_the_config_and_checked_against_the_model():
     from bigtune.engine.strategies import tensor_parallel_plan
 
     llama = _tiny("LlamaConfig", num_key_value_heads=2, intermediate_size=176)
-    plan = tensor_parallel_plan(llama, 2)
-    assert {k: type(v).__name__ for k, v in plan.items()} == {
+    plan_names = {k: type(v).__name__ for k, v in tensor_parallel_plan(llama, 2).items()}
+    assert plan_names == {
         "self_attn.q_proj": "ColwiseParallel",
         "self_attn.k_proj": "ColwiseParallel",
         "self_attn.v_proj": "ColwiseParallel",
@@ -144,6 +166,14 @@ def test_plan_is_read_from_the_config_and_checked_against_the_model():
         "mlp.gate_proj": "ColwiseParallel",
         "mlp.up_proj": "ColwiseParallel",
         "mlp.down_proj": "RowwiseParallel",
+    }
+    sp = {k: type(v).__name__ for k, v in tensor_parallel_plan(llama, 2, sequence_parallel=True).items()}
+    assert sp == {
+        "input_layernorm": "SequenceParallel",
+        "post_attention_layernorm": "SequenceParallel",
+        "self_attn": "PrepareModuleInput",  # Shard(1) → Replicate: the all-gather
+        "mlp": "PrepareModuleInput",
+        **plan_names,  # the same projection styles; the row-wise ones reduce-scatter to Shard(1)
     }
     with pytest.raises(RecipeError) as e:  # 4 heads, 2 KV heads, width 176: none divides by 3
         tensor_parallel_plan(llama, 3)

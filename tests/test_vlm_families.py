@@ -246,13 +246,8 @@ def test_train_caption_and_lora_merged_equals_adapter(tmp_path, preset, arch, pr
 
 
 def test_planner_refuses_clearly():
-    """LLaVA / PaliGemma resize every image to the tower's size, so --image-size changes nothing; SmolVLM is not
-    planned yet: one clear error each (exit 2), not a traceback."""
+    """LLaVA / PaliGemma resize every image to the tower's size, so --image-size changes nothing: one clear
+    error (exit 2), not a traceback. SmolVLM's tiles follow the size, so it plans one (tests/test_plan_vlm_families.py)."""
     res = run_cli("plan", str(RECIPE), "--set", "model.name=tiny-llava", "--image-size", "64x64", cwd=ROOT)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "fixed size" in res.stderr
-    # SmolVLM is not planned yet: the same one clear error, whether or not --image-size is given
-    for extra in ((), ("--image-size", "64x64")):
-        res = run_cli("plan", str(RECIPE), "--set", "model.name=tiny-smolvlm", *extra, cwd=ROOT)
-        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-        assert "not planned yet" in res.stderr or "not supported yet" in res.stderr

@@ -14,7 +14,6 @@ from bigtune.cli.sweep import main as sweep_cli
 from bigtune.core.gpus import find_gpu
 from bigtune.models.configs import bundled_config_path, resolve_config
 from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config
-from bigtune.plan.constants import PlanError
 from bigtune.plan.planner import plan
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
@@ -59,11 +58,19 @@ def test_alt_text_recipes_plan_on_their_cards(recipe, gpu, image_tokens):
     assert any(f"({image_tokens} image tokens)" in n for n in p.notes), p.notes
 
 
-def test_smolvlm_recipe_loads_and_says_why_it_is_not_planned():
+def test_smolvlm_recipe_plans_its_tiles_and_fits_an_l4():
+    """SmolVLM-Instruct at 768×768 px: upscaled to its 1536-px longest edge, 4×4 tiles of 384 px + the whole
+    image, 81 image tokens each plus the tile markers (the processor's text); QLoRA fits an L4."""
+    from bigtune.plan.chatvlm import split_geometry
+
     r = load_recipe(ROOT / "recipes" / "smolvlm-alt-text.yaml", {"accelerator": "cpu"})
     assert r.model.quantize == "nf4" and r.peft.method == "lora"
-    with pytest.raises(PlanError, match="idefics3 .*not supported"):
-        plan(r, Target("cuda", find_gpu("l4"), 1), replay=False)
+    grid = split_geometry(r, resolve_config(r)).grid(768, 768)
+    assert grid == (4, 4)
+    p = plan(r, Target("cuda", find_gpu("l4"), 1), replay=False, images=(grid,))
+    tokens = 17 * 81 + 16 * 2 + 4 + 3  # images × tokens; per tile <fake><row_r_col_c>; newlines; global tags
+    assert any(f"4×4 tiles of 384 px + the whole image ({tokens} image tokens)" in n for n in p.notes), p.notes
+    assert p.fits and p.peak_allocated < find_gpu("l4").memory_bytes
 
 
 @pytest.fixture(scope="module")

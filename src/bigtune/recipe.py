@@ -458,6 +458,16 @@ class Recipe:
         "loss). 1: none.",
         min=1,
     )
+    sequence_parallel: bool = _f(
+        False,
+        "Sequence parallelism (tensor_parallel > 1 only, Llama-style decoder blocks): between the split projections "
+        "each rank of a tensor-parallel group holds 1/tensor_parallel of the sequence (the residual stream, the "
+        "blocks' norms and the activations passed from block to block: s / tensor_parallel rows). Each block's "
+        "attention and MLP input is all-gathered to the whole sequence and o_proj / down_proj reduce-scatter their "
+        "outputs back to the rank's rows, the same bytes as plain tensor parallelism's two all-reduces. Embeddings, "
+        "the final norm and the output layer stay whole (full logits, the usual loss). data.max_seq_length must be "
+        "a multiple of tensor_parallel; batches are padded to one.",
+    )
     pipeline_parallel: int = _f(
         1,
         "Pipeline parallelism: the number of stages the decoder stack is split into, one per rank (the embeddings "
@@ -955,8 +965,18 @@ def check_tensor_parallel(r: Recipe) -> list[str]:
     path applies (strategy=fsdp's 2-D mesh). The model's head counts and widths are checked when it is built."""
     tp = r.tensor_parallel
     if tp == 1:
+        if r.sequence_parallel:
+            return [
+                "sequence_parallel=true needs tensor_parallel > 1 (it splits the sequence across a tensor-parallel "
+                "group); set tensor_parallel (with strategy=fsdp) or sequence_parallel=false"
+            ]
         return []
     p: list[str] = []
+    if r.sequence_parallel and r.data.max_seq_length % tp:
+        p.append(
+            f"sequence_parallel=true: data.max_seq_length={r.data.max_seq_length} is not a multiple of "
+            f"tensor_parallel={tp} (each rank holds an equal share of the sequence); pick a multiple of {tp}"
+        )
     if r.world_size % tp:
         p.append(
             f"tensor_parallel: {tp} does not divide devices × num_nodes = {r.world_size}; pick a divisor "

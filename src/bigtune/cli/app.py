@@ -108,9 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--image-size",
         metavar="HxW",
-        help="Qwen2-VL / Qwen2.5-VL (training and --for caption): plan every image at HEIGHTxWIDTH pixels "
-        "(resized as the processor does). Default: the worst case, the processor's max_pixels or "
-        "data.image_max_pixels",
+        help="Qwen2-VL / Qwen2.5-VL (training and --for caption) and SmolVLM (training): plan every image at "
+        "HEIGHTxWIDTH pixels (resized, and split into tiles, as the processor does). Default: the worst case, "
+        "the processor's max_pixels (Qwen) or largest tile grid (SmolVLM), or data.image_max_pixels",
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument(
@@ -361,23 +361,26 @@ def _image_grids(args, r, config) -> "tuple | None":
     """--image-size as the image grid the model's processor makes of it (one per row), or None."""
     if not args.image_size:
         return None
-    from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config, parse_image_size
+    from bigtune.plan.chatvlm import (
+        image_geometry,
+        is_chat_vlm_config,
+        is_split_image_vlm_config,
+        parse_image_size,
+        split_geometry,
+    )
     from bigtune.plan.constants import PlanError
 
-    if not is_chat_vlm_config(config):
-        from bigtune.data.vlm import SPLIT_IMAGE_VLM_TYPES
-
+    split = is_split_image_vlm_config(config)  # SmolVLM: its tiles follow the size
+    if not is_chat_vlm_config(config) and not split:
         why = "sees images at a fixed size"
-        if getattr(config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES:  # SmolVLM: its tiles follow the size
-            why = "(SmolVLM / Idefics3) is not planned yet; train it with memory.plan=false"
-        raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {r.model.name} {why}")
+        raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL and SmolVLM models; {r.model.name} {why}")
     if args.alternatives or args.data_lengths:
         raise PlanError("--image-size plans the recipe itself; leave out --alternatives and --data-lengths")
     try:
         height, width = parse_image_size(args.image_size)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    return (image_geometry(r, config).grid(height, width),)
+    return ((split_geometry if split else image_geometry)(r, config).grid(height, width),)
 
 
 def _cmd_compare(args) -> int:

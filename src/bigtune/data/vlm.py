@@ -316,6 +316,7 @@ def image_item(layout: ChatImageLayout, image_processor, image, ids: list[int], 
         item["image_grid_thw"] = grid
     if "pixel_attention_mask" in pixels:  # Idefics3: (1, tiles + 1, height, width), the real pixels of each
         item["pixel_attention_mask"] = pixels["pixel_attention_mask"]
+        item["image_tiles"] = [int(pixels["rows"][0][0]), int(pixels["cols"][0][0])]
     if labels is not None:
         item["labels"] = expanded
     if layout.prefix_lm:
@@ -360,6 +361,8 @@ def collate_chat_images(items: list[dict], layout: ChatImageLayout, left: bool =
     }
     if per_row:
         out["pixel_attention_mask"] = _cat_images([x["pixel_attention_mask"] for x in items], per_row)
+        # each row's (rows, cols) of tiles, which the engine records for the planner's re-plan (not a model input)
+        out["image_tiles"] = [x["image_tiles"] for x in items]
     if "image_grid_thw" in items[0]:
         out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in items])
         out["mm_token_type_ids"] = (ids == layout.image_token_id).long() * mask
@@ -387,4 +390,5 @@ def generation_batch(layout: ChatImageLayout, image_processor, images: list) -> 
     batch = collate_chat_images(items, layout, left=True)
     del batch["padded"]
     batch.pop("image_tokens", None)
+    batch.pop("image_tiles", None)
     return batch

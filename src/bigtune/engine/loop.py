@@ -180,7 +180,9 @@ def _data(recipe: Recipe, tokenizer):
         return classification_data(recipe, tokenizer)
     examples, report = build_examples(recipe.data, tokenizer, recipe.seed)
     build_more = lambda cfg: build_examples(cfg, tokenizer, recipe.seed)  # noqa: E731
-    return examples, report, ListDataset, Collator(tokenizer.pad_token_id), build_more
+    # Sequence parallelism splits every batch's sequence evenly across the tensor-parallel ranks.
+    multiple = recipe.tensor_parallel if recipe.sequence_parallel else 1
+    return examples, report, ListDataset, Collator(tokenizer.pad_token_id, multiple), build_more
 
 
 def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
@@ -626,6 +628,8 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> N
         shape, padded = list(b.pipeline.shape), False
     # chat vision-language models: each image's (t, h, w) tile grid, which the re-plan lays out again
     grids = {"image_grids": batches[0]["image_grid_thw"].tolist()} if "image_grid_thw" in batches[0] else {}
+    if "image_tiles" in batches[0]:  # Idefics3 (SmolVLM): each image's (rows, cols) of tiles
+        grids = {"image_grids": batches[0]["image_tiles"]}
     per_rank = mem.gather_snapshots(b.fabric, snaps)
     for rank, rank_snaps in enumerate(per_rank):
         for s in rank_snaps:

@@ -50,7 +50,12 @@ def make_parallelize_fn(recipe: Recipe):
         if isinstance(model, FSDPModule):  # sharded block by block while it loaded (NF4 QLoRA)
             return model
         kwargs = _fully_shard_kwargs(recipe, device_mesh["data_parallel"])
-        plan = tensor_parallel_plan(model, recipe.tensor_parallel) if recipe.tensor_parallel > 1 else None
+        tp = recipe.tensor_parallel
+        plan = tensor_parallel_plan(model, tp, recipe.sequence_parallel) if tp > 1 else None
+        if plan and recipe.sequence_parallel:  # the stack's entry and exit: the sequence split after the embeddings
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model.get_decoder(), device_mesh["tensor_parallel"], sequence_parallel_stack_plan())
         # fsdp_wrap=none leaves the blocks to the root: one unit, the whole model gathered at once.
         for block in decoder_blocks(model) if recipe.fsdp_wrap == "block" else ():
             if plan:  # split across the tensor-parallel ranks first; FSDP2 then shards the DTensors over data_parallel
@@ -79,11 +84,12 @@ _LLAMA_TP_PLAN = {
 }
 
 
-def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
+def tensor_parallel_plan(model: torch.nn.Module, tp: int, sequence_parallel: bool = False) -> dict:
     """parallelize_module's plan for one decoder block of ``model`` split ``tp`` ways: the block entries
     (``layers.*.<name>``) of the config's base_model_tp_plan, else Llama's projection names. Embeddings, norms
-    and the output layer are left whole (replicated across the group). Raises RecipeError naming
-    tensor_parallel when the model cannot be split that way."""
+    and the output layer are left whole (replicated across the group); with ``sequence_parallel`` the block's
+    norms compute on the rank's share of the sequence instead (sequence_parallel_block_plan). Raises
+    RecipeError naming tensor_parallel when the model cannot be split that way."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     config = getattr(model, "config", None)
@@ -112,10 +118,85 @@ def tensor_parallel_plan(model: torch.nn.Module, tp: int) -> dict:
                 f"tensor_parallel={tp} does not divide the model's {key}={size}: each rank must hold whole "
                 f"heads and an equal share of the MLP; pick a tensor_parallel that divides it"
             )
+    if sequence_parallel and not problems:
+        problems.extend(_sequence_parallel_problems(model, styles))
     if problems:
         raise RecipeError(problems)
     make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if sequence_parallel:
+        return sequence_parallel_block_plan(styles)
     return {k: make[v]() for k, v in styles.items()}
+
+
+# The Llama decoder layer's parts sequence parallelism re-lays out: norm → sublayer → residual add, twice.
+_SP_NORMS = ("input_layernorm", "post_attention_layernorm")
+_SP_SUBLAYERS = ("self_attn", "mlp")
+
+
+def _sequence_parallel_problems(model: torch.nn.Module, styles: dict) -> list[str]:
+    """Why ``model``'s blocks cannot run sequence parallel (empty when they can): the layout assumes Llama's
+    decoder layer (two norms, each feeding one sublayer whose row-wise projection ends it) and a decoder
+    stack with embed_tokens and a final norm."""
+    name = type(model).__name__
+    block = decoder_blocks(model)[0]
+    decoder = getattr(model, "get_decoder", lambda: None)()
+    missing = [k for k in (*_SP_NORMS, *_SP_SUBLAYERS) if _submodule(block, k) is None]
+    missing += [f"the decoder's {k}" for k in ("embed_tokens", "norm") if _submodule(decoder, k) is None]
+    rowwise = sorted(k.split(".", 1)[0] for k, v in styles.items() if v == "rowwise")
+    if missing or rowwise != sorted(_SP_SUBLAYERS):
+        return [
+            f"sequence_parallel=true: {name} is not laid out like Llama's decoder (norm → self_attn / mlp ending in "
+            f"one row-wise projection each; missing: {', '.join(missing) or 'none'}; row-wise projections in: "
+            f"{', '.join(rowwise)}); use sequence_parallel=false"
+        ]
+    return []
+
+
+def sequence_parallel_block_plan(styles: dict) -> dict:
+    """One decoder block under sequence parallelism (the Megatron layout torchtitan applies to Llama): the norms
+    and the residual stream hold the rank's share of the sequence (Shard(1)); each sublayer's input is
+    all-gathered to the whole sequence (Replicate) before its column-wise projections, and its row-wise
+    projection reduce-scatters its output back to Shard(1). The hidden states stay DTensors between the
+    layers (use_local_output=False): the residual add then sees two Shard(1) tensors of the global shape."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan: dict = {norm: SequenceParallel() for norm in _SP_NORMS}
+    # HF's decoder layer calls self_attn(hidden_states=...) by keyword and mlp(hidden_states) positionally.
+    plan["self_attn"] = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    )
+    plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for key, style in styles.items():
+        if style == "colwise":
+            plan[key] = ColwiseParallel()
+        else:
+            plan[key] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def sequence_parallel_stack_plan() -> dict:
+    """The decoder stack's entry and exit under sequence parallelism. The embeddings keep their whole weight
+    and output; their output is cut to the rank's Shard(1) (a local chunk, no communication) as a DTensor of
+    the global shape, so the stack's causal mask and positions cover the whole sequence. Before the final norm
+    the sequence is all-gathered back: that norm, the output layer and the loss run whole as without
+    sequence parallelism (full logits), at the cost of one b × s × h tensor at the end of the stack."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+
+    return {
+        "embed_tokens": PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        ),
+        "norm": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    }
 
 
 def _submodule(module: torch.nn.Module, dotted: str) -> Optional[torch.nn.Module]:

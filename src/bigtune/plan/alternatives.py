@@ -35,6 +35,8 @@ def _variant_recipe(recipe: Recipe, over: dict, check: bool = True, cuda: bool =
 
     if recipe.pipeline_parallel > 1 and "pipeline_parallel" not in over:  # the other variants are not pipelined
         over = {"pipeline_parallel": 1, "train.pipeline_microbatches": None, **over}
+    if recipe.sequence_parallel and over.get("tensor_parallel", recipe.tensor_parallel) == 1:
+        over = {"sequence_parallel": False, **over}  # it needs tensor parallelism: variants without it drop it
     r = load_recipe(recipe.to_dict(), {**over, "accelerator": "cpu"}, check=check and not cuda)
     if check and cuda and (problems := gpu_plan_problems(r)):
         raise RecipeError(problems)
@@ -370,7 +372,8 @@ def _tensor_parallel_variants(vs: _Variants, max_gpus: int, config) -> None:
                 return  # training refuses tensor parallelism for this recipe (adapters, 4-bit base, family...)
             if _strategy_refused(r_t, "fsdp", gpus):
                 return
-            label = f" × tensor_parallel={tp} ({dp} data-parallel)"
+            sp = " + sequence_parallel" if r_t.sequence_parallel else ""  # kept from the recipe
+            label = f" × tensor_parallel={tp}{sp} ({dp} data-parallel)"
             name = f"{recipe.precision}, {gpus} GPUs fsdp{label}, micro {m} × acc {per // m}"
             vs.add(name, over, gpus, "fsdp", simulation_recipe(r_t, "fsdp"), m)
             vs.several[(gpus, "fsdp", tp)] = (over, m, label)

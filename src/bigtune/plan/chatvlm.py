@@ -1,4 +1,5 @@
-"""The planner's side of chat vision-language models (Qwen2-VL, Qwen2.5-VL).
+"""The planner's side of chat vision-language models (Qwen2-VL, Qwen2.5-VL; LLaVA, PaliGemma and
+Idefics3 / SmolVLM further down).
 
 Such a model sees each image at about its own size: the processor resizes it to multiples of
 patch × merge pixels within its min/max pixels, cuts it into patch × patch tiles (each repeated over
@@ -372,26 +373,31 @@ def caption_inputs(images: CaptionImages, batch_size: int, dtype: torch.dtype) -
     return out
 
 
-def vision_period(config) -> int:
-    """Vision blocks that repeat as one unit: Qwen2.5-VL attends within windows except in its
-    full-attention blocks (every 8th in the published models), so its unit runs from one full-attention
-    block to the next; irregular placements make the whole tower one unit (simulated at full depth)."""
+def has_vision_block_kinds(config) -> bool:
+    """Qwen2.5-VL: its vision blocks attend within windows, except the full-attention ones
+    (fullatt_block_indexes, every 8th in the published models)."""
+    return bool(getattr(config.vision_config, "fullatt_block_indexes", None))
+
+
+def vision_blocks(config, kind: str) -> int:
+    """Qwen2.5-VL's vision blocks of one ``kind``: "full" (full attention) or "window"."""
     vc = config.vision_config
-    full = sorted(int(i) for i in (getattr(vc, "fullatt_block_indexes", None) or []))
-    depth = int(vc.depth)
-    if not full:
-        return 1
-    period = full[0] + 1
-    if depth % period == 0 and full == list(range(period - 1, depth, period)):
-        return period
-    return depth
+    full = len(set(int(i) for i in vc.fullatt_block_indexes or []))
+    return full if kind == "full" else int(vc.depth) - full
 
 
-def shrink_vision(cfg, period: int) -> None:
-    """After the vision tower's depth was cut: the full-attention blocks at the same place in each unit."""
-    vc = cfg.vision_config
-    if getattr(vc, "fullatt_block_indexes", None):
-        vc.fullatt_block_indexes = list(range(period - 1, int(vc.depth), period))
+def set_vision_blocks(config, kind: str, n: int) -> None:
+    """Make ``n`` of Qwen2.5-VL's vision blocks of ``kind`` (the other kind's count kept), the full-attention
+    blocks spread as evenly as the published placement (each one closing its share of the tower: 32 blocks,
+    4 full: 7, 15, 23, 31). Unchanged counts keep the placement as it is."""
+    if vision_blocks(config, kind) == n:
+        return
+    other = "window" if kind == "full" else "full"
+    full = n if kind == "full" else vision_blocks(config, other)
+    depth = n + vision_blocks(config, other)
+    vc = config.vision_config
+    vc.depth = depth
+    vc.fullatt_block_indexes = [(i + 1) * depth // full - 1 for i in range(full)]
 
 
 def images_note(geometry: ImageGeometry, images: Optional[tuple[Grid, ...]], micro: int) -> str:
@@ -442,9 +448,11 @@ def real_index_math():
     ``constant``): FakeTensorMode then computes ops on them for real, and outputs of up to KNOWN_NUMEL
     elements stay known. Their bytes are counted as any fake tensor's. The helpers that build their
     indices from ``torch.arange`` (the 3-D rotary positions, Qwen2.5-VL's attention windows) run on the
-    real values outright. The model's float compute stays fake. That real work runs on one thread: an
+    real values outright. Idefics3 (SmolVLM) reads which images are padding from pixel_attention_mask
+    (split_image_features). The model's float compute stays fake. That real work runs on one thread: an
     OpenMP pool started here would hang the worker processes plans fork later (as in _fake_pixels)."""
     from torch._subclasses import fake_tensor
+    from transformers.models.idefics3 import modeling_idefics3
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
     from transformers.models.qwen2_vl import modeling_qwen2_vl
 
@@ -464,4 +472,228 @@ def real_index_math():
             stack.enter_context(mock.patch.object(cls, "get_rope_index", _on_known_values(cls.get_rope_index)))
         window = _on_known_values(modeling_qwen2_5_vl.get_vision_window_index)
         stack.enter_context(mock.patch.object(modeling_qwen2_5_vl, "get_vision_window_index", window))
+        # (can_return_tuple: upstream's decorator, which takes return_dict)
+        features = modeling_idefics3.can_return_tuple(split_image_features)
+        stack.enter_context(mock.patch.object(modeling_idefics3.Idefics3Model, "get_image_features", features))
         yield
+
+
+# --- Idefics3 (SmolVLM): an image split into tiles plus the whole image ---------------------------------
+TileGrid = tuple[int, int]  # one image's (rows, cols) of tiles; (0, 0): not split, the whole image alone
+
+# SmolVLM-Instruct's published preprocessor_config.json, for a model whose processor cannot be loaded here:
+# images upscaled to 4 tiles on their longest side (its config.json's vision_config.size is not read by the
+# processor), tiles of the vision tower's image_size
+SPLIT_EDGE_TILES = 4
+
+
+def is_split_image_vlm_config(config) -> bool:
+    """Idefics3 / SmolVLM: a large image split into tiles, the tiles' count following its size."""
+    from bigtune.data.vlm import SPLIT_IMAGE_VLM_TYPES
+
+    return getattr(config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES
+
+
+@dataclass(frozen=True)
+class SplitGeometry:
+    """How Idefics3's processor tiles an image, and the user turn's token ids."""
+
+    longest_edge: int  # px: every image is resized to this longest side (then to whole tiles)
+    tile: int  # px: the tiles' (and the global image's) side, the vision tower's image size
+    channels: int
+    tile_tokens: int  # <image> tokens per tile (and for the global image)
+    prompt_ids: tuple[int, ...]  # the user turn through the generation prompt, one image placeholder
+    image_token_id: int
+    text: object  # bigtune.data.vlm.SplitImageText from the tokenizer; None: one token per tile marker
+    from_processor: bool
+    edge_from_recipe: bool = False  # True: longest_edge is from data.image_max_pixels
+
+    def grid(self, height: int, width: int) -> TileGrid:
+        """The tiles of an image of ``height`` × ``width`` pixels, as the processor counts them."""
+        from transformers import Idefics3ImageProcessorPil
+
+        ip = Idefics3ImageProcessorPil(
+            size={"longest_edge": self.longest_edge}, max_image_size={"longest_edge": self.tile}
+        )
+        _, rows, cols = ip.get_number_of_image_patches(height, width)
+        return int(rows), int(cols)
+
+    def worst_grid(self) -> TileGrid:
+        """The most tiles: a square image, at longest_edge on both sides."""
+        return self.grid(self.longest_edge, self.longest_edge)
+
+    def images(self, grid: TileGrid) -> int:
+        """Images the vision tower runs for one such image: its tiles and the global image."""
+        return grid[0] * grid[1] + 1 if grid[0] * grid[1] else 1
+
+    def image_ids(self, grid: TileGrid) -> list[int]:
+        """The ids in place of the image's placeholder. Without the tokenizer each tile marker
+        (<fake_token_around_image>, <row_r_col_c>, <global-img>, the newlines) is one token, as SmolVLM's
+        special tokens are; their ids only need not be the image token's."""
+        if self.text is not None:
+            return self.text.ids(*grid)
+        rows, cols = grid
+        tile = [0, 0] + [self.image_token_id] * self.tile_tokens
+        out = (tile * cols + [0]) * rows
+        return out + [0, 0] + [self.image_token_id] * self.tile_tokens + [0]
+
+
+def split_geometry(recipe: Recipe, config) -> SplitGeometry:
+    """The processor's tiling for ``recipe``'s model (its processor where it loads here, else SmolVLM-Instruct's
+    published one: SPLIT_EDGE_TILES tiles of vision_config.image_size), data.image_max_pixels applied."""
+    from bigtune.data.vlm import ChatImageLayout, image_size_for_budget, split_tile_tokens
+
+    vc = config.vision_config
+    proc = layout = None
+    try:
+        proc = _processor(recipe.model)
+        layout = ChatImageLayout.for_model(proc, config, recipe.data.prompt)
+    except Exception:  # noqa: BLE001 - no processor (hub unreachable, ...) or no chat template: defaults
+        pass
+    ip = getattr(proc, "image_processor", None)
+    tile = int((getattr(ip, "max_image_size", None) or {}).get("longest_edge") or vc.image_size)
+    edge = getattr(getattr(ip, "size", None), "longest_edge", None) or SPLIT_EDGE_TILES * tile
+    budget = recipe.data.image_max_pixels
+    if budget is not None:  # the bound training sets on the processor (bigtune.data.vlm.bound_image_pixels)
+        edge = image_size_for_budget(ip, config, int(budget), recipe.model.name)["longest_edge"]
+    return SplitGeometry(
+        longest_edge=int(edge),
+        tile=tile,
+        channels=int(getattr(vc, "num_channels", 3)),
+        tile_tokens=layout.split.tile_tokens if layout else split_tile_tokens(proc, config),
+        prompt_ids=tuple(layout.prompt_ids) if layout else (int(config.image_token_id),),
+        image_token_id=int(config.image_token_id),
+        text=layout.split if layout else None,
+        from_processor=layout is not None,
+        edge_from_recipe=budget is not None,
+    )
+
+
+def split_image_batch(
+    recipe: Recipe, cfg, geometry: SplitGeometry, b_size: int, padded: bool, images: Optional[tuple] = None
+) -> dict:
+    """A micro-batch shaped as ChatImageCollator builds it for Idefics3: every row data.max_seq_length text
+    tokens (the placeholder among them) plus its image's tile text, padded to the longest row; each row's
+    images (tiles, then the global image) in ``pixel_values`` (batch, images, channels, tile, tile), padded
+    with all-zero images to the most images of a row, and ``pixel_attention_mask`` 1 on every real image
+    (all of its pixels: tiles are whole) and 0 on the padding images, as the processor and collator pad."""
+    from bigtune.core.stepmath import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(0)
+    grids = [tuple(int(x) for x in images[i % len(images)]) for i in range(b_size)] if images else None
+    grids = grids or [geometry.worst_grid()] * b_size
+    prompt = list(geometry.prompt_ids)
+    at = prompt.index(geometry.image_token_id)
+    answer_len = max(1, recipe.data.max_seq_length - len(prompt))
+    top = min(int(cfg.text_config.vocab_size), geometry.image_token_id)  # answer ids below the image token
+    rows = [prompt[:at] + geometry.image_ids(grid) + prompt[at + 1 :] for grid in grids]
+    length = max(len(row) for row in rows) + answer_len
+    ids = torch.zeros((b_size, length), dtype=torch.long)
+    labels = torch.full((b_size, length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((b_size, length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        answer = torch.randint(3, top, (answer_len,), generator=g).tolist()
+        n = len(row) + answer_len
+        ids[i, :n], labels[i, len(row) : n], mask[i, :n] = torch.tensor(row + answer), torch.tensor(answer), 1
+    if padded and bool(mask.all()):  # one padded row: the explicit-mask attention path a real padded batch takes
+        mask[-1, -1], labels[-1, -1] = 0, IGNORE_INDEX
+    counts = [geometry.images(grid) for grid in grids]
+    side = geometry.tile
+    # Filled on one thread: a parallel fill of this large tensor would start OpenMP's pool, after which the
+    # worker processes plans fork hang (as in _fake_pixels).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pixel_mask = torch.zeros((b_size, max(counts), side, side), dtype=torch.long)
+        for i, n in enumerate(counts):
+            pixel_mask[i, :n] = 1
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        # A shape only: simulate() swaps in a fake tensor (see _fake_pixels).
+        "pixel_values": torch.empty(b_size, max(counts), geometry.channels, side, side),
+        "pixel_attention_mask": pixel_mask,
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "padded": padded or not bool(mask.all()),
+        "image_tokens": max(len(r) for r in rows) - len(prompt) + 1,  # the engine's batch-shape rule reads it
+        "image_tiles": [list(grid) for grid in grids],
+    }
+
+
+def split_images_note(geometry: SplitGeometry, images: Optional[tuple], micro: int) -> str:
+    """What the plan assumed about an Idefics3 model's images."""
+    grids = sorted({tuple(int(x) for x in g) for g in (images or [geometry.worst_grid()])})
+
+    def what(grid: TileGrid) -> str:
+        n = geometry.images(grid)
+        tiles = f"{grid[0]}×{grid[1]} tiles of {geometry.tile} px + the whole image" if n > 1 else "one image"
+        return f"{tiles} ({len(geometry.image_ids(grid))} image tokens)"
+
+    why = ""
+    if not images:
+        whose = "data.image_max_pixels" if geometry.edge_from_recipe else "the processor's longest_edge"
+        why = f": the worst case, a square image at {whose}={geometry.longest_edge} px (--image-size HxW to plan yours)"
+    src = ""
+    if not geometry.from_processor:
+        src = (
+            "; the processor did not load here, so SmolVLM-Instruct's tiling (longest edge "
+            f"{SPLIT_EDGE_TILES} tiles) and one token per tile marker"
+        )
+    return f"images: one per row, {', '.join(what(g) for g in grids)}{why}{src}"
+
+
+def _known_real_images(pixel_attention_mask, count: int):
+    """(indices of the real images among the batch's ``count`` images, their patch masks' real values) from
+    ``pixel_attention_mask`` (zero exactly on the collator's all-zero padding images), or None where its
+    values are unknown. See split_image_features."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mask = pixel_attention_mask
+    if isinstance(mask, FakeTensor):
+        mask = mask.constant
+    if mask is None:
+        return None
+    mask = mask.reshape(count, *mask.shape[-2:])
+    return mask.flatten(1).any(1).nonzero().squeeze(1), mask
+
+
+def split_image_features(self, pixel_values, pixel_attention_mask=None, **kwargs):
+    """transformers' Idefics3Model.get_image_features (5.x) on fake tensors: the same operations, except that
+    which images are padding is read from ``pixel_attention_mask`` (real values kept by real_index_math)
+    instead of testing the fake pixels for all zeros. The zero test still runs on the fake pixels, so its
+    temporary bytes are counted; the real images are then gathered by index (the same bytes as by mask), and
+    the patch mask the vision tower reads gets its real values (its attention takes the path a real batch's
+    takes)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    batch_size, num_images = pixel_values.shape[:2]
+    pixel_values = pixel_values.to(dtype=self.dtype)
+    pixel_values = pixel_values.view(batch_size * num_images, *pixel_values.shape[2:])
+    zeros = (pixel_values == 0.0).sum(dim=(-1, -2, -3))  # upstream's padding test: its bytes, fake values
+    del zeros
+    with unset_fake_temporarily():
+        known = _known_real_images(pixel_attention_mask, batch_size * num_images)
+        if known is None:
+            raise RuntimeError("Idefics3 plan: pixel_attention_mask has no known values (see real_index_math)")
+        index, real_mask = known
+        patch = self.config.vision_config.patch_size
+        kept = real_mask[index].unfold(1, patch, patch).unfold(2, patch, patch)
+        patch_mask = kept.sum(dim=(-1, -2)) > 0
+        per_row = torch.zeros(batch_size * num_images, dtype=torch.long)
+        per_row[index] = 1
+        per_row = per_row.view(batch_size, num_images).sum(1).tolist()
+    pixel_values = pixel_values[index.clone()].contiguous()
+    masks = pixel_attention_mask.view(batch_size * num_images, *pixel_attention_mask.shape[2:])
+    masks = masks[index.clone()].contiguous()
+    subgrid = masks.unfold(dimension=1, size=patch, step=patch).unfold(dimension=2, size=patch, step=patch)
+    fake_patch_mask = (subgrid.sum(dim=(-1, -2)) > 0).bool()  # the same bytes, values unknown
+    del masks, subgrid, fake_patch_mask
+    patch_attention_mask = patch_mask.clone()  # known values (see real_index_math)
+    image_outputs = self.vision_model(
+        pixel_values=pixel_values, patch_attention_mask=patch_attention_mask, return_dict=True, **kwargs
+    )
+    image_features = self.connector(image_outputs.last_hidden_state)
+    image_outputs.pooler_output = [f.reshape(-1, f.shape[-1]) for f in image_features.split(per_row)]
+    return image_outputs

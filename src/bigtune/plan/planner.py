@@ -304,6 +304,9 @@ def _model_notes(recipe: Recipe, config, images: Optional[tuple] = None) -> list
         notes.append(chatvlm.images_note(geometry, images, recipe.train.micro_batch_size))
     elif chatvlm.is_fixed_image_vlm_config(config):
         notes.append(chatvlm.fixed_images_note(config, chatvlm.fixed_image_layout(recipe, config)))
+    elif chatvlm.is_split_image_vlm_config(config):
+        geometry = chatvlm.split_geometry(recipe, config)
+        notes.append(chatvlm.split_images_note(geometry, images, recipe.train.micro_batch_size))
     attn_note = attention_for(recipe.model, config)[1]
     if attn_note:
         notes.append(attn_note)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from bigtune.plan.constants import GIB
 from bigtune.plan.simulate import Sim, step_kind, zero_masters
 from bigtune.plan.target import Target
-from bigtune.plan.tensor_parallel import tensor_parallel_note
+from bigtune.plan.tensor_parallel import sequence_parallel_note, tensor_parallel_note
 from bigtune.recipe import Recipe, quant_backend
 
 STATES = ("parameters", "gradients", "optimizer_device")
@@ -239,6 +239,7 @@ def shard_states(sim: Sim, recipe: Recipe, target: Target, n_layers: int) -> tup
             f"{target.gpus} GPU(s) with {target.strategy} over {n} data-parallel × {target.tensor_parallel} "
             "tensor-parallel ranks: planned analytically from the simulation of one tensor-parallel rank",
             tensor_parallel_note(target),
+            *([sequence_parallel_note(target.tensor_parallel)] if recipe.sequence_parallel else []),
         ]
     else:
         notes = [f"{n} GPU(s) with {target.strategy}: planned analytically from the 1-GPU simulation"]

@@ -62,30 +62,43 @@ class Stack:
 
     ``path`` is the depth attribute inside the config; ``period`` is the number of layers that repeat
     as one unit (BLIP-2's Q-Former alternates layers with and without cross-attention, so its unit is
-    ``cross_attention_frequency`` layers).
+    ``cross_attention_frequency`` layers). ``kind``: the stack is the blocks of that kind among others at
+    the same path (Qwen2.5-VL's vision tower: "window" and "full" attention blocks, each extrapolated by
+    its own cost; chatvlm.set_vision_blocks places them).
     """
 
     path: tuple[str, ...]
     period: int = 1
+    kind: str = ""
 
 
 def model_stacks(config) -> list[Stack]:
     """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
     stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack); the vision tower and
-    the language model for Qwen2-VL / Qwen2.5-VL (whose unit runs to the next full-attention block)."""
-    from bigtune.plan.chatvlm import is_chat_vlm_config, is_fixed_image_vlm_config, vision_period
+    the language model for Qwen2-VL, LLaVA, PaliGemma and Idefics3 (SmolVLM); Qwen2.5-VL's window and
+    full-attention vision blocks as two stacks, then its language model."""
+    from bigtune.plan.chatvlm import (
+        has_vision_block_kinds,
+        is_chat_vlm_config,
+        is_fixed_image_vlm_config,
+        is_split_image_vlm_config,
+    )
 
     kind = getattr(config, "model_type", "")
+    text = Stack(("text_config", "num_hidden_layers"))
+    if is_chat_vlm_config(config) and has_vision_block_kinds(config):  # window and full-attention blocks
+        return [Stack(("vision_config", "depth"), kind="window"), Stack(("vision_config", "depth"), kind="full"), text]
     if is_chat_vlm_config(config):
-        return [Stack(("vision_config", "depth"), vision_period(config)), Stack(("text_config", "num_hidden_layers"))]
-    if is_fixed_image_vlm_config(config):  # LLaVA, PaliGemma: the vision tower and the language model
+        return [Stack(("vision_config", "depth")), text]
+    if is_fixed_image_vlm_config(config) or is_split_image_vlm_config(config):
+        # LLaVA, PaliGemma, Idefics3 (SmolVLM): the vision tower and the language model
         return [Stack(("vision_config", "num_hidden_layers")), Stack(("text_config", "num_hidden_layers"))]
     if kind != "blip-2" and getattr(config, "vision_config", None) is not None:
         from bigtune.plan.constants import PlanError
 
         raise PlanError(
-            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL, Qwen2.5-VL, LLaVA and PaliGemma "
-            "are); train with "
+            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL, Qwen2.5-VL, LLaVA, PaliGemma and "
+            "SmolVLM are); train with "
             "memory.plan=false and read the measured memory"
         )
     if kind != "blip-2":
@@ -106,6 +119,10 @@ def model_stacks(config) -> list[Stack]:
 
 
 def get_depth(config, stack: Stack) -> int:
+    if stack.kind:
+        from bigtune.plan.chatvlm import vision_blocks
+
+        return vision_blocks(config, stack.kind)
     obj = config
     for a in stack.path[:-1]:
         obj = getattr(obj, a)
@@ -116,6 +133,10 @@ def get_depth(config, stack: Stack) -> int:
 
 
 def set_depth(config, stack: Stack, n: int) -> None:
+    if stack.kind:
+        from bigtune.plan.chatvlm import set_vision_blocks
+
+        return set_vision_blocks(config, stack.kind, n)
     obj = config
     for a in stack.path[:-1]:
         obj = getattr(obj, a)
@@ -155,6 +176,8 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     if family == "image-to-text" and chatvlm.is_fixed_image_vlm_config(cfg):
         layout = chatvlm.fixed_image_layout(recipe, cfg)
         return chatvlm.fixed_image_batch(recipe, cfg, layout, b_size, padded)
+    if family == "image-to-text" and chatvlm.is_split_image_vlm_config(cfg):
+        return chatvlm.split_image_batch(recipe, cfg, chatvlm.split_geometry(recipe, cfg), b_size, padded, images)
     if family != "image-to-text":
         ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
         mask = torch.ones_like(ids)
@@ -425,15 +448,10 @@ def _shallow_config(config, depths: "int | dict[Stack, int]", recipe: Recipe):
     """A copy of ``config`` with each repeated stack cut to ``depths`` blocks, no KV cache, and the
     recipe's attention implementation (and classification head)."""
     from bigtune.models.build import attention_for, label_config
-    from bigtune.plan.chatvlm import is_chat_vlm_config, shrink_vision
 
     cfg = copy.deepcopy(config)
-    stacks = model_stacks(cfg)
-    full = [get_depth(cfg, st) for st in stacks]
-    for st in stacks:
+    for st in model_stacks(cfg):
         set_depth(cfg, st, depths if isinstance(depths, int) else depths[st])
-    if is_chat_vlm_config(cfg) and get_depth(cfg, stacks[0]) != full[0]:
-        shrink_vision(cfg, stacks[0].period)
     cfg.use_cache = False
     family = recipe.model.family
     if family == "image-to-text":
@@ -522,6 +540,10 @@ def _fake_model(r: Recipe, recipe: Recipe, cfg, quantize: str) -> tuple[torch.nn
     if family == "image-to-text":
         freeze_parts(model, r.model)
     model.train()
+    if r.tensor_parallel > 1 and r.sequence_parallel:  # one rank's layout of the sequence (plan/tensor_parallel.py)
+        from bigtune.plan.tensor_parallel import emulate_sequence_parallel
+
+        emulate_sequence_parallel(model, r.tensor_parallel)
     if r.train.activation_checkpointing:
         enable_activation_checkpointing(model)
     if r.peft.method != "none":
@@ -849,6 +871,7 @@ def sim_key(r: Recipe, micro: int) -> str:
             step_kind(r, r.strategy),
             r.train.loss_chunk_tokens,
             r.tensor_parallel,  # one tensor-parallel rank's model (plan/tensor_parallel.rank_config)
+            r.tensor_parallel > 1 and r.sequence_parallel,
         ]
     )
 

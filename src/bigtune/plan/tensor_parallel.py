@@ -12,6 +12,13 @@ attention scores and context, the MLP's intermediate) are 1/tp, every hidden-siz
 norms, residuals, the row-wise outputs after their all-reduce, the logits) whole. The plan simulates that
 model (``rank_config``); FSDP then shards its states over the data-parallel ranks only (Target.data_parallel),
 and gathers each block's tensor-parallel shard.
+
+With ``sequence_parallel`` the hidden-size tensors outside the split projections hold s / tp rows per rank:
+the residual stream, the blocks' norms (inputs, intermediates, outputs) and the tensors passed from block to
+block. Each sublayer's input is all-gathered to the whole sequence (that gathered copy is what the column-wise
+projections save for their backward, as without sequence parallelism), and each row-wise output is
+reduce-scattered back to s / tp rows. The simulated rank model gets the same layout from forward hooks
+(``emulate_sequence_parallel``) whose collectives are local copies of the same sizes.
 """
 
 from __future__ import annotations
@@ -88,6 +95,9 @@ def hidden_bytes_per_layer(recipe: Recipe, config) -> int:
     return recipe.train.micro_batch_size * recipe.data.max_seq_length * config.hidden_size * es
 
 
+# Sequence parallelism replaces each all-reduce by an all-gather (the sublayer's input) and a reduce-scatter
+# (its output): a ring moves (tp - 1) / tp of the bytes in each, 2 (tp - 1) / tp together, the all-reduce's
+# bytes. The time below holds for both layouts.
 ALL_REDUCES_PER_BLOCK = 2  # forward: after o_proj and after down_proj (backward: the inputs of q/k/v and gate/up)
 
 
@@ -118,3 +128,61 @@ def tensor_parallel_note(target: Target) -> str:
         f"and hidden-size activations whole on every rank), FSDP over the {dp} data-parallel rank(s); the {tp} "
         "ranks of a group read the same micro-batches"
     )
+
+
+def sequence_parallel_note(tp: int) -> str:
+    return (
+        f"sequence_parallel: the residual stream, the blocks' norms and the activations between blocks hold 1/{tp} "
+        f"of the sequence per rank (each sublayer's input all-gathered to the whole sequence, o_proj / down_proj "
+        "reduce-scattered back; the same bytes as the two all-reduces); embeddings, final norm and output layer whole"
+    )
+
+
+# The Llama block's row-wise projections, whose outputs sequence parallelism reduce-scatters (the engine's
+# sequence_parallel_block_plan refuses a block laid out otherwise).
+_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def emulate_sequence_parallel(model, tp: int) -> None:
+    """Hooks that lay out the simulated rank model as the engine's sequence_parallel_block_plan and
+    sequence_parallel_stack_plan do, one rank of ``tp``: the first block's input cut to s / tp rows (a new
+    tensor, as DTensor's Replicate → Shard(1) clones its chunk), each self_attn / mlp input gathered to s rows,
+    each row-wise output cut back to s / tp rows, the final norm's input gathered. The collectives become local
+    copies of the sizes the real ones allocate (their backward too: a cut's gradient is s rows, a gather's
+    s / tp). The causal mask and positions still cover s rows: the stack computes them before the first block.
+    With activation checkpointing the cut happens inside the first block's checkpoint here (the engine cuts
+    before the block), which can count at most (1 - 1/tp) × b × s × h more, once (the tiny Llama's peak: equal)."""
+    import torch
+
+    from bigtune.models.build import decoder_blocks
+
+    def cut(x):
+        return x.narrow(1, 0, x.shape[1] // tp).clone()
+
+    def gather(x):
+        return torch.cat([x] * tp, dim=1)
+
+    def on_hidden(fn):  # the hidden states, passed positionally (mlp, decoder layers) or by keyword (self_attn)
+        def hook(module, args, kwargs):
+            if args:
+                return (fn(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+        return hook
+
+    blocks = decoder_blocks(model)
+    try:
+        parts = [
+            (b.get_submodule("self_attn"), b.get_submodule("mlp"), [b.get_submodule(k) for k in _ROWWISE])
+            for b in blocks
+        ]
+        norm = model.get_decoder().get_submodule("norm")
+    except AttributeError as e:
+        raise PlanError(f"sequence_parallel: the model is not laid out like Llama's decoder ({e})") from None
+    blocks[0].register_forward_pre_hook(on_hidden(cut), with_kwargs=True)
+    for attn, mlp, rowwise in parts:
+        attn.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
+        mlp.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
+        for linear in rowwise:
+            linear.register_forward_hook(lambda module, args, out: cut(out))
+    norm.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
