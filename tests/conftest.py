@@ -95,6 +95,49 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
     )
 
 
+def set_args(over: dict) -> list[str]:
+    """``--set key=value`` flags for ``over`` (None as null)."""
+    return [a for k, v in over.items() for a in ("--set", f"{k}={'null' if v is None else v}")]
+
+
+def train_cli(tmp_path: Path, name: str, common: dict, **over) -> Path:
+    """``bigtune train`` in its own process (multi-rank runs spawn there) with ``common`` then ``over``
+    applied; the run folder ``tmp_path/name``."""
+    res = run_cli("train", *set_args({**common, "output_dir": str(tmp_path / name), **over}), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return tmp_path / name
+
+
+def run_losses(run: Path) -> list[float]:
+    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+
+
+def same_weights(a: Path, b: Path, atol: float = 1e-5) -> None:
+    """The two runs' saved models hold the same names and values (atol=0: bit for bit)."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(a / "model" / "model.safetensors")), load_file(str(b / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0 if atol == 0 else 1e-4, atol=atol)
+
+
+def resume_from_step_3(tmp_path: Path, ref: Path, common: dict, over: dict) -> Path:
+    """A copy of the 6-step run ``ref`` with its last checkpoint removed, resumed with ``--resume``: it must
+    start again at step 3. Returns the resumed run's folder."""
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(ref, cut)
+    last = cut / "checkpoints" / "step-000006.ckpt"
+    shutil.rmtree(last) if last.is_dir() else last.unlink()
+    res = run_cli("train", "--resume", str(cut), *set_args({**common, **over, "output_dir": str(cut)}), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "at step 3" in res.stdout
+    return cut
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import ROOT, read_jsonl, resume_from_step_3, run_cli, run_losses, same_weights, set_args, train_cli
 
 COMMON = {
     "train.max_steps": 4,
@@ -28,33 +26,13 @@ COMMON = {
 }
 
 
-def _args(over: dict) -> list[str]:
-    out = []
-    for k, v in over.items():
-        out += ["--set", f"{k}={'null' if v is None else v}"]
-    return out
-
-
 def _train(tmp_path, name, **over):
-    res = run_cli("train", *_args({**COMMON, "output_dir": str(tmp_path / name), **over}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return tmp_path / name
+    return train_cli(tmp_path, name, COMMON, **over)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("single"), "run", **{"train.micro_batch_size": 8})
-
-
-def _losses(run):
-    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
-
-
-def _same_weights(a, b, atol=1e-5):
-    wa, wb = load_file(str(a / "model" / "model.safetensors")), load_file(str(b / "model" / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=atol)
 
 
 # "ddp-lightning": Lightning Trainer's defaults, gradients beside DDP's buckets and freed before the next backward
@@ -65,10 +43,10 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path, single,
     run = _train(
         tmp_path, strategy, devices=2, strategy=strategy, **{"train.micro_batch_size": 4, "memory.plan": True, **extra}
     )
-    assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
+    assert run_losses(run) == pytest.approx(run_losses(single), rel=1e-5)
     plan = json.loads((run / "summary.json").read_text())["plan"]
     assert abs(plan["peak_error_pct"]) < 2.0, plan["peak_error_pct"]  # the planner's per-rank peak
-    _same_weights(run, single)
+    same_weights(run, single)
     snaps = read_jsonl(run / "memory.jsonl")
     assert {s["rank"] for s in snaps} == {0, 1}  # every rank measured, rank 0 wrote them
     one = {s["phase"]: s for s in read_jsonl(single / "memory.jsonl") if s["step"] == 2}
@@ -94,13 +72,13 @@ def test_torchrun_launch(tmp_path, single):
         "-m",
         "bigtune",
         "train",
-        *_args(
+        *set_args(
             {**COMMON, "output_dir": str(tmp_path / "tr"), "strategy": "ddp", "devices": 2, "train.micro_batch_size": 4}
         ),
     ]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert _losses(tmp_path / "tr") == pytest.approx(_losses(single), rel=1e-5)
+    assert run_losses(tmp_path / "tr") == pytest.approx(run_losses(single), rel=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -121,16 +99,10 @@ def test_checkpoint_resumes_across_ranks(tmp_path, strategy):
     ref = _train(tmp_path, "ref", **over)
     ckpt = ref / "checkpoints" / "step-000003.ckpt"
     assert ckpt.is_dir() == (strategy == "fsdp"), "FSDP writes a distributed (sharded) checkpoint folder"
-    cut = tmp_path / "cut"
-    shutil.copytree(ref, cut)
-    last = cut / "checkpoints" / "step-000006.ckpt"
-    shutil.rmtree(last) if last.is_dir() else last.unlink()
-    res = run_cli("train", "--resume", str(cut), *_args({**COMMON, **over, "output_dir": str(cut)}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "at step 3" in res.stdout
-    assert _losses(cut) == pytest.approx(_losses(ref), rel=1e-5)
+    cut = resume_from_step_3(tmp_path, ref, COMMON, over)
+    assert run_losses(cut) == pytest.approx(run_losses(ref), rel=1e-5)
     assert [m["lr"] for m in read_jsonl(cut / "metrics.jsonl")] == [m["lr"] for m in read_jsonl(ref / "metrics.jsonl")]
-    _same_weights(cut, ref)
+    same_weights(cut, ref)
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 6
 
@@ -188,7 +160,7 @@ def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
     }
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bigtune", "train", *_args(over)],
+        [sys.executable, "-m", "bigtune", "train", *set_args(over)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -206,7 +178,7 @@ def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
     stopped = summary["preempted_at_step"]
     assert summary["status"] == "preempted" and 5 <= stopped < 80
     assert (tmp_path / "run" / "checkpoints" / f"step-{stopped:06d}.ckpt").exists()
-    res = run_cli("train", *_args(over), "--auto-resume", cwd=tmp_path)
+    res = run_cli("train", *set_args(over), "--auto-resume", cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:]
     assert f"at step {stopped}" in res.stdout
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, 81))

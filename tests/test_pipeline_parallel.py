@@ -13,16 +13,20 @@ to its rank's measured peak within 5 %, as asked of the planner; measured here: 
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import transformers
 
 from bigtune.models.configs import resolve_config
 from bigtune.plan.pipeline import stage_sims
 from bigtune.recipe import RecipeError, load_recipe
-from conftest import read_jsonl, run_cli
-from test_tensor_parallel import CLIPPED, _args, _losses, _same_weights, _train
+from conftest import read_jsonl, resume_from_step_3, run_losses, same_weights, train_cli
+from test_dist import COMMON
+from test_tensor_parallel import CLIPPED
+
+
+def _train(tmp_path, name, **over):
+    return train_cli(tmp_path, name, COMMON, **over)
+
 
 PP2 = {"devices": 2, "pipeline_parallel": 2, "train.micro_batch_size": 8, "train.pipeline_microbatches": 4}
 
@@ -50,8 +54,8 @@ def pipeline_runs(tmp_path_factory):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_stages_equal_one_process(single, pipeline_runs, schedule):
     run = pipeline_runs(schedule)
-    assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
-    _same_weights(run, single)  # the stages gathered into one Hugging Face folder: every name, full shapes
+    assert run_losses(run) == pytest.approx(run_losses(single), rel=1e-5)
+    same_weights(run, single)  # the stages gathered into one Hugging Face folder: every name, full shapes
     metrics = read_jsonl(run / "metrics.jsonl")
     # the stages read the same batches: tokens counted once, not once per stage
     assert [m["tokens"] for m in metrics] == [m["tokens"] for m in read_jsonl(single / "metrics.jsonl")]
@@ -90,16 +94,9 @@ def test_pipeline_resume_continues_exactly(tmp_path):
     ref = _train(tmp_path, "ref", **over)
     step3 = ref / "checkpoints" / "step-000003.ckpt"
     assert sorted(p.name for p in step3.iterdir()) == ["stage-0.pt", "stage-1.pt"], "one file per stage"
-    cut = tmp_path / "cut"
-    shutil.copytree(ref, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-000006.ckpt")
-    from test_dist import COMMON
-
-    res = run_cli("train", "--resume", str(cut), *_args({**COMMON, **over, "output_dir": str(cut)}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "at step 3" in res.stdout
-    assert _losses(cut) == _losses(ref)
-    _same_weights(cut, ref, atol=0)
+    cut = resume_from_step_3(tmp_path, ref, COMMON, over)
+    assert run_losses(cut) == run_losses(ref)
+    same_weights(cut, ref, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -40,18 +40,22 @@ def mixed_sizes(tmp_path_factory) -> Path:
     """Photos at two sizes, alternating, captions of different lengths: the bundled 32×32 photos become
     56×56 pixels (4 image tokens), the same photos at 100×80 become 112×84 (12 tokens; several of
     Qwen2.5-VL's attention windows)."""
+    return two_size_photos(tmp_path_factory.mktemp("mixed"), (80, 100))
+
+
+def two_size_photos(folder: Path, other_size: tuple[int, int]) -> Path:
+    """An image + caption JSONL of four bundled photos, every second one resized to ``other_size`` (w, h),
+    captions of different lengths."""
     from PIL import Image
 
-    d = tmp_path_factory.mktemp("mixed")
-    photos = sorted((DEMO_IMAGES / "images").glob("*.png"))[:4]
     rows = []
-    for i, photo in enumerate(photos):
+    for i, photo in enumerate(sorted((DEMO_IMAGES / "images").glob("*.png"))[:4]):
         path = photo
         if i % 2:
-            path = d / f"big{i}.png"
-            Image.open(photo).convert("RGB").resize((80, 100)).save(path)
+            path = folder / f"resized{i}.png"
+            Image.open(photo).convert("RGB").resize(other_size).save(path)
         rows.append({"image": str(path), "text": "a plate of food " + "with herbs " * (3 * i)})
-    src = d / "mixed.jsonl"
+    src = folder / "photos.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return src
 

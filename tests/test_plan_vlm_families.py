@@ -11,7 +11,7 @@ from bigtune.plan.planner import plan
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from conftest import run_cli
-from test_plan_vlm import DEMO, mixed_sizes, one_thread, train_and_compare  # noqa: F401 - fixtures
+from test_plan_vlm import DEMO, mixed_sizes, one_thread, train_and_compare, two_size_photos  # noqa: F401 - fixtures
 
 MATRIX = [
     # preset, precision, checkpointing, peft
@@ -73,23 +73,7 @@ def tiled_sizes(tmp_path_factory):
     """Photos SmolVLM's tiny processor (64 px longest edge, 32 px tiles) splits differently, alternating: the
     bundled 32×32 ones into 2×2 tiles + the whole image, the same photos at 30×90 into 1×2 tiles + the whole
     image (so the collator pads those rows with two all-zero images); captions of different lengths."""
-    import json
-
-    from PIL import Image
-
-    from bigtune.data.images import DEMO_IMAGES
-
-    d = tmp_path_factory.mktemp("tiled")
-    rows = []
-    for i, photo in enumerate(sorted((DEMO_IMAGES / "images").glob("*.png"))[:4]):
-        path = photo
-        if i % 2:
-            path = d / f"wide{i}.png"
-            Image.open(photo).convert("RGB").resize((90, 30)).save(path)
-        rows.append({"image": str(path), "text": "a plate of food " + "with herbs " * (3 * i)})
-    src = d / "tiled.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return src
+    return two_size_photos(tmp_path_factory.mktemp("tiled"), (90, 30))
 
 
 def test_smolvlm_plan_matches_the_measured_step_with_two_tile_grids(tmp_path, tiled_sizes):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
-from conftest import read_jsonl, run_cli
+from conftest import read_jsonl, resume_from_step_3, run_cli, run_losses, train_cli
 
 pytest.importorskip("torchao", reason="QLoRA under FSDP needs torchao: pip install 'bigtune[torchao]'")
 
@@ -32,18 +31,8 @@ COMMON = {
 }
 
 
-def _args(over: dict) -> list[str]:
-    return [a for k, v in over.items() for a in ("--set", f"{k}={'null' if v is None else v}")]
-
-
 def _train(tmp_path, name, **over):
-    res = run_cli("train", *_args({**COMMON, "output_dir": str(tmp_path / name), **over}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return tmp_path / name
-
-
-def _losses(run):
-    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    return train_cli(tmp_path, name, COMMON, **over)
 
 
 def _fsdp(**over):
@@ -80,8 +69,8 @@ def test_fsdp_qlora_matches_one_process_and_shards_the_4bit_base(tmp_path, preci
     one = _train(tmp_path, "one", **_single(precision=precision))
     two = _train(tmp_path, "two", **_fsdp(precision=precision, **{"memory.plan": True}))
     tol = 1e-5 if precision == "32-true" else 2e-3
-    assert _losses(two) == pytest.approx(_losses(one), rel=tol)
-    assert _losses(two)[-1] < _losses(two)[0]  # the adapters learn
+    assert run_losses(two) == pytest.approx(run_losses(one), rel=tol)
+    assert run_losses(two)[-1] < run_losses(two)[0]  # the adapters learn
     elem = 4 if precision == "32-true" else 2
     load_two = json.loads((two / "summary.json").read_text())["parameters"]["nf4_load"]
     load_one = json.loads((one / "summary.json").read_text())["parameters"]["nf4_load"]
@@ -111,8 +100,8 @@ def test_fsdp_qlora_with_cpu_offload_and_checkpointing_trains_the_same(tmp_path)
     plain = _train(tmp_path, "plain", **_fsdp(precision="bf16-true"))
     saver = {"fsdp_cpu_offload": True, "train.activation_checkpointing": True}
     both = _train(tmp_path, "both", **_fsdp(precision="bf16-true", **saver))
-    assert _losses(both) == pytest.approx(_losses(plain), rel=1e-3)
-    assert _losses(both)[-1] < _losses(both)[0]
+    assert run_losses(both) == pytest.approx(run_losses(plain), rel=1e-3)
+    assert run_losses(both)[-1] < run_losses(both)[0]
 
 
 def test_fsdp_qlora_resumes_exactly_and_exports_merged(tmp_path):
@@ -136,13 +125,8 @@ def test_fsdp_qlora_resumes_exactly_and_exports_merged(tmp_path):
     assert ckpt.is_dir()  # FSDP: a distributed checkpoint folder
     saved = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     assert saved < 200_000, "adapters and their optimizer state only, not the base"
-    cut = tmp_path / "cut"
-    shutil.copytree(ref, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-000006.ckpt")
-    res = run_cli("train", "--resume", str(cut), *_args({**COMMON, **over, "output_dir": str(cut)}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "at step 3" in res.stdout
-    assert _losses(cut) == _losses(ref)
+    cut = resume_from_step_3(tmp_path, ref, COMMON, over)
+    assert run_losses(cut) == run_losses(ref)
 
     res = run_cli("export", str(ref), "--merge", "--dtype", "float32", cwd=tmp_path)
     assert res.returncode == 0, res.stderr

@@ -9,37 +9,16 @@ test_dist.py uses for DDP and FSDP. A resumed run repeats the same ranks' arithm
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 import transformers
-from safetensors.torch import load_file
 
 from bigtune.recipe import RecipeError, load_recipe
-from conftest import read_jsonl, run_cli
+from conftest import read_jsonl, resume_from_step_3, run_cli, run_losses, same_weights, set_args, train_cli
 from test_dist import COMMON  # the same tiny-Llama run settings as the DDP / FSDP tests
 
 
-def _args(over: dict) -> list[str]:
-    return [x for k, v in over.items() for x in ("--set", f"{k}={'null' if v is None else v}")]
-
-
 def _train(tmp_path, name, **over):
-    res = run_cli("train", *_args({**COMMON, "output_dir": str(tmp_path / name), **over}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return tmp_path / name
-
-
-def _losses(run):
-    return [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
-
-
-def _same_weights(a, b, atol=1e-5):
-    wa, wb = load_file(str(a / "model" / "model.safetensors")), load_file(str(b / "model" / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0 if atol == 0 else 1e-4, atol=atol)
+    return train_cli(tmp_path, name, COMMON, **over)
 
 
 # A clip that bites: the tiny Llama's first gradients have a norm above 1, so the global norm over DTensors
@@ -61,14 +40,16 @@ def test_tensor_parallel_two_ranks_equal_one_process(tmp_path, single, sequence_
     run = _train(
         tmp_path, "tp2", devices=2, strategy="fsdp", tensor_parallel=2, **{"train.micro_batch_size": 8, **CLIPPED, **sp}
     )
-    assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
-    _same_weights(run, single)  # gathered to a plain HF folder: full shapes, the same names
+    assert run_losses(run) == pytest.approx(run_losses(single), rel=1e-5)
+    same_weights(run, single)  # gathered to a plain HF folder: full shapes, the same names
     metrics = read_jsonl(run / "metrics.jsonl")
     # tokens counted once per tensor-parallel group, not once per rank
     assert [m["tokens"] for m in metrics] == [m["tokens"] for m in read_jsonl(single / "metrics.jsonl")]
     if not sequence_parallel:  # once is enough
         unclipped = _train(tmp_path, "unclipped", **{"train.micro_batch_size": 8})
-        assert _losses(unclipped)[1:] != pytest.approx(_losses(single)[1:], rel=1e-5), "the clip must change the run"
+        assert run_losses(unclipped)[1:] != pytest.approx(run_losses(single)[1:], rel=1e-5), (
+            "the clip must change the run"
+        )
 
 
 def test_sequence_parallel_pads_odd_lengths(tmp_path):
@@ -80,7 +61,7 @@ def test_sequence_parallel_pads_odd_lengths(tmp_path):
     lengths = sorted({m["batch_shape"][1] for m in read_jsonl(one / "memory.jsonl")})
     assert any(n % 2 for n in lengths), lengths
     assert [n + n % 2 for n in lengths] == sorted({m["batch_shape"][1] for m in read_jsonl(sp / "memory.jsonl")})
-    assert _losses(sp) == pytest.approx(_losses(one), rel=1e-5)
+    assert run_losses(sp) == pytest.approx(run_losses(one), rel=1e-5)
 
 
 def test_two_dimensional_mesh_equals_one_process(tmp_path, single):
@@ -88,8 +69,8 @@ def test_two_dimensional_mesh_equals_one_process(tmp_path, single):
     run = _train(
         tmp_path, "dp2tp2", devices=4, strategy="fsdp", tensor_parallel=2, **{"train.micro_batch_size": 4, **CLIPPED}
     )
-    assert _losses(run) == pytest.approx(_losses(single), rel=1e-5)
-    _same_weights(run, single)
+    assert run_losses(run) == pytest.approx(run_losses(single), rel=1e-5)
+    same_weights(run, single)
 
 
 def test_tensor_parallel_resume_continues_exactly(tmp_path):
@@ -107,14 +88,9 @@ def test_tensor_parallel_resume_continues_exactly(tmp_path):
     }
     ref = _train(tmp_path, "ref", **over)
     assert (ref / "checkpoints" / "step-000003.ckpt").is_dir(), "a distributed checkpoint of DTensor shards"
-    cut = tmp_path / "cut"
-    shutil.copytree(ref, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-000006.ckpt")
-    res = run_cli("train", "--resume", str(cut), *_args({**COMMON, **over, "output_dir": str(cut)}), cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "at step 3" in res.stdout
-    assert _losses(cut) == _losses(ref)
-    _same_weights(cut, ref, atol=0)
+    cut = resume_from_step_3(tmp_path, ref, COMMON, over)
+    assert run_losses(cut) == run_losses(ref)
+    same_weights(cut, ref, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -190,7 +166,7 @@ def test_plan_is_read_from_the_config_and_checked_against_the_model():
 def test_plan_names_the_tensor_parallel_layout(tmp_path):
     """`bigtune plan` of a TP recipe plans one tensor-parallel rank (tests/test_plan_tensor_parallel.py checks
     the numbers against a run) and says how the ranks are laid out."""
-    res = run_cli("plan", *_args({"devices": 2, "strategy": "fsdp", "tensor_parallel": 2}), cwd=tmp_path)
+    res = run_cli("plan", *set_args({"devices": 2, "strategy": "fsdp", "tensor_parallel": 2}), cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "1 data-parallel × 2 tensor-parallel ranks" in res.stdout
     assert "NOT planned" not in res.stdout

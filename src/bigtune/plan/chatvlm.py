@@ -117,18 +117,27 @@ def _processor(model):
     return _PROCESSORS[key]
 
 
-def image_geometry(recipe: Recipe, config) -> ImageGeometry:
-    """The processor's geometry for ``recipe``'s model (bounds and prompt from its processor where it loads
-    here: a preset's is built locally; else transformers' default bounds and a bare image placeholder)."""
-    from bigtune.data.vlm import ChatImageLayout, image_size_for_budget
+def _processor_and_layout(recipe: Recipe, config):
+    """The model's processor and chat image layout where they load here (a preset's are built locally); None
+    for what does not (the hub unreachable, no chat template): the callers fall back to published defaults."""
+    from bigtune.data.vlm import ChatImageLayout
 
-    vc = config.vision_config
     proc = layout = None
     try:
         proc = _processor(recipe.model)
         layout = ChatImageLayout.for_model(proc, config, recipe.data.prompt)
     except Exception:  # noqa: BLE001 - no processor (hub unreachable, ...) or no chat template: defaults
         pass
+    return proc, layout
+
+
+def image_geometry(recipe: Recipe, config) -> ImageGeometry:
+    """The processor's geometry for ``recipe``'s model (bounds and prompt from its processor where it loads
+    here: a preset's is built locally; else transformers' default bounds and a bare image placeholder)."""
+    from bigtune.data.vlm import image_size_for_budget
+
+    vc = config.vision_config
+    proc, layout = _processor_and_layout(recipe, config)
     ip = getattr(proc, "image_processor", None)
     size = getattr(ip, "size", None)
     bounds = {k: getattr(size, k, None) for k in ("shortest_edge", "longest_edge")}
@@ -541,15 +550,10 @@ class SplitGeometry:
 def split_geometry(recipe: Recipe, config) -> SplitGeometry:
     """The processor's tiling for ``recipe``'s model (its processor where it loads here, else SmolVLM-Instruct's
     published one: SPLIT_EDGE_TILES tiles of vision_config.image_size), data.image_max_pixels applied."""
-    from bigtune.data.vlm import ChatImageLayout, image_size_for_budget, split_tile_tokens
+    from bigtune.data.vlm import image_size_for_budget, split_tile_tokens
 
     vc = config.vision_config
-    proc = layout = None
-    try:
-        proc = _processor(recipe.model)
-        layout = ChatImageLayout.for_model(proc, config, recipe.data.prompt)
-    except Exception:  # noqa: BLE001 - no processor (hub unreachable, ...) or no chat template: defaults
-        pass
+    proc, layout = _processor_and_layout(recipe, config)
     ip = getattr(proc, "image_processor", None)
     tile = int((getattr(ip, "max_image_size", None) or {}).get("longest_edge") or vc.image_size)
     edge = getattr(getattr(ip, "size", None), "longest_edge", None) or SPLIT_EDGE_TILES * tile
