@@ -13,6 +13,7 @@ import torch
 
 from bigtune.cli.generate import add_cli
 from bigtune.core.presets import PRESETS
+from bigtune.models.configs import resolve_config
 from bigtune.run.training import train
 from bigtune.use.export import export_run
 from conftest import read_jsonl, tiny_overrides
@@ -100,3 +101,84 @@ def test_moe_plan_with_accumulation_and_aux_loss(tmp_path, name):
     s = _run(run, name, **{"train.max_steps": 4, "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2})
     assert s["status"] == "ok" and abs(s["plan"]["peak_error_pct"]) < 3.0, s["plan"]["peak_error_pct"]
     assert all("aux_loss" in m for m in read_jsonl(run / "metrics.jsonl"))
+
+
+def _gemma3_checkpoint(folder) -> torch.nn.Module:
+    """A tiny Gemma 3 vision-language checkpoint (SigLIP tower + tiny-gemma3's text model) written as
+    transformers writes one, with the bundled tokenizer: a stand-in for google/gemma-3-4b-it."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from bigtune.core.presets import preset_config, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    text = preset_config("tiny-gemma3", tok).to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    cfg = Gemma3Config(text_config=text, vision_config={**vision, "image_size": 28, "patch_size": 14})
+    cfg.mm_tokens_per_image = 4
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model
+
+
+def test_gemma3_checkpoint_fine_tunes_its_text_model(tmp_path):
+    """A Gemma 3 4B/12B checkpoint is a vision-language model; a causal-LM recipe builds its text model
+    alone (no vision tower in memory), with the checkpoint's text weights, plans it, and its LoRA merge
+    and generation load the same text model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+
+    from bigtune.models.build import build_model, load_tokenizer, text_model_kwargs
+    from bigtune.recipe import load_recipe
+
+    folder = tmp_path / "gemma-3-tiny-it"
+    whole = _gemma3_checkpoint(folder)
+    recipe = load_recipe({}, {"model.name": str(folder)})
+    model = build_model(recipe.model, load_tokenizer(recipe.model), "32-true", 0)
+    assert isinstance(model, Gemma3ForCausalLM) and not any("vision" in n for n, _ in model.named_parameters())
+    text = whole.model.language_model.state_dict()
+    assert all(torch.equal(v, text[k.removeprefix("model.")]) for k, v in model.model.state_dict().items())
+    assert torch.equal(model.lm_head.weight, whole.lm_head.weight)
+
+    run = tmp_path / "lora"
+    over = {"peft.method": "lora", "optim.lr": 1e-2, "train.max_steps": 6, "checkpoint.save_model": True}
+    s = _run(run, str(folder), **over)
+    assert s["status"] == "ok" and s["final_loss"] < s["first_loss"], (s["first_loss"], s["final_loss"])
+    assert abs(s["plan"]["peak_error_pct"]) < 2.0, s["plan"]["peak_error_pct"]  # planned as the text model
+
+    merged = AutoModelForCausalLM.from_pretrained(export_run(run, merge=True, dtype="float32"))
+    base = AutoModelForCausalLM.from_pretrained(str(folder), **text_model_kwargs(str(folder)))
+    ref = PeftModel.from_pretrained(base, str(run / "adapter"))
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert isinstance(merged, Gemma3ForCausalLM)
+    full = tmp_path / "full"  # a full fine-tune saves a text model's folder, in its own key names
+    assert _run(full, str(folder), **{"train.max_steps": 2, "checkpoint.save_model": True})["status"] == "ok"
+    from safetensors import safe_open
+
+    with safe_open(str(full / "model" / "model.safetensors"), "pt") as f:
+        assert all(k.startswith(("model.layers.", "model.embed_tokens.", "model.norm.")) for k in f.keys()), f.keys()
+    assert isinstance(AutoModelForCausalLM.from_pretrained(full / "model"), Gemma3ForCausalLM)
+    rows = _generate(run, tmp_path)  # the adapter run: its base is loaded as the text model again
+    assert rows[0]["prompt"] == "Name a soup." and rows == _generate(run, tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_moe_plans_on_a_gpu_in_any_precision(precision):
+    """CUDA's grouped_mm runs non-bf16 experts through its per-expert fallback (GroupedBlas.cpp), so an fp32
+    or mixed-precision MoE is planned for a GPU (its meta kernel alone would refuse anything but bf16). The
+    GPU plan is the CPU plan (checked against measured peaks above) plus the 16 MiB of cuBLAS workspaces;
+    the rest of the gap is CUDA's 512-byte rounding of this tiny model's many small tensors."""
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan.planner import count_parameters, plan
+    from bigtune.plan.target import Target
+    from bigtune.recipe import load_recipe
+
+    over = {"model.name": "tiny-mixtral", "precision": precision, "data.max_seq_length": 64, "data.source": "demo"}
+    gpu = plan(load_recipe({}, over), Target("cuda", find_gpu("a100-80gb")))
+    cpu = plan(load_recipe({}, {**over, "accelerator": "cpu"}), Target("cpu"))
+    n = count_parameters(resolve_config(load_recipe({}, over)))
+    assert gpu.phases["before_forward"]["parameters"] == pytest.approx(4 * n, rel=0.01)  # fp32 weights
+    assert gpu.peak_allocated - 16 * 2**20 == pytest.approx(cpu.peak_allocated, rel=0.10)

@@ -250,6 +250,11 @@ PUBLISHED_PARAMS = {
     "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704,  # model card: 46.7 B in total
     "microsoft/Phi-3-mini-4k-instruct": 3_821_079_552,  # model card: 3.8 B
     "microsoft/phi-4": 14_659_507_200,  # model card: 14.7 B
+    # Gemma 3 4B/12B checkpoints hold a vision-language model; a causal-LM recipe trains the text model alone.
+    # Model cards: 4.3 B and 12.2 B with the 417 M SigLIP tower and the projector; the text models' non-embedding
+    # counts are the Gemma 3 technical report's (Table 1): 3,209 M and 10,759 M; embeddings 262,208 × hidden
+    "google/gemma-3-4b-it": 3_209_010_688 + 262_208 * 2560,  # = 3,880,263,168
+    "google/gemma-3-12b-it": 10_759_155_456 + 262_208 * 3840,  # = 11,766,034,176
 }
 
 
@@ -670,3 +675,22 @@ def test_alternatives_add_checkpointing_where_several_gpus_are_not_enough():
         ", ckpt," in a.variant and "GPUs" in a.variant
         for a in alternatives(small, Target("cuda", find_gpu("l4")), max_gpus=4, workers=2)
     )
+
+
+@pytest.mark.parametrize("name,card", [("google/gemma-3-4b-it", 4.3e9), ("google/gemma-3-12b-it", 12.2e9)])
+def test_bundled_gemma3_checkpoints_are_the_published_vision_language_models(name, card):
+    """The bundled Gemma 3 configs are the released checkpoints' (vision tower included): their whole
+    parameter count rounds to the model card's; a causal-LM recipe then takes the text model out of them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from bigtune.models.configs import bundled_config_path
+
+    d = json.loads(bundled_config_path(name).read_text())
+    d.pop("_bigtune_source")
+    with torch.device("meta"):
+        whole = AutoModelForImageTextToText.from_config(AutoConfig.for_model(d.pop("model_type"), **d))
+    n = sum(p.numel() for p in whole.parameters())
+    assert round(n / 1e8) == round(card / 1e8), n  # 4,300,079,472 and 12,187,325,040
+    text = resolve_config(load_recipe({}, {"model.name": name}))
+    assert text.model_type == "gemma3_text" and count_parameters(text) == PUBLISHED_PARAMS[name]

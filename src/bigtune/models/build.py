@@ -234,11 +234,11 @@ def _from_pretrained(
 ) -> torch.nn.Module:
     AutoModelForCausalLM = auto_class(cfg.family)
 
-    kwargs: dict = label_config(label_names)
+    kwargs: dict = label_config(label_names) | text_model_kwargs(name, cfg.family, cfg.revision, cfg.trust_remote_code)
     if quant is not None and torch.cuda.is_available():
         kwargs["device_map"] = {"": torch.cuda.current_device()}  # bitsandbytes quantizes while placing
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             name,
             dtype=dtype,
             revision=cfg.revision,
@@ -251,6 +251,49 @@ def _from_pretrained(
         )
     except Exception as e:
         raise ModelError(load_hint("model", cfg.name, e)) from e
+    return save_as_loaded(model) if "key_mapping" in kwargs else model
+
+
+def save_as_loaded(model: torch.nn.Module) -> torch.nn.Module:
+    """Forget the key renaming a text model of a composite checkpoint was loaded with (text_model_kwargs):
+    transformers 5 reverts it on save_pretrained, which would write "language_model.model.*" keys beside a
+    text-only config that no loader maps back. Only those renamings go; the model's own conversions stay.
+    (``_weight_conversions`` is where transformers 5.x keeps them; there is no public setter.)"""
+    from bigtune.models.configs import TEXT_MODEL_OF
+
+    ours = {pattern for mapping in TEXT_MODEL_OF.values() for pattern in mapping}
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if not set(getattr(c, "source_patterns", ())) <= ours]
+    return model
+
+
+def text_model_kwargs(
+    name: str, family: str = "causal-lm", revision: Optional[str] = None, trust_remote_code: bool = False
+) -> dict:
+    """from_pretrained's config and key_mapping for the text model of a composite checkpoint
+    (models.configs.TEXT_MODEL_OF), else nothing. Training, export and generation all load it so."""
+    if family != "causal-lm":
+        return {}
+    from transformers import AutoConfig
+
+    from bigtune.models.configs import text_model_of
+
+    try:
+        whole = AutoConfig.from_pretrained(
+            name, revision=revision, trust_remote_code=trust_remote_code, **hub_kwargs(name)
+        )
+    except Exception:  # no config to read: from_pretrained then says what is missing
+        return {}
+    text, mapping = text_model_of(whole, family)
+    if mapping is None:
+        return {}
+    print(
+        f"note: {name} is a {type(whole).__name__.removesuffix('Config')} checkpoint: its text model "
+        f"({text.model_type}) is fine-tuned alone; the vision tower is not loaded",
+        flush=True,
+    )
+    return {"config": text, "key_mapping": mapping}
 
 
 def write_base(model: torch.nn.Module, tokenizer, folder: Path) -> None:

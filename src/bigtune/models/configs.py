@@ -28,7 +28,41 @@ def resolve_config(recipe: Recipe):
     return resolve_config_name(recipe.model)
 
 
+# Checkpoints that hold a vision-language model whose text model is also a causal LM on its own. Fine-tuned
+# as model.family causal-lm, bigtune builds the text model only (Gemma3ForCausalLM for a Gemma 3 4B/12B/27B
+# checkpoint), so the vision tower (417 M parameters for Gemma 3) takes no memory, and loads the text weights
+# under their names in the checkpoint: "language_model.model.*" as released, "model.language_model.*" as
+# transformers 5 writes them.
+TEXT_MODEL_OF = {
+    "gemma3": {
+        r"^language_model\.model\.": "model.",
+        r"^model\.language_model\.": "model.",
+        r"^language_model\.lm_head\.": "lm_head.",  # an untied head, as a checkpoint would store it
+    },
+}
+
+
+def text_model_of(config, family: str):
+    """(the config to build, the checkpoint key mapping or None) for ``family``: the text model's config
+    and its key mapping when a causal LM is asked of a composite checkpoint listed in TEXT_MODEL_OF."""
+    mapping = TEXT_MODEL_OF.get(getattr(config, "model_type", ""))
+    if family != "causal-lm" or mapping is None:
+        return config, None
+    import copy
+
+    text = copy.deepcopy(config.text_config)
+    # the composite model decides whether its head is tied to the embeddings (stored once) or not
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
+    return text, mapping
+
+
 def resolve_config_name(model_cfg):
+    """The config bigtune builds for ``model_cfg`` (see ``text_model_of``)."""
+    config = _resolve_whole_config(model_cfg)
+    return text_model_of(config, model_cfg.family)[0]
+
+
+def _resolve_whole_config(model_cfg):
     from transformers import AutoConfig
 
     name = model_cfg.name

@@ -306,7 +306,7 @@ def simulate(
         foreach_clip,
         cuda_dropout(on_cuda is not None),
         cuda_autocast(on_cuda is not None),
-        _cpu_grouped_mm(cuda),
+        _grouped_mm_any_dtype(),
         real_index_math() if is_vlm_config(cfg) else contextlib.nullcontext(),
     ):
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
@@ -377,13 +377,13 @@ def _engine_patches(cuda: bool) -> tuple:
     return no_packing, no_move, foreach_clip
 
 
-def _cpu_grouped_mm(cuda: bool):
-    """MoE experts (Mixtral, Qwen3-MoE) multiply through ``grouped_mm``. Its meta kernel carries the CUDA
-    kernel's rule (bfloat16 only), while the CPU kernel a CPU run uses takes any float dtype: for a CPU
-    target, route non-bf16 weights through transformers' own fallback op, which has a fake kernel and the
-    same output and saved tensors. A CUDA target keeps the rule: a real fp32 grouped_mm fails there too."""
-    if cuda:
-        return contextlib.nullcontext()
+def _grouped_mm_any_dtype():
+    """MoE experts (Mixtral, Qwen3-MoE) multiply through ``grouped_mm``. Its meta kernel checks for
+    bfloat16, stricter than the kernels that run: the CPU kernel takes any float dtype, and the CUDA one
+    (``_grouped_mm_cuda``, aten/src/ATen/native/cuda/GroupedBlas.cpp, torch 2.9 on) runs bf16 through
+    CUTLASS and any other dtype through ``_grouped_mm_fallback``, a per-expert ``mm_out`` into the same
+    output tensor. So for non-bf16 weights the simulation routes through transformers' own fallback op,
+    whose fake kernel gives that output and whose backward saves the same input and weight."""
     try:
         from transformers.integrations import moe
     except ImportError:  # an older transformers: its experts are plain per-expert Linear layers

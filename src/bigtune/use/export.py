@@ -67,7 +67,7 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
         from peft import PeftModel
 
         from bigtune.core.hub import hub_kwargs
-        from bigtune.models.build import peft_renames_quiet
+        from bigtune.models.build import peft_renames_quiet, save_as_loaded, text_model_kwargs
 
         base = run / "base" if (run / "base").is_dir() else None
         source = str(base) if base else recipe.model.name
@@ -79,6 +79,7 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
                 revision=None if base else recipe.model.revision,
                 trust_remote_code=recipe.model.trust_remote_code,
                 **hub_kwargs(source),
+                **text_model_kwargs(source, recipe.model.family, None if base else recipe.model.revision),
             )
         except Exception as e:
             raise ExportError(
@@ -86,7 +87,7 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
                 f"{str(e)[:300]}); make it reachable (local folder or hub) and retry"
             ) from e
         with peft_renames_quiet():
-            model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+            model = PeftModel.from_pretrained(save_as_loaded(model), str(adapter)).merge_and_unload()
         tokenizer_src = adapter
         dest = Path(out) if out else run / "merged"
     elif full.is_dir():

@@ -66,10 +66,16 @@ def _load_model(source: str, torch_dtype, device: str):
     from transformers import AutoModelForCausalLM
 
     from bigtune.core.hub import hub_kwargs
+    from bigtune.models.build import text_model_kwargs
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, use_safetensors=True, trust_remote_code=False, **hub_kwargs(source)
+            source,
+            dtype=torch_dtype,
+            use_safetensors=True,
+            trust_remote_code=False,
+            **hub_kwargs(source),
+            **text_model_kwargs(source),
         )
     except Exception as e:  # transformers raises OSError/ValueError/hub errors
         local = Path(source).expanduser().exists()
