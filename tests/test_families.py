@@ -182,3 +182,20 @@ def test_moe_plans_on_a_gpu_in_any_precision(precision):
     n = count_parameters(resolve_config(load_recipe({}, over)))
     assert gpu.phases["before_forward"]["parameters"] == pytest.approx(4 * n, rel=0.01)  # fp32 weights
     assert gpu.peak_allocated - 16 * 2**20 == pytest.approx(cpu.peak_allocated, rel=0.10)
+
+
+def test_gemma3_takes_the_chunked_loss_and_gemma2_does_not(tmp_path):
+    """Gemma 3 leaves final_logit_softcapping unset, so its logits are lm_head's alone and the loss can be
+    chunked (its 262k vocabulary makes the logits the peak at real size); Gemma 2 soft-caps them."""
+    from bigtune.core.presets import preset_config, tiny_tokenizer
+    from bigtune.models.build import has_plain_head
+
+    assert has_plain_head(preset_config("tiny-gemma3", tiny_tokenizer()))
+    assert not has_plain_head(preset_config("tiny-gemma2", tiny_tokenizer()))
+    losses = {}
+    for chunk in (None, 32):
+        run = tmp_path / f"chunk{chunk}"
+        s = _run(run, "tiny-gemma3", **{"train.loss_chunk_tokens": chunk, "train.max_steps": 3, "memory.plan": False})
+        assert s["status"] == "ok"
+        losses[chunk] = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    assert losses[32] == pytest.approx(losses[None], rel=1e-5)

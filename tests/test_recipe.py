@@ -168,3 +168,13 @@ def test_lab_knobs_are_all_covered():
 def test_recipe_defaults_build_without_arguments():
     r = Recipe()
     assert r.train.micro_batch_size >= 1 and r.optim.name in ("adamw", "sgd")
+
+
+def test_target_modules_takes_a_plain_string_as_a_list_of_one(tmp_path):
+    """`peft.target_modules: all-linear` (PEFT's own string form) and one module name read as a list of one."""
+    f = tmp_path / "r.yaml"
+    f.write_text("peft:\n  method: lora\n  target_modules: all-linear\n")
+    assert load_recipe(f).peft.target_modules == ["all-linear"]
+    assert load_recipe({}, {"peft.target_modules": "q_proj"}).peft.target_modules == ["q_proj"]
+    with pytest.raises(RecipeError, match="peft.target_modules"):
+        load_recipe({}, {"peft.target_modules": 3})

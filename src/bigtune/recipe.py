@@ -343,7 +343,8 @@ class PeftConfig:
         ["auto"],
         "Modules that get adapters: [auto] (q_proj,v_proj for Llama/OPT; q,v for "
         "T5; BLIP-2: the language model's q_proj,v_proj (OPT) or q,v (Flan-T5) only), "
-        "[all-linear], or names.",
+        "[all-linear], or names; a single string (all-linear, or one name) is a list of one.",
+        one_as_list=True,
     )
     adapter_dtype: Literal["float32", "bfloat16"] = _f(
         "float32",
@@ -658,6 +659,8 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict, problems: list[str]) -> A
     elif inner is str:
         ok = isinstance(value, str)
     elif inner is list:
+        if isinstance(value, str) and meta.get("one_as_list"):
+            value = [value]  # `target_modules: all-linear` reads as PEFT's own string form does
         ok = isinstance(value, (list, tuple))
         out = list(value) if ok else value
     if not ok:

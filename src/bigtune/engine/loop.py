@@ -53,6 +53,7 @@ from bigtune.models.build import (
     count_parameters,
     enable_activation_checkpointing,
     forward_inputs,
+    has_plain_head,
     hidden_states_out,
     load_tokenizer_or_processor,
     plain_output_head,
@@ -534,23 +535,28 @@ def _text_shape(batch: dict) -> list[int]:
     return [int(b), int(n)]
 
 
-def loss_chunk_skipped(r: Recipe, model_type: Optional[str]) -> Optional[str]:
-    """Why ``train.loss_chunk_tokens`` does not apply to this run (None when it does, or is off)."""
+def loss_chunk_skipped(r: Recipe, config) -> Optional[str]:
+    """Why ``train.loss_chunk_tokens`` does not apply to this run (None when it does, or is off).
+    ``config``: the model's config (None: the model is not known yet, its head is not checked)."""
     if not r.train.loss_chunk_tokens:
         return None
     if r.strategy == "fsdp" or r.strategy.startswith("deepspeed"):
         return f"strategy={r.strategy} shards the output layer, which the chunked loss reads whole"
     if r.model.family != "causal-lm":
         return f"model.family={r.model.family} computes its own loss"
-    if model_type not in PLAIN_HEAD_TYPES:
-        return f"model type {model_type!r} post-processes its logits (chunked for: {', '.join(PLAIN_HEAD_TYPES)})"
+    if config is not None and not has_plain_head(config):
+        kind = getattr(config, "model_type", None)
+        return (
+            f"model type {kind!r} post-processes its logits (chunked for: {', '.join(PLAIN_HEAD_TYPES)}, "
+            "and gemma3_text without final_logit_softcapping)"
+        )
     return None
 
 
 def chunked_loss_head(r: Recipe, model) -> Optional[torch.nn.Linear]:
     """The output layer to compute the loss from in chunks, or None for the plain loss (chunking off,
     or a model/strategy it does not apply to: see train.loss_chunk_tokens)."""
-    if not r.train.loss_chunk_tokens or loss_chunk_skipped(r, "llama") is not None:
+    if not r.train.loss_chunk_tokens or loss_chunk_skipped(r, None) is not None:
         return None
     return plain_output_head(model)
 
@@ -1090,7 +1096,7 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
             flush=True,
         )
     if r.train.loss_chunk_tokens and chunked_loss_head(r, b.model) is None:
-        why = loss_chunk_skipped(r, getattr(getattr(b.model, "config", None), "model_type", None)) or (
+        why = loss_chunk_skipped(r, getattr(b.model, "config", None)) or (
             "the output layer carries adapters or is quantized"
         )
         print(f"note: train.loss_chunk_tokens={r.train.loss_chunk_tokens} is not used: {why}", flush=True)

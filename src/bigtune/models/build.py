@@ -698,6 +698,17 @@ def forward_inputs(batch: dict, padded: bool) -> dict:
 # Model types whose forward returns exactly lm_head(final hidden states) as logits (no soft-capping or
 # scaling after it): for them the loss can be computed from the hidden states in chunks.
 PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
+# Model types that soft-cap their logits only when the config sets final_logit_softcapping: Gemma 3 leaves
+# it unset (Gemma 2 sets 30.0), so its head is plain.
+SOFTCAP_WHEN_SET_TYPES = ("gemma3_text",)
+
+
+def has_plain_head(config) -> bool:
+    """Whether ``config``'s model returns exactly lm_head(final hidden states) as its logits."""
+    kind = getattr(config, "model_type", None)
+    if kind in SOFTCAP_WHEN_SET_TYPES:
+        return getattr(config, "final_logit_softcapping", None) is None
+    return kind in PLAIN_HEAD_TYPES
 
 
 def plain_output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
@@ -706,7 +717,7 @@ def plain_output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
     m = model
     while hasattr(m, "module") and not hasattr(m, "config"):
         m = m.module  # Fabric / DDP wrappers
-    if getattr(getattr(m, "config", None), "model_type", None) not in PLAIN_HEAD_TYPES:
+    if not has_plain_head(getattr(m, "config", None)):
         return None
     get = getattr(m, "get_output_embeddings", None)
     head = get() if get is not None else None

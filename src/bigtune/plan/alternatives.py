@@ -492,7 +492,7 @@ def _chunked_loss_variant(vs: _Variants, config) -> None:
     # what is left (one variant, one more simulation).
     over = {"train.loss_chunk_tokens": CHUNK_TOKENS, "train.activation_checkpointing": True}
     r_c = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
-    if loss_chunk_skipped(r_c, getattr(config, "model_type", None)) is not None:
+    if loss_chunk_skipped(r_c, config) is not None:
         return
     label = (
         f"{recipe.precision}, ckpt, chunked loss (train.loss_chunk_tokens={CHUNK_TOKENS}), micro {m0} × acc {g // m0}"

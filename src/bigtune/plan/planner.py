@@ -310,7 +310,7 @@ def _model_notes(recipe: Recipe, config, images: Optional[tuple] = None) -> list
     attn_note = attention_for(recipe.model, config)[1]
     if attn_note:
         notes.append(attn_note)
-    why = loss_chunk_skipped(recipe, getattr(config, "model_type", None))
+    why = loss_chunk_skipped(recipe, config)
     if why:
         notes.append(f"train.loss_chunk_tokens={recipe.train.loss_chunk_tokens} is not used: {why}")
     return notes
