@@ -199,3 +199,27 @@ def test_gemma3_takes_the_chunked_loss_and_gemma2_does_not(tmp_path):
         assert s["status"] == "ok"
         losses[chunk] = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
     assert losses[32] == pytest.approx(losses[None], rel=1e-5)
+
+
+def test_gemma3_checkpoint_streams_its_text_model_into_nf4(tmp_path):
+    """QLoRA on the FSDP-shardable torchao NF4 base streams the text model's tensors out of the composite
+    checkpoint by their stored names (one process here; tests/test_qlora_fsdp.py covers the sharding)."""
+    pytest.importorskip("torchao", reason="the NF4 base under FSDP needs torchao: pip install 'bigtune[torchao]'")
+    from transformers import Gemma3ForCausalLM
+
+    from bigtune.models.nf4 import build_nf4_peft_model, is_nf4, to_nf4
+    from bigtune.recipe import load_recipe
+
+    folder = tmp_path / "gemma-3-tiny-it"
+    whole = _gemma3_checkpoint(folder)
+    over = {"model.name": str(folder), "model.quantize": "nf4", "model.quant_backend": "torchao", "peft.method": "lora"}
+    r = load_recipe({}, over)
+    model, _ = build_nf4_peft_model(r.model, r.peft, folder, r.precision, r.seed, checkpointing=False)
+    base = model.get_base_model()
+    assert isinstance(base, Gemma3ForCausalLM) and is_nf4(base.model.layers[0].mlp.up_proj.weight)
+    got = base.model.layers[0].mlp.up_proj.weight  # the checkpoint's tensor, quantized the same way
+    want = to_nf4(whole.model.language_model.layers[0].mlp.up_proj.weight.detach().to(got.dtype))
+    assert torch.equal(got.get_original_weight(), want.get_original_weight())
+    assert torch.equal(base.model.norm.weight.float(), whole.model.language_model.norm.weight.float())
+    s = _run(tmp_path / "run", str(folder), **{**over, "train.max_steps": 3, "memory.plan": False})
+    assert s["status"] == "ok"

@@ -228,21 +228,27 @@ def test_launch_slurm_takes_mem_and_cpus_from_the_host_plan(tmp_path):
 
 # --- chat vision-language models: plan --for caption against the batch `bigtune caption` generates from ---
 CHAT_VLM_CASES = [
-    # preset, batch, new tokens, dtype: Qwen's M-RoPE and dynamic grid, Qwen2.5-VL's windows, LLaVA's CLIP,
-    # PaliGemma's prefix LM, PaliGemma 2's Gemma-2 (eager attention)
-    ("tiny-qwen2-vl", 4, 8, torch.float32),
-    ("tiny-qwen2.5-vl", 2, 3, torch.bfloat16),
-    ("tiny-llava", 4, 8, torch.float32),
-    ("tiny-paligemma", 2, 6, torch.bfloat16),
-    ("tiny-paligemma2", 4, 8, torch.float32),
+    # preset, batch, new tokens, dtype, --image-size, tokens in place of each image's placeholder: Qwen's M-RoPE
+    # and dynamic grid, Qwen2.5-VL's windows, LLaVA's CLIP, PaliGemma's prefix LM, PaliGemma 2's Gemma-2 (eager
+    # attention), SmolVLM's tiles (the photos upscaled to 2×2 tiles + the whole image, its worst case: 5 × 4
+    # image tokens and the tile text), LLaVA-NeXT's anyres (1×2 tiles + the base image, unpadded, row newlines)
+    ("tiny-qwen2-vl", 4, 8, torch.float32, (32, 32), 4),
+    ("tiny-qwen2.5-vl", 2, 3, torch.bfloat16, (32, 32), 4),
+    ("tiny-llava", 4, 8, torch.float32, None, 16),
+    ("tiny-paligemma", 2, 6, torch.bfloat16, None, 16),
+    ("tiny-paligemma2", 4, 8, torch.float32, None, 16),
+    ("tiny-smolvlm", 4, 8, torch.float32, None, 34),
+    ("tiny-smolvlm", 2, 5, torch.bfloat16, (32, 32), 34),
+    ("tiny-llava-next", 4, 8, torch.float32, (32, 32), 36),
+    ("tiny-llava-next", 2, 5, torch.bfloat16, (32, 32), 36),
 ]
 
 
-@pytest.mark.parametrize("model, b, n, dtype", CHAT_VLM_CASES)
-def test_chat_vlm_caption_plan_matches_the_measured_generate(model, b, n, dtype):
+@pytest.mark.parametrize("model, b, n, dtype, size, image_tokens", CHAT_VLM_CASES)
+def test_chat_vlm_caption_plan_matches_the_measured_generate(model, b, n, dtype, size, image_tokens):
     """The plan (vision tower in the prefill, image tokens + chat template in the KV cache) against the
-    generate call `bigtune caption` makes, on the batch it builds from the bundled photos (32×32; Qwen
-    planned at --image-size 32x32), greedy with every row generating ``n`` tokens (no early EOS)."""
+    generate call `bigtune caption` makes, on the batch it builds from the bundled photos (32×32; Qwen and
+    LLaVA-NeXT planned at --image-size 32x32), greedy with every row generating ``n`` tokens (no early EOS)."""
     from bigtune.data.images import DEMO_IMAGES, open_image
     from bigtune.data.vlm import ChatImageLayout, generation_batch
     from bigtune.models.build import attention_for, load_processor
@@ -250,8 +256,7 @@ def test_chat_vlm_caption_plan_matches_the_measured_generate(model, b, n, dtype)
 
     r = _recipe(model, **{"model.family": "image-to-text"})
     cfg = resolve_config_name(r.model)
-    qwen = "qwen" in model
-    w = Workload("caption", b, 0, n, dtype, image_size=(32, 32) if qwen else None)
+    w = Workload("caption", b, 0, n, dtype, image_size=size)
     plan = plan_inference(r, Target("cpu"), w)
     proc = load_processor(r.model)
     photos = [open_image(p) for p in sorted((DEMO_IMAGES / "images").glob("*.png"))[:b]]
@@ -262,14 +267,14 @@ def test_chat_vlm_caption_plan_matches_the_measured_generate(model, b, n, dtype)
     assert torch.equal(planned["input_ids"], real["input_ids"])  # the same prompt and image tokens
     measured = measure_cpu(cfg, r.model.family, w, attention_for(r.model, cfg)[0], inputs=real)
     assert plan.weights == measured["weights"]
-    assert plan.image_tokens == (4 if qwen else 16) and plan.lm_prompt_tokens == real["input_ids"].shape[1]
+    assert plan.image_tokens == image_tokens and plan.lm_prompt_tokens == real["input_ids"].shape[1]
     assert plan.kv_cache == kv_cache_bytes(cfg, caption_workload(r, cfg, w))
     assert abs(plan.peak_allocated - measured["peak"]) / measured["peak"] < 0.02, (plan.peak_allocated, measured)
 
 
 def test_chat_vlm_caption_plan_cli(tmp_path):
-    """The worst case follows data.image_max_pixels; --image-size plans that size; SmolVLM and a chat model's
-    --prompt-tokens are refused with the fix."""
+    """The worst case follows data.image_max_pixels; --image-size plans that size; a chat model's
+    --prompt-tokens is refused with the fix."""
     demo = str(ROOT / "recipes" / "gourmetgram-qwen2-vl-demo.yaml")
     res = run_cli("plan", demo, "--for", "caption", "--batch-size", "2", "--max-new-tokens", "4", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -281,5 +286,35 @@ def test_chat_vlm_caption_plan_cli(tmp_path):
     assert res.returncode == 0 and json.loads(res.stdout)["plan"]["image_tokens"] == 12, res.stderr
     bad = run_cli("plan", demo, "--for", "caption", "--prompt-tokens", "8", cwd=tmp_path)
     assert bad.returncode == 2 and "data.prompt in its chat template" in bad.stderr, bad.stderr
-    bad = run_cli("plan", demo, "--for", "caption", "--model", "tiny-smolvlm", cwd=tmp_path)
-    assert bad.returncode == 2 and "SmolVLM / Idefics3 (tiny-smolvlm) are not available yet" in bad.stderr, bad.stderr
+
+
+def test_tiled_vlm_caption_plan_cli(tmp_path):
+    """SmolVLM and LLaVA-NeXT: the worst case is their largest tile grid, --image-size plans the grid that
+    size fits; a fixed-size model's --image-size is refused with the reason."""
+    demo = str(ROOT / "recipes" / "gourmetgram-qwen2-vl-demo.yaml")
+    # SmolVLM: the worst case is a square image at its longest edge (2×2 tiles + the whole image); a 30×90 photo
+    # is 1×2 tiles + the whole image: 3 × 4 image tokens and the tile text around them
+    res = run_cli("plan", demo, "--for", "caption", "--model", "tiny-smolvlm", "--batch-size", "2", cwd=tmp_path)
+    assert res.returncode == 0 and "2×2 tiles of 32 px + the whole image (34 image tokens)" in res.stdout, res.stderr
+    res = run_cli(
+        "plan", demo, "--for", "caption", "--model", "tiny-smolvlm", "--image-size", "30x90", "--json", cwd=tmp_path
+    )
+    assert res.returncode == 0 and json.loads(res.stdout)["plan"]["image_tokens"] == _smolvlm_tokens(1, 2), res.stderr
+    # LLaVA-NeXT: the worst case is its largest pinpoint (64×64: 2×2 tiles + the base image, 88 tokens); a 30×90
+    # photo fits 1×3 tiles (68 tokens)
+    res = run_cli("plan", demo, "--for", "caption", "--model", "tiny-llava-next", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and json.loads(res.stdout)["plan"]["image_tokens"] == 88, res.stderr
+    res = run_cli("plan", demo, "--for", "caption", "--model", "tiny-llava-next", "--image-size", "30x90", cwd=tmp_path)
+    assert res.returncode == 0 and "30×90 px: 1×3 tiles of 32 px + the whole image (68 image tokens)" in res.stdout
+    bad = run_cli("plan", demo, "--for", "caption", "--model", "tiny-llava", "--image-size", "30x90", cwd=tmp_path)
+    assert bad.returncode == 2 and "sees images at a fixed size" in bad.stderr, bad.stderr
+
+
+def _smolvlm_tokens(rows: int, cols: int) -> int:
+    """Tokens in place of a tiny-smolvlm image split into rows × cols tiles, as its processor writes them."""
+    from bigtune.data.vlm import ChatImageLayout
+    from bigtune.models.build import load_processor
+
+    r = _recipe("tiny-smolvlm", **{"model.family": "image-to-text"})
+    layout = ChatImageLayout.for_model(load_processor(r.model), resolve_config_name(r.model), r.data.prompt)
+    return len(layout.split.ids(rows, cols))

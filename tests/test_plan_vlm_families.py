@@ -113,3 +113,51 @@ def test_smolvlm_worst_case_is_the_largest_tile_grid_and_image_size_is_planned(t
     assert split_geometry(budget, resolve_config(budget)).worst_grid() == (0, 0)  # one unsplit image
     res = run_cli("plan", str(DEMO), "--model", "tiny-smolvlm", "--image-size", "30x90", cwd=tmp_path)
     assert res.returncode == 0 and "1×2 tiles of 32 px + the whole image" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("precision, ckpt, peft", [("32-true", False, "none"), ("bf16-mixed", True, "lora")])
+def test_llava_next_plan_matches_the_measured_step_with_two_aspect_ratios(tmp_path, tiled_sizes, precision, ckpt, peft):
+    """LLaVA-NeXT (anyres): the square photos fit 1×2 tiles (36 image tokens), the 30×90 ones 1×3 tiles (68
+    tokens); the re-plan lays out each row's image from the sizes memory.jsonl records (image_sizes), its
+    tiles padded to the batch's most, as the collator pads them."""
+    steady = train_and_compare(
+        tmp_path / "run",
+        {
+            "model.name": "tiny-llava-next",
+            "data.source": str(tiled_sizes),
+            "data.val_fraction": 0.0,
+            "train.micro_batch_size": 4,
+            "train.max_steps": 3,
+            "train.max_epochs": None,
+            "memory.every_steps": 1,
+            "memory.plan": True,
+            "checkpoint.save_model": False,
+            "precision": precision,
+            "train.activation_checkpointing": ckpt,
+            "peft.method": peft,
+        },
+    )
+    assert sorted({tuple(g) for g in steady["before_forward"]["image_grids"]}) == [(30, 90), (32, 32)]
+    assert steady["before_forward"]["padded"]
+
+
+def test_llava_next_worst_case_is_the_largest_pinpoint_and_image_size_is_planned(tmp_path):
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.chatvlm import anyres_batch, anyres_geometry
+
+    r = load_recipe(str(DEMO), {"model.name": "tiny-llava-next", "train.micro_batch_size": 2})
+    cfg = resolve_config(r)
+    geo = anyres_geometry(r, cfg)
+    assert geo.from_processor and geo.tiles.worst_size() == (64, 64) and geo.tiles.tokens(64, 64) == 88
+    batch = anyres_batch(r, cfg, geo, 2, padded=False, images=((32, 32), (30, 90)))
+    assert batch["pixel_values"].shape == (2, 4, 3, 32, 32) and batch["image_sizes"].tolist() == [[32, 32], [30, 90]]
+    assert [int((row == cfg.image_token_id).sum()) for row in batch["input_ids"]] == [36, 68]
+    assert batch["padded"] and batch["image_tokens"] == 68
+    worst = plan(r, Target("cpu"))
+    assert any("2×2 tiles of 32 px + the whole image (88 image tokens): the worst case" in n for n in worst.notes)
+    small = plan(r, Target("cpu"), images=((32, 32),))
+    assert small.peak_allocated < worst.peak_allocated
+    res = run_cli("plan", str(DEMO), "--model", "tiny-llava-next", "--image-size", "30x90", cwd=tmp_path)
+    assert res.returncode == 0 and "30×90 px: 1×3 tiles of 32 px + the whole image (68" in res.stdout, res.stdout
+    bad = run_cli("plan", str(DEMO), "--model", "tiny-llava-next", "--set", "data.image_max_pixels=4096", cwd=tmp_path)
+    assert bad.returncode == 2 and "image_grid_pinpoints" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -101,7 +101,6 @@ def test_global_batch_size_derives_accumulation():
             "FSDP2 cannot shard bitsandbytes",
         ),
         (["strategy=fsdp", "devices=2", "peft.method=lora", "model.quantize=fp4"], "NF4 only"),
-        (["strategy=fsdp", "devices=2", "peft.method=dora", "model.quantize=nf4"], "only LoRA"),
         (["optim.implementation=fused", "accelerator=cpu"], "CUDA"),
         (["model.name=./no/such/folder"], "does not exist"),
         (["data.source=./missing.jsonl"], "does not exist"),

@@ -1,5 +1,6 @@
 """Fixed-resolution vision-language models (issue #27), one tiny preset per family: LLaVA-1.5 (CLIP +
-projector + Llama, chat template), PaliGemma and PaliGemma 2 (SigLIP + Gemma / Gemma-2, prefix LM). Each:
+projector + Llama, chat template), PaliGemma and PaliGemma 2 (SigLIP + Gemma / Gemma-2, prefix LM); and the
+tiling ones, SmolVLM (Idefics3) and LLaVA-NeXT (anyres: tile grids + the whole image, row newlines). Each:
 its processor built locally and reloaded from a folder, the same ids as the family's own processor,
 parts frozen by name, 20 steps on the bundled food photos (loss falls), `bigtune caption` on a folder,
 and LoRA merged == adapter. CPU, tiny. (Qwen2-VL / Qwen2.5-VL: tests/test_vlm.py.)"""
@@ -33,11 +34,14 @@ FAMILIES = [
 ]
 # ... and SmolVLM (Idefics3), whose image becomes tiles + the whole image, written out in the text
 SMOLVLM = ("tiny-smolvlm", "Idefics3ForConditionalGeneration", False)
+# ... and LLaVA-NeXT, whose image is fitted into one of several tile grids, its token count following its shape
+LLAVA_NEXT = ("tiny-llava-next", "LlavaNextForConditionalGeneration", False)
 
 # each architecture's vision tower, projector / connector and language model
 PARTS = {
     "Idefics3ForConditionalGeneration": ("vision_model", "connector", "text_model"),
     "LlavaForConditionalGeneration": ("vision_tower", "multi_modal_projector", "language_model"),
+    "LlavaNextForConditionalGeneration": ("vision_tower", "multi_modal_projector", "language_model"),
     "PaliGemmaForConditionalGeneration": ("vision_tower", "multi_modal_projector", "language_model"),
 }
 
@@ -161,7 +165,51 @@ def test_smolvlm_splits_images_as_its_processor_does(tmp_path):
     assert tok.decode(ids[labels != IGNORE_INDEX]) == f" {CAPTION}<end_of_utterance>\n"  # after "Assistant:"
 
 
-@pytest.mark.parametrize("preset,arch,prefix_lm", FAMILIES + [SMOLVLM])
+def test_llava_next_tiles_images_as_its_processor_does(tmp_path):
+    """LlavaNextProcessor on the rendered exchange: the same ids for a square photo (1×2 tiles + the base
+    image: 36 image tokens), a wide one (30×90 px: 1×3 tiles, 68) and a tall one (70×50 px: 2×2 tiles, the
+    fit's padding columns dropped: 72), the same pixels and image sizes, rows' tiles padded with all-zero
+    tiles; the processor saved and reloaded from a folder; the model takes the batch (its image features
+    must number the image tokens)."""
+    cfg = ModelConfig(name="tiny-llava-next", family="image-to-text")
+    proc = load_processor(cfg)
+    proc.save_pretrained(tmp_path / "p")
+    again = load_processor(ModelConfig(name=str(tmp_path / "p"), family="image-to-text"))
+    assert type(again).__name__ == "LlavaNextProcessor"
+    assert again.image_processor.image_grid_pinpoints == proc.image_processor.image_grid_pinpoints
+    model = build_model(cfg, again, "32-true", seed=0)
+    assert type(model).__name__ == LLAVA_NEXT[1] and model.config.get_text_config().vocab_size == len(again.tokenizer)
+    layout = vlm.ChatImageLayout.for_model(again, model.config, PROMPT)
+    tok = again.tokenizer
+    photos = [_demo_images(1)[0]]
+    for name, size in (("wide", (90, 30)), ("tall", (50, 70))):
+        photos.append(tmp_path / f"{name}.png")
+        open_image(photos[0]).resize(size).save(photos[-1])
+    examples = [_example(layout, tok, p) for p in photos]
+    batch = vlm.ChatImageCollator(layout)(list(vlm.ChatImageDataset(examples, again.image_processor, layout)))
+    text = tok.apply_chat_template(vlm.conversation(PROMPT, CAPTION), chat_template=layout.template, tokenize=False)
+    image_tokens = []
+    for i, img in enumerate(photos):
+        ref = again(images=[open_image(img)], text=[text], return_tensors="pt")
+        n = int(batch["attention_mask"][i].sum())
+        assert batch["input_ids"][i, :n].tolist() == ref["input_ids"][0].tolist() + [tok.eos_token_id]
+        tiles = ref["pixel_values"].shape[1]
+        assert torch.equal(batch["pixel_values"][i, :tiles], ref["pixel_values"][0])
+        assert not batch["pixel_values"][i, tiles:].any()  # the padding tiles
+        assert batch["image_sizes"][i].tolist() == ref["image_sizes"][0].tolist()
+        image_tokens.append(int((ref["input_ids"][0] == layout.image_token_id).sum()))
+    assert image_tokens == [36, 68, 72] and batch["image_tokens"] == 72
+    assert [layout.anyres.tiles(*s) for s in batch["image_sizes"].tolist()] == [3, 4, 5]
+    labels, ids = batch["labels"][0], batch["input_ids"][0]
+    assert tok.decode(ids[labels != IGNORE_INDEX]) == f" {CAPTION}{tok.eos_token}"  # after " [/INST]"
+    with torch.no_grad():
+        logits = model(
+            **{k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "pixel_values", "image_sizes")}
+        ).logits
+    assert logits.shape[:2] == batch["input_ids"].shape
+
+
+@pytest.mark.parametrize("preset,arch,prefix_lm", FAMILIES + [SMOLVLM, LLAVA_NEXT])
 def test_parts_freeze_by_name(preset, arch, prefix_lm):
     proc = load_processor(ModelConfig(name=preset, family="image-to-text"))
 
@@ -177,6 +225,12 @@ def test_parts_freeze_by_name(preset, arch, prefix_lm):
         "language_model": True,
     }
     assert trainable(freeze_language_model=True) == {"vision": False, "projector": True, "language_model": False}
+    if preset == "tiny-llava-next":  # the row-end embedding belongs to the projector's side
+        for flag in (False, True):
+            model = build_model(
+                ModelConfig(name=preset, family="image-to-text", freeze_qformer=flag), proc, "32-true", 0
+            )
+            assert model.model.image_newline.requires_grad is not flag
 
 
 def test_paligemma_prompt_may_be_empty_and_llava_prompt_may_not():
@@ -199,13 +253,13 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and "val_loss" not in r]
 
 
-@pytest.mark.parametrize("preset,arch,prefix_lm", FAMILIES + [SMOLVLM])
+@pytest.mark.parametrize("preset,arch,prefix_lm", FAMILIES + [SMOLVLM, LLAVA_NEXT])
 def test_train_caption_and_lora_merged_equals_adapter(tmp_path, preset, arch, prefix_lm):
     run = tmp_path / "full"
     s = train(str(RECIPE), _overrides(preset, run))
     assert s["status"] == "ok"
     losses = _losses(run)
-    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0], losses  # ~6.2 → ~3.4 (LLaVA), ~7.4 → ~4.3
+    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0], losses  # ~6.2 → ~3.4 (LLaVA, -NeXT), ~7.4 → ~4.3
 
     photos = tmp_path / "photos"
     photos.mkdir()

@@ -60,7 +60,7 @@ class ModelConfig:
         "Built-in preset (tiny-llama, tiny-opt, and one per decoder family: tiny-llama3, tiny-qwen2, tiny-qwen3, "
         "tiny-gemma2, tiny-gemma3, tiny-mistral, tiny-phi3, tiny-gpt-neox, tiny-stablelm, tiny-falcon, tiny-bloom, tiny-mixtral, "
         "tiny-qwen3-moe; image-to-text: tiny-blip2-opt, tiny-blip2-t5, tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-llava, "
-        "tiny-paligemma, tiny-paligemma2, tiny-smolvlm; "
+        "tiny-llava-next, tiny-paligemma, tiny-paligemma2, tiny-smolvlm; "
         "sequence-classification: tiny-bert), Hugging "
         "Face hub id, or local folder holding config.json + safetensors weights. "
         "Lab: model_name.",
@@ -68,7 +68,8 @@ class ModelConfig:
     family: Literal["causal-lm", "image-to-text", "sequence-classification"] = _f(
         "causal-lm",
         "Model family: causal-lm (AutoModelForCausalLM), image-to-text (AutoModelForImageTextToText, trained on "
-        "image + caption pairs: BLIP-2, or Qwen2-VL / Qwen2.5-VL / LLaVA-1.5 / PaliGemma (1, 2) with the caption as "
+        "image + caption pairs: BLIP-2, or Qwen2-VL / Qwen2.5-VL / LLaVA-1.5 / LLaVA-NeXT / PaliGemma (1, 2) / SmolVLM "
+        "with the caption as "
         "the answer to data.prompt) or "
         "sequence-classification (AutoModelForSequenceClassification: BERT/DistilBERT/RoBERTa/Llama with a "
         "classification head, trained on text + label records).",
@@ -175,7 +176,8 @@ class DataConfig:
     )
     prompt: str = _f(
         "Write alt text for this photo.",
-        "image-to-text, chat vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5): the user's request beside "
+        "image-to-text, chat vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT, SmolVLM): the user's "
+        "request beside "
         "the image; the caption is the assistant's answer and carries the loss. PaliGemma: the prefix after the "
         "image (e.g. 'caption en'; may be empty). `bigtune caption` asks the same. BLIP-2 captions without a prompt.",
     )
@@ -185,7 +187,8 @@ class DataConfig:
         "Qwen2.5-VL: the processor's max_pixels (a larger image is scaled down to multiples of patch × merge "
         "pixels within it). SmolVLM / Idefics3: the longest edge images are resized to, floor(sqrt(N)) rounded down "
         "to the tile size (so at most that many tiles). `bigtune plan` takes it as the worst-case image. null: the "
-        "processor's own. BLIP-2, LLaVA-1.5 and PaliGemma resize every image to one size and refuse it.",
+        "processor's own. BLIP-2, LLaVA-1.5 and PaliGemma resize every image to one size, LLaVA-NeXT fits it into "
+        "its image_grid_pinpoints: they refuse it.",
         min=1,
     )
     mask_prompt: bool = _f(True, "Alpaca: compute the loss on the response only (prompt tokens get label -100).")
@@ -1263,12 +1266,6 @@ def _check_quant_backend(r: "Recipe") -> list[str]:
             return [
                 f"model.quantize={r.model.quantize} with model.quant_backend=torchao: torchao's FSDP-shardable "
                 "4-bit weight is NF4 only; use model.quantize=nf4 (or model.quant_backend=bitsandbytes, without FSDP)"
-            ]
-        if r.peft.method == "dora":
-            return [
-                "peft.method=dora with model.quant_backend=torchao: only LoRA adapters are supported on an NF4 base "
-                "(DoRA's magnitude needs the dequantized weight's norm at load); use peft.method=lora, or "
-                "model.quant_backend=bitsandbytes without FSDP"
             ]
         if not _installed("torchao"):
             return [

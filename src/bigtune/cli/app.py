@@ -108,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--image-size",
         metavar="HxW",
-        help="Qwen2-VL / Qwen2.5-VL (training and --for caption) and SmolVLM (training): plan every image at "
+        help="Qwen2-VL / Qwen2.5-VL, SmolVLM and LLaVA-NeXT (training and --for caption): plan every image at "
         "HEIGHTxWIDTH pixels (resized, and split into tiles, as the processor does). Default: the worst case, "
-        "the processor's max_pixels (Qwen) or largest tile grid (SmolVLM), or data.image_max_pixels",
+        "the processor's max_pixels (Qwen), largest tile grid (SmolVLM) or largest pinpoint (LLaVA-NeXT), or "
+        "data.image_max_pixels",
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument(
@@ -363,6 +364,7 @@ def _image_grids(args, r, config) -> "tuple | None":
         return None
     from bigtune.plan.chatvlm import (
         image_geometry,
+        is_anyres_vlm_config,
         is_chat_vlm_config,
         is_split_image_vlm_config,
         parse_image_size,
@@ -371,15 +373,20 @@ def _image_grids(args, r, config) -> "tuple | None":
     from bigtune.plan.constants import PlanError
 
     split = is_split_image_vlm_config(config)  # SmolVLM: its tiles follow the size
-    if not is_chat_vlm_config(config) and not split:
+    anyres = is_anyres_vlm_config(config)  # LLaVA-NeXT: its tiles and tokens follow the size
+    if not is_chat_vlm_config(config) and not split and not anyres:
         why = "sees images at a fixed size"
-        raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL and SmolVLM models; {r.model.name} {why}")
+        raise PlanError(
+            f"--image-size is for Qwen2-VL / Qwen2.5-VL, SmolVLM and LLaVA-NeXT models; {r.model.name} {why}"
+        )
     if args.alternatives or args.data_lengths:
         raise PlanError("--image-size plans the recipe itself; leave out --alternatives and --data-lengths")
     try:
         height, width = parse_image_size(args.image_size)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    if anyres:  # the image's size itself, as the processor's image_sizes holds it (the engine records those)
+        return ((height, width),)
     return ((split_geometry if split else image_geometry)(r, config).grid(height, width),)
 
 

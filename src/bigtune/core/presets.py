@@ -368,11 +368,9 @@ def tiny_llava_processor():
     )
 
 
-def _llava(vocab: int, ids: dict):
-    from transformers import LlavaConfig
-
-    # LLaVA-1.5 reads the second-to-last CLIP layer (vision_feature_layer -2), so the tower has 2 layers
-    vision = dict(
+def _tiny_clip_vision() -> dict:
+    # LLaVA-1.5 and -NeXT read the second-to-last CLIP layer (vision_feature_layer -2), so the tower has 2 layers
+    return dict(
         model_type="clip_vision_model",
         hidden_size=32,
         intermediate_size=64,
@@ -382,11 +380,91 @@ def _llava(vocab: int, ids: dict):
         patch_size=TINY_FIXED_PATCH,
         projection_dim=32,
     )
+
+
+def _llava(vocab: int, ids: dict):
+    from transformers import LlavaConfig
+
+    vision = _tiny_clip_vision()
     text = _llama(vocab, {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}).to_dict()
     return LlavaConfig(
         vision_config=vision,
         text_config=text,
         image_token_index=ids["image_token_id"],
+        image_seq_length=(TINY_IMAGE_SIZE // TINY_FIXED_PATCH) ** 2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        use_cache=False,
+    )
+
+
+# LLaVA-NeXT (LLaVA-1.6, issue #27): LLaVA-1.5's CLIP + projector, "anyres" images. The processor fits each
+# image into the best of ``image_grid_pinpoints`` (resolutions in multiples of the tower's image size), cuts
+# that into tiles of the tower's size and adds the whole image at that size (the base image). The model drops
+# the padding the fit added (unpad) and ends each row of tile features with the learned ``image_newline``, so
+# the image-token count follows the photo's size and aspect. Tiny: the published pinpoints (336, 672, 1008 px
+# on a side) scaled to 32 px tiles; a 32×32 photo is 1×2 tiles + the base image, 36 tokens.
+TINY_LLAVA_NEXT_PINPOINTS = [[32, 64], [64, 32], [64, 64], [96, 32], [32, 96]]
+
+# The prompt layout documented for llava-hf/llava-v1.6-mistral-7b-hf ("[INST] <image>\n{prompt} [/INST]",
+# transformers' LlavaNextForConditionalGeneration docstring), Mistral's instruct format, written here as a
+# chat template (the published chat_template.json is not readable offline); the answer follows after a space.
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}"
+    "{% endfor %}{{ ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ ' ' + content['text'] }}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def tiny_llava_next_processor():
+    """A LlavaNextProcessor built locally: LLaVA-NeXT's PIL image processor (no torchvision; tiles of 32 px,
+    the pinpoints in TINY_LLAVA_NEXT_PINPOINTS) and the bundled tokenizer plus ``<image>``; CLIP's class token
+    dropped ("default" feature selection), as in LLaVA-1.6."""
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tok.chat_template = LLAVA_NEXT_CHAT_TEMPLATE
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": TINY_IMAGE_SIZE},
+        crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE},
+        image_grid_pinpoints=TINY_LLAVA_NEXT_PINPOINTS,
+    )
+    return LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=TINY_FIXED_PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_NEXT_CHAT_TEMPLATE,
+    )
+
+
+def _llava_next(vocab: int, ids: dict):
+    from transformers import LlavaNextConfig, MistralConfig
+
+    # tiny-llava's CLIP tower; a Mistral text model, as in llava-v1.6-mistral-7b (no sliding window at this length)
+    text = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        use_cache=False,
+        **{k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+    ).to_dict()
+    return LlavaNextConfig(
+        vision_config=_tiny_clip_vision(),
+        text_config=text,
+        image_token_index=ids["image_token_id"],
+        image_grid_pinpoints=TINY_LLAVA_NEXT_PINPOINTS,
         image_seq_length=(TINY_IMAGE_SIZE // TINY_FIXED_PATCH) ** 2,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
@@ -569,6 +647,14 @@ PRESETS: dict[str, Preset] = {
         "LLaVA-1.5: CLIP ViT 32 px/patch 8 (2 layers, width 32; the second-to-last layer's 16 patch features), "
         "2-layer MLP projector, Llama 2 layers, hidden 64; llava-hf's chat template.",
         processor=tiny_llava_processor,
+    ),
+    "tiny-llava-next": Preset(
+        "image-to-text",
+        _llava_next,
+        "LLaVA-NeXT (LLaVA-1.6, anyres): tiny-llava's CLIP ViT and projector; each image fitted to one of 5 "
+        "tile grids (32 px tiles, the published pinpoints scaled) plus the whole image, unpadded, a learned "
+        "newline per row (36 image tokens for a square photo); Mistral 2 layers, hidden 64; [INST] prompts.",
+        processor=tiny_llava_next_processor,
     ),
     "tiny-paligemma": Preset(
         "image-to-text",

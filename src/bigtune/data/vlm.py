@@ -1,5 +1,5 @@
 """Image + caption data as a conversation, for vision-language models (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5,
-PaliGemma, PaliGemma 2).
+LLaVA-NeXT, PaliGemma, PaliGemma 2, SmolVLM).
 
 Each record becomes one exchange: the user turn holds the image and ``data.prompt``, the assistant's
 answer is the caption. The text comes from the processor's chat template. Which tokens are the answer
@@ -19,6 +19,11 @@ number of tokens: (image_size / patch)² (``image_tokens``), and the images stac
 (``prefix_lm``) that reads ``<image>×n BOS prompt \n`` and answers ``caption EOS``, as its processor lays
 out a prompt and its ``suffix``; the prefix attends both ways and the answer causally, which the model
 reads from ``token_type_ids`` (0 on the prefix, 1 on the answer).
+
+LLaVA-NeXT fits each image into one of several tile grids and adds the whole image at the tower's size
+(``AnyresTiles``): its token count follows the image's size and aspect, and each row's images are
+``(1, tiles, channels, size, size)`` pixels, padded with all-zero tiles to the batch's most tiles (as its
+processor pads them), beside their original sizes (``image_sizes``), from which the model finds its tiles.
 
 Records are read, checked and reported exactly as for BLIP-2 (``bigtune.data.images``).
 """
@@ -49,6 +54,10 @@ PREFIX_LM_TYPES = ("paligemma",)
 # SmolVLM is): a fixed number of tokens per tile, the tiles' count following the image's size
 SPLIT_IMAGE_VLM_TYPES = ("idefics3",)
 
+# ... and of those that fit an image into the best of several tile grids ("anyres": LLaVA-NeXT), whose
+# token count follows the image's size and aspect (see AnyresTiles)
+ANYRES_VLM_TYPES = ("llava_next",)
+
 
 def is_chat_vlm(model_config) -> bool:
     """Qwen2-VL / Qwen2.5-VL: image tokens per image size (see CHAT_VLM_TYPES)."""
@@ -57,7 +66,8 @@ def is_chat_vlm(model_config) -> bool:
 
 def is_vlm(model_config) -> bool:
     """Any model this module lays out: the caption is the answer to data.prompt beside the image."""
-    return getattr(model_config, "model_type", "") in CHAT_VLM_TYPES + FIXED_IMAGE_VLM_TYPES + SPLIT_IMAGE_VLM_TYPES
+    kinds = CHAT_VLM_TYPES + FIXED_IMAGE_VLM_TYPES + SPLIT_IMAGE_VLM_TYPES + ANYRES_VLM_TYPES
+    return getattr(model_config, "model_type", "") in kinds
 
 
 def fixed_image_tokens(model_config) -> int:
@@ -104,6 +114,58 @@ class SplitImageText:
         return out + [*self.fake, *self.global_tag, *tokens, *self.fake]
 
 
+@dataclass(frozen=True)
+class AnyresTiles:
+    """LLaVA-NeXT's image tokens ("anyres"), from the model config, whose settings decide how many features
+    the model makes of an image: the image is fitted into the best of ``pinpoints`` (transformers'
+    select_best_resolution: the most of the image's pixels kept, then the least padding), that resolution
+    cut into ``tile``-px tiles, each (tile / patch)² features; the model drops the rows (or columns) of
+    features that only hold the fit's padding, ends every remaining row with a newline embedding, and
+    puts the whole image at ``tile`` px (the base image) first."""
+
+    pinpoints: tuple[tuple[int, int], ...]  # (height, width) px, multiples of tile
+    tile: int  # px: the vision tower's image size
+    patch: int
+    class_token: bool  # "full" feature selection keeps CLIP's class token on the base image
+
+    @classmethod
+    def from_config(cls, model_config) -> "AnyresTiles":
+        vc = model_config.vision_config
+        pins = tuple((int(h), int(w)) for h, w in model_config.image_grid_pinpoints)
+        full = getattr(model_config, "vision_feature_select_strategy", "default") == "full"
+        return cls(pins, int(vc.image_size), int(vc.patch_size), full)
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, cols) of tiles for an image of ``height`` × ``width`` pixels."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        h, w = select_best_resolution((height, width), [list(p) for p in self.pinpoints])
+        return h // self.tile, w // self.tile
+
+    def tiles(self, height: int, width: int) -> int:
+        """Images the vision tower runs for one image: its tiles and the base image."""
+        rows, cols = self.grid(height, width)
+        return rows * cols + 1
+
+    def tokens(self, height: int, width: int) -> int:
+        """Language-model tokens of one image of ``height`` × ``width`` pixels."""
+        rows, cols = self.grid(height, width)
+        side = self.tile // self.patch
+        h, w = rows * side, cols * side
+        # the fit scaled the image to touch two opposite sides and padded the other two evenly: the feature
+        # rows (or columns) of that padding are dropped, an even number, as transformers' unpad_image does
+        if width / height > w / h:
+            h -= (h - int(round(height * (w / width), 7))) // 2 * 2
+        else:
+            w -= (w - int(round(width * (h / height), 7))) // 2 * 2
+        return h * w + h + side * side + int(self.class_token)
+
+    def worst_size(self) -> tuple[int, int]:
+        """The image size with the most tokens (then tiles): an image exactly one pinpoint's size, which is
+        not padded, so none of its features are dropped."""
+        return max(self.pinpoints, key=lambda p: (self.tokens(*p), self.tiles(*p)))
+
+
 def image_max_pixels_problem(model_config, name: str) -> Optional[str]:
     """Why data.image_max_pixels cannot apply to ``model_config`` (None: it can): every model but Qwen2-VL and
     Idefics3 resizes each image to its vision tower's one size, so the budget would change nothing."""
@@ -112,6 +174,8 @@ def image_max_pixels_problem(model_config, name: str) -> Optional[str]:
         return None
     size = getattr(getattr(model_config, "vision_config", None), "image_size", None)
     what = f"resizes every image to {size}×{size} px" if size else "does not take a pixel budget"
+    if model_type in ANYRES_VLM_TYPES:  # its largest image is its largest pinpoint
+        what = "fits every image into one of its image_grid_pinpoints (tile grids), which bound it"
     return f"data.image_max_pixels: {name} ({model_type}) {what}; remove data.image_max_pixels"
 
 
@@ -197,6 +261,7 @@ class ChatImageLayout:
     image_tokens: int = 0  # LLaVA / PaliGemma: tokens of every image; 0: from each image's grid (Qwen2-VL)
     prefix_lm: bool = False  # PaliGemma: no chat template; token_type_ids mark the prefix
     split: Optional[SplitImageText] = None  # Idefics3 / SmolVLM: the image's tiles written out as text
+    anyres: Optional[AnyresTiles] = None  # LLaVA-NeXT: tokens from each image's size
 
     @classmethod
     def for_model(cls, processor, model_config, prompt: str) -> "ChatImageLayout":
@@ -226,6 +291,10 @@ class ChatImageLayout:
         if getattr(model_config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES:
             split = SplitImageText.for_tokenizer(tok, image_id, split_tile_tokens(processor, model_config))
             return cls(template, prompt, prompt_ids, image_id, int(pad), 1, split=split)
+        if getattr(model_config, "model_type", "") in ANYRES_VLM_TYPES:
+            return cls(
+                template, prompt, prompt_ids, image_id, int(pad), 1, anyres=AnyresTiles.from_config(model_config)
+            )
         return cls(template, prompt, prompt_ids, image_id, int(pad), 1, fixed_image_tokens(model_config))
 
     @classmethod
@@ -269,10 +338,13 @@ class ChatImageLayout:
 
     def image_ids(self, pixels) -> list[int]:
         """The ids in place of one image's placeholder, from the image processor's output: the image token
-        repeated (a fixed count for LLaVA / PaliGemma, Qwen's patches over merge_size²), or Idefics3's
-        tiles written out (its rows and columns)."""
+        repeated (a fixed count for LLaVA / PaliGemma, Qwen's patches over merge_size², LLaVA-NeXT's from the
+        image's size), or Idefics3's tiles written out (its rows and columns)."""
         if self.split is not None:
             return self.split.ids(int(pixels["rows"][0][0]), int(pixels["cols"][0][0]))
+        if self.anyres is not None:
+            height, width = (int(x) for x in pixels["image_sizes"][0])
+            return [self.image_token_id] * self.anyres.tokens(height, width)
         count = self.image_tokens or int(pixels["image_grid_thw"][0].prod()) // self.merge_size**2
         return [self.image_token_id] * count
 
@@ -314,6 +386,8 @@ def image_item(layout: ChatImageLayout, image_processor, image, ids: list[int], 
     item: dict = {"pixel_values": pixels["pixel_values"], "input_ids": ids, "image_length": count}
     if grid is not None:
         item["image_grid_thw"] = grid
+    if "image_sizes" in pixels:  # LLaVA-NeXT: the image's (height, width), from which the model finds its tiles
+        item["image_sizes"] = pixels["image_sizes"]
     if "pixel_attention_mask" in pixels:  # Idefics3: (1, tiles + 1, height, width), the real pixels of each
         item["pixel_attention_mask"] = pixels["pixel_attention_mask"]
         item["image_tiles"] = [int(pixels["rows"][0][0]), int(pixels["cols"][0][0])]
@@ -336,8 +410,9 @@ def _pad(rows: list[list[int]], value: int, left: bool = False) -> torch.Tensor:
 
 
 def _cat_images(pixels: list[torch.Tensor], per_row: bool) -> torch.Tensor:
-    """The rows' pixels as one tensor; with ``per_row`` (Idefics3's (1, images, ...) rows) padded with all-zero
-    images to the most images of a row, as its processor pads them (the model skips all-zero images)."""
+    """The rows' pixels as one tensor; with ``per_row`` (Idefics3's and LLaVA-NeXT's (1, images, ...) rows)
+    padded with all-zero images to the most images of a row, as their processors pad them (Idefics3 skips
+    all-zero images; LLaVA-NeXT takes each row's own count of tiles from its image size)."""
     if not per_row:
         return torch.cat(pixels)
     n = max(p.shape[1] for p in pixels)
@@ -352,14 +427,16 @@ def collate_chat_images(items: list[dict], layout: ChatImageLayout, left: bool =
     processor pads them)."""
     ids = _pad([x["input_ids"] for x in items], layout.pad_id, left)
     mask = _pad([[1] * len(x["input_ids"]) for x in items], 0, left)
-    per_row = "pixel_attention_mask" in items[0]
+    per_row = items[0]["pixel_values"].dim() == 5
     out: dict[str, Any] = {
         "pixel_values": _cat_images([x["pixel_values"] for x in items], per_row),
         "input_ids": ids,
         "attention_mask": mask,
         "padded": any(len(x["input_ids"]) < ids.shape[1] for x in items),
     }
-    if per_row:
+    if "image_sizes" in items[0]:  # LLaVA-NeXT; the engine records them for the planner's re-plan too
+        out["image_sizes"] = torch.cat([x["image_sizes"] for x in items])
+    if "pixel_attention_mask" in items[0]:
         out["pixel_attention_mask"] = _cat_images([x["pixel_attention_mask"] for x in items], per_row)
         # each row's (rows, cols) of tiles, which the engine records for the planner's re-plan (not a model input)
         out["image_tiles"] = [x["image_tiles"] for x in items]

@@ -528,7 +528,7 @@ def _text_shape(batch: dict) -> list[int]:
     b, n = batch["labels"].shape[:2]
     if "image_grid_thw" in batch and "mm_token_type_ids" in batch:
         return [int(b), int(n) - int(batch["mm_token_type_ids"].sum(1).max()) + 1]
-    if "image_tokens" in batch:  # LLaVA / PaliGemma: every row's image is that many tokens, one placeholder
+    if "image_tokens" in batch:  # LLaVA / PaliGemma / SmolVLM / LLaVA-NeXT: a row's image at most that many tokens
         return [int(b), int(n) - int(batch["image_tokens"]) + 1]
     if "pixel_values" in batch and "decoder_input_ids" not in batch:
         n -= int((batch["labels"][0] == IGNORE_INDEX).sum()) - int((batch["attention_mask"][0] == 0).sum())
@@ -636,6 +636,8 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> N
     grids = {"image_grids": batches[0]["image_grid_thw"].tolist()} if "image_grid_thw" in batches[0] else {}
     if "image_tiles" in batches[0]:  # Idefics3 (SmolVLM): each image's (rows, cols) of tiles
         grids = {"image_grids": batches[0]["image_tiles"]}
+    if "image_sizes" in batches[0]:  # LLaVA-NeXT: each image's (height, width) px, which decide its tiles and tokens
+        grids = {"image_grids": batches[0]["image_sizes"].tolist()}
     per_rank = mem.gather_snapshots(b.fabric, snaps)
     for rank, rank_snaps in enumerate(per_rank):
         for s in rank_snaps:

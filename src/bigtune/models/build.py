@@ -421,6 +421,9 @@ VLM_PARTS = {
     "qwen2_vl": CHAT_VLM_PARTS,
     "qwen2_5_vl": CHAT_VLM_PARTS,
     "llava": PROJECTOR_VLM_PARTS,
+    # LLaVA-NeXT: as LLaVA; image_newline, the learned embedding that ends each row of tile features, goes with
+    # the projector (model.freeze_qformer): both connect the vision tower to the language model
+    "llava_next": {**PROJECTOR_VLM_PARTS, "qformer": ("model.multi_modal_projector.", "model.image_newline")},
     "paligemma": PROJECTOR_VLM_PARTS,
     # Idefics3 (SmolVLM): SigLIP, the pixel-shuffle connector (model.freeze_qformer), the language model and head
     "idefics3": {
@@ -505,6 +508,7 @@ DEFAULT_TARGETS = {
     "qwen2_5_vl": r".*language_model\..*\.(q_proj|v_proj)$",
     # LLaVA / PaliGemma: likewise (CLIP's and SigLIP's attention have q_proj/v_proj too: the regex skips them)
     "llava": r".*language_model\..*\.(q_proj|v_proj)$",
+    "llava_next": r".*language_model\..*\.(q_proj|v_proj)$",
     "paligemma": r".*language_model\..*\.(q_proj|v_proj)$",
     "idefics3": r".*text_model\..*\.(q_proj|v_proj)$",  # SmolVLM: its language model is model.text_model
 }

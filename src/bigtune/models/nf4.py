@@ -10,13 +10,19 @@ in ``__init__``), adapters added there, then each decoder block is filled from s
 tensor — linear weights quantized as they arrive — and handed to ``shard`` (FSDP2's ``fully_shard``,
 which keeps this rank's slice and moves it to the device) before the next block is read. A rank's peak
 host RAM while loading is then about one block plus the largest tensor, not the model.
+
+DoRA (QDoRA): peft computes each magnitude vector from the base weight when the adapter is added, here on
+the meta device; it is computed again, by peft's own code, once the block's weights are filled (before the
+block is sharded), and DoRA's forward is handed the NF4 weight dequantized.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
+import re
 import resource
 from pathlib import Path
 from typing import Callable, Optional
@@ -98,21 +104,27 @@ def weights_folder(cfg: ModelConfig) -> Path:
 class _Weights:
     """Tensors of a safetensors folder (one file or an index), read one at a time."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, key_mapping: Optional[dict] = None):
+        """``key_mapping``: regex → replacement from the stored names to the model's (the text model of a
+        composite checkpoint, models.configs.TEXT_MODEL_OF)."""
         index = folder / "model.safetensors.index.json"
         if index.exists():
             mapping = json.loads(index.read_text())["weight_map"]
-            self.where = {k: folder / f for k, f in mapping.items()}
+            where = {k: folder / f for k, f in mapping.items()}
         else:
             from safetensors import safe_open
 
             files = sorted(folder.glob("*.safetensors"))
             if not files:
                 raise ModelError(f"model folder {folder}: no .safetensors weights (bigtune loads safetensors only)")
-            self.where = {}
+            where = {}
             for f in files:
                 with safe_open(str(f), framework="pt") as h:
-                    self.where.update({k: f for k in h.keys()})
+                    where.update({k: f for k in h.keys()})
+        self.stored = {k: k for k in where}  # the model's name → the stored name
+        for pattern, repl in (key_mapping or {}).items():
+            self.stored.update({re.sub(pattern, repl, k): k for k in where if re.match(pattern, k)})
+        self.where = {k: where[stored] for k, stored in self.stored.items()}
 
     def get(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -122,7 +134,7 @@ class _Weights:
         # Opened per tensor: a file stays memory-mapped while its handle lives, and every page read
         # through the mapping would count in this process's resident set until the handle closes.
         with safe_open(str(self.where[key]), framework="pt") as h:
-            return h.get_tensor(key).clone()
+            return h.get_tensor(self.stored[key]).clone()
 
 
 def _checkpoint_key(name: str) -> str:
@@ -143,6 +155,12 @@ def _fill(module: torch.nn.Module, prefix: str, ctx: dict) -> None:
             if p is None or not p.is_meta:
                 continue
             full = f"{mod_name}.{name}" if mod_name else name
+            # A tied weight (a head sharing the embeddings) is filled once; only those are remembered, so that
+            # a block's whole weights are not kept alive once the block is sharded.
+            tied = ctx.setdefault("tied", {})
+            if id(p) in tied:
+                mod._parameters[name] = tied[id(p)]
+                continue
             if "lora_" in full:
                 mod._parameters[name] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
                 continue
@@ -153,6 +171,8 @@ def _fill(module: torch.nn.Module, prefix: str, ctx: dict) -> None:
             else:
                 t = t.to(ctx["keep"] if t.is_floating_point() else t.dtype)
             mod._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+            if id(p) in ctx["shared"]:
+                tied[id(p)] = mod._parameters[name]
         for name, b in list(mod._buffers.items()):
             if b is not None and b.is_meta:
                 full = f"{mod_name}.{name}" if mod_name else name
@@ -160,6 +180,71 @@ def _fill(module: torch.nn.Module, prefix: str, ctx: dict) -> None:
     for mod in fresh:
         for adapter in mod.active_adapters:
             mod.reset_lora_parameters(adapter, True)
+            if adapter in getattr(mod, "lora_magnitude_vector", {}):
+                _init_dora_magnitude(mod, adapter)
+
+
+class _DequantizedLinear(torch.nn.Module):
+    """An NF4 layer as peft's DoRA code can read it: the weight dequantized (a plain tensor, not a
+    parameter), the bias shared. peft's ``dequantize_module_weight`` calls ``weight.dequantize()`` on any
+    torchao tensor, and torchao's NF4Tensor defines ``dequantize`` as a static helper of another signature
+    (value, code), so handing peft the NF4 layer itself fails; a plain tensor it uses as it is."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
+def dequantized_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """``layer``'s weight in its own dtype: an NF4 weight dequantized (under FSDP2, inside the forward or
+    backward where the block is gathered), any other as it is."""
+    w = layer.weight
+    return w.get_original_weight().to(w.dtype) if is_nf4(w) else w
+
+
+def dora_reads_dequantized(
+    model: torch.nn.Module,
+    layers: set[int],
+    dequantize: Callable[[torch.nn.Module], torch.Tensor] = dequantized_weight,
+) -> None:
+    """Make every DoRA adapter on a base layer whose id is in ``layers`` run peft's own forward
+    (``DoraLinearLayer.forward``, unchanged) over ``dequantize(base layer)`` instead of the layer itself.
+    The planner passes a copy of its emulated weight, as the engine's NF4 dequantization makes one."""
+    for mod in model.modules():
+        if id(getattr(mod, "base_layer", None)) in layers:
+            for dora in getattr(mod, "lora_magnitude_vector", {}).values():
+                dora.forward = functools.partial(_dora_forward, dora, dequantize)
+
+
+def _dora_forward(dora: torch.nn.Module, dequantize, x: torch.Tensor, *, base_layer: torch.nn.Module, **kwargs):
+    view = _DequantizedLinear(dequantize(base_layer).detach(), base_layer.bias)
+    return type(dora).forward(dora, x, base_layer=view, **kwargs)
+
+
+def _init_dora_magnitude(mod: torch.nn.Module, adapter: str) -> None:
+    """Set DoRA's magnitude (‖W + scaling·BA‖ per output row) as peft does when it adds the adapter, by
+    peft's own ``update_layer``, now that W and the adapters hold real values: peft computed it when the
+    adapters were added, on the meta device, from no values. Computed where the base weight is (the GPU
+    when quantized there), kept in the dtype and on the device of the placeholder it replaces."""
+    if adapter not in mod.lora_A:
+        raise ModelError(
+            f"peft.method=dora with model.quant_backend=torchao: DoRA on {type(mod).__name__} layers is not supported "
+            "on an NF4 base (linear layers only); leave embeddings out of peft.target_modules"
+        )
+    dora = mod.lora_magnitude_vector[adapter]
+    placeholder = dora.weight
+    base = mod.get_base_layer()
+    w = dequantized_weight(base).detach()
+    a, b = mod.lora_A[adapter].weight, mod.lora_B[adapter].weight
+    dora.update_layer(
+        base_layer=_DequantizedLinear(w, base.bias),
+        lora_A=a.detach().to(w.device),
+        lora_B=b.detach().to(w.device),
+        scaling=mod.scaling[adapter],
+    )
+    magnitude = dora.weight.detach().to(device=placeholder.device, dtype=placeholder.dtype)
+    dora.weight = torch.nn.Parameter(magnitude, requires_grad=placeholder.requires_grad)
 
 
 def _prefixes(model: torch.nn.Module) -> dict[int, str]:
@@ -187,13 +272,10 @@ def build_nf4_peft_model(
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    if peft_cfg.method != "lora":
-        raise ModelError(
-            f"peft.method={peft_cfg.method} with model.quant_backend=torchao: only LoRA adapters are supported on "
-            "an NF4 base (DoRA's magnitude needs the dequantized weight norm at load); use peft.method=lora, or "
-            "model.quant_backend=bitsandbytes without FSDP"
-        )
-    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+    from bigtune.models.configs import text_model_of
+
+    whole = AutoConfig.from_pretrained(str(folder), trust_remote_code=cfg.trust_remote_code)
+    config, key_mapping = text_model_of(whole, cfg.family)  # Gemma 3: its text model alone
     attn, note = attention_for(cfg, config)
     if note:
         print(f"note: {note}", flush=True)
@@ -203,6 +285,8 @@ def build_nf4_peft_model(
     keep = torch.float32 if cfg.upcast_unquantized else weights_dtype(precision)
     with init_empty_weights(include_buffers=False):
         model = auto_class(cfg.family).from_config(config, dtype=compute)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # a tied head shares the embeddings' (meta) parameter, filled once from the folder
     if checkpointing:
         enable_activation_checkpointing(model)
     blocks = decoder_blocks(model)
@@ -210,9 +294,12 @@ def build_nf4_peft_model(
     for mod in (m for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)):
         mod.forward = functools.partial(_nf4_linear, mod, compute)
     model = apply_peft(model, peft_cfg, quantized=False, checkpointing=False, family=cfg.family)
+    dora_reads_dequantized(model, nf4_targets)
     rss_before = _current_rss()  # code imported, model skeleton built: what follows is weights
     _reset_peak_rss()
-    ctx = {"weights": _Weights(folder), "nf4_targets": nf4_targets, "compute": compute, "keep": keep}
+    seen = collections.Counter(id(q) for _, q in model.named_parameters(remove_duplicate=False))
+    ctx = {"shared": {i for i, n in seen.items() if n > 1}}
+    ctx |= {"weights": _Weights(folder, key_mapping), "nf4_targets": nf4_targets, "compute": compute, "keep": keep}
     ctx["quantize_on"] = quantize_on or torch.device("cpu")
     names = _prefixes(model)
     torch.manual_seed(seed)

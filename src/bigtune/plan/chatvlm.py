@@ -1,5 +1,5 @@
-"""The planner's side of chat vision-language models (Qwen2-VL, Qwen2.5-VL; LLaVA, PaliGemma and
-Idefics3 / SmolVLM further down).
+"""The planner's side of chat vision-language models (Qwen2-VL, Qwen2.5-VL; LLaVA, PaliGemma, Idefics3 /
+SmolVLM and LLaVA-NeXT further down).
 
 Such a model sees each image at about its own size: the processor resizes it to multiples of
 patch × merge pixels within its min/max pixels, cuts it into patch × patch tiles (each repeated over
@@ -28,6 +28,7 @@ import torch
 from bigtune.recipe import Recipe
 
 Grid = tuple[int, int, int]  # one image's (t, h, w) tile grid, as image_grid_thw holds it
+ImageSizeHW = tuple[int, int]  # one image's (height, width) px
 
 # transformers' Qwen2VLImageProcessor defaults, for a model whose processor cannot be loaded here
 DEFAULT_MIN_PIXELS = 56 * 56
@@ -307,14 +308,20 @@ class CaptionImages:
     image_tokens: int  # language-model tokens of one image
     vision_patches: int  # patches the vision tower runs per image (time estimates)
     grid: Optional[Grid]  # Qwen2-VL: the image's (t, h, w) tile grid; None: a fixed-size image
-    pixel_shape: tuple[int, ...]  # Qwen2-VL: (tiles, tile width), one image's rows; else (channels, size, size)
+    # Qwen2-VL: (tiles, tile width), one image's rows; SmolVLM, LLaVA-NeXT: (images, channels, tile, tile);
+    # else (channels, size, size)
+    pixel_shape: tuple[int, ...]
     prefix_lm: bool  # PaliGemma: token_type_ids (0 on the whole prefix)
     note: str
+    image_ids: tuple[int, ...] = ()  # SmolVLM: the ids in place of the placeholder (tile text); (): image tokens
+    image_size: Optional[ImageSizeHW] = None  # LLaVA-NeXT: the image's (height, width), its image_sizes
+    pixel_mask: bool = False  # SmolVLM: pixel_attention_mask, 1 on every pixel of its (whole) tiles
 
 
 def caption_images(recipe: Recipe, config, image_size: Optional[tuple[int, int]] = None) -> CaptionImages:
     """The images a caption plan gives ``recipe``'s model: Qwen2-VL's worst case (max_pixels, or
-    data.image_max_pixels) or ``image_size`` as its processor resizes it; LLaVA / PaliGemma's one size."""
+    data.image_max_pixels) or ``image_size`` as its processor resizes it, SmolVLM's and LLaVA-NeXT's worst
+    case (the most tiles and tokens) or ``image_size`` as they tile it; LLaVA / PaliGemma's one size."""
     from bigtune.data.text import DataError
     from bigtune.data.vlm import image_max_pixels_problem
 
@@ -334,9 +341,14 @@ def caption_images(recipe: Recipe, config, image_size: Optional[tuple[int, int]]
             False,
             note,
         )
+    if is_split_image_vlm_config(config):
+        return split_caption_images(recipe, config, image_size)
+    if is_anyres_vlm_config(config):
+        return anyres_caption_images(recipe, config, image_size)
     if image_size:  # the same refusal as a training plan's --image-size
         raise DataError(
-            f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {recipe.model.name} sees images at a fixed size"
+            f"--image-size is for Qwen2-VL / Qwen2.5-VL, SmolVLM and LLaVA-NeXT models; {recipe.model.name} sees "
+            "images at a fixed size"
         )
     if not is_fixed_image_vlm_config(config):
         raise DataError(image_max_pixels_problem(config, recipe.model.name) or f"{recipe.model.name}: not a chat VLM")
@@ -361,7 +373,8 @@ def caption_inputs(images: CaptionImages, batch_size: int, dtype: torch.dtype) -
     length, so no padding). Integer tensors from Python lists: under fake tensors they keep their values
     (real_index_math); the pixels are random (fake under fake tensors)."""
     at = images.prompt_ids.index(images.image_token_id)
-    row = [*images.prompt_ids[:at], *[images.image_token_id] * images.image_tokens, *images.prompt_ids[at + 1 :]]
+    image = list(images.image_ids) or [images.image_token_id] * images.image_tokens
+    row = [*images.prompt_ids[:at], *image, *images.prompt_ids[at + 1 :]]
     ids = torch.tensor([row] * batch_size, dtype=torch.long)
     g = torch.Generator().manual_seed(0)
     rows = (
@@ -379,6 +392,16 @@ def caption_inputs(images: CaptionImages, batch_size: int, dtype: torch.dtype) -
         out["mm_token_type_ids"] = (ids == images.image_token_id).long()
     if images.prefix_lm:
         out["token_type_ids"] = torch.zeros_like(ids)
+    if images.image_size:
+        out["image_sizes"] = torch.tensor([list(images.image_size)] * batch_size, dtype=torch.long)
+    if images.pixel_mask:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # A real tensor even under fake tensors: Idefics3's plan reads which images are real from its values
+        # (split_image_features), and at real sizes it is too large to be kept as a known fake tensor.
+        with unset_fake_temporarily():
+            shape = (batch_size, images.pixel_shape[0], *images.pixel_shape[2:])
+            out["pixel_attention_mask"] = torch.ones(shape, dtype=torch.long)
     return out
 
 
@@ -461,6 +484,7 @@ def real_index_math():
     (split_image_features). The model's float compute stays fake. That real work runs on one thread: an
     OpenMP pool started here would hang the worker processes plans fork later (as in _fake_pixels)."""
     from torch._subclasses import fake_tensor
+    from transformers import masking_utils
     from transformers.models.idefics3 import modeling_idefics3
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
     from transformers.models.qwen2_vl import modeling_qwen2_vl
@@ -484,7 +508,28 @@ def real_index_math():
         # (can_return_tuple: upstream's decorator, which takes return_dict)
         features = modeling_idefics3.can_return_tuple(split_image_features)
         stack.enter_context(mock.patch.object(modeling_idefics3.Idefics3Model, "get_image_features", features))
+        for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+            skip = _skip_on_known_values(getattr(masking_utils, name))
+            stack.enter_context(mock.patch.object(masking_utils, name, skip))
         yield
+
+
+def _skip_on_known_values(fn):
+    """transformers' test whether SDPA can do without a padding mask (``_ignore_causal_mask_sdpa``,
+    ``_ignore_bidirectional_mask_sdpa``: none of it masked), run on the mask's values where they are known.
+    transformers never reads a fake tensor's values ("tracing") and keeps the mask, which sends SDPA down
+    another kernel, with an S×S mask, than the real run's: a caption batch of equal rows (all ones) or
+    Idefics3's vision tower (its patch mask is all ones for whole tiles) attend without a mask there."""
+
+    def skip(padding_mask, *args, **kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        if isinstance(padding_mask, FakeTensor) and padding_mask.constant is not None:
+            with unset_fake_temporarily():
+                return fn(padding_mask.constant, *args, **kwargs)
+        return fn(padding_mask, *args, **kwargs)
+
+    return skip
 
 
 # --- Idefics3 (SmolVLM): an image split into tiles plus the whole image ---------------------------------
@@ -648,6 +693,27 @@ def split_images_note(geometry: SplitGeometry, images: Optional[tuple], micro: i
     return f"images: one per row, {', '.join(what(g) for g in grids)}{why}{src}"
 
 
+def split_caption_images(recipe: Recipe, config, image_size: Optional[tuple[int, int]] = None) -> CaptionImages:
+    """What ``bigtune caption`` gives Idefics3 (SmolVLM) per image: the worst case (the most tiles) or
+    ``image_size`` as its processor tiles it; the tiles and the whole image, each one vision-tower image."""
+    geo = split_geometry(recipe, config)
+    grid = geo.grid(*image_size) if image_size else geo.worst_grid()
+    n, patch = geo.images(grid), int(config.vision_config.patch_size)
+    ids = tuple(geo.image_ids(grid))
+    return CaptionImages(
+        geo.prompt_ids,
+        geo.image_token_id,
+        len(ids),
+        n * (geo.tile // patch) ** 2,
+        None,
+        (n, geo.channels, geo.tile, geo.tile),
+        False,
+        split_images_note(geo, (grid,) if image_size else None, 1),
+        image_ids=ids,
+        pixel_mask=True,
+    )
+
+
 def _known_real_images(pixel_attention_mask, count: int):
     """(indices of the real images among the batch's ``count`` images, their patch masks' real values) from
     ``pixel_attention_mask`` (zero exactly on the collator's all-zero padding images), or None where its
@@ -683,17 +749,22 @@ def split_image_features(self, pixel_values, pixel_attention_mask=None, **kwargs
             raise RuntimeError("Idefics3 plan: pixel_attention_mask has no known values (see real_index_math)")
         index, real_mask = known
         patch = self.config.vision_config.patch_size
-        kept = real_mask[index].unfold(1, patch, patch).unfold(2, patch, patch)
-        patch_mask = kept.sum(dim=(-1, -2)) > 0
+        # per patch of every image (views, then one small sum), then the real images: no copy of the whole
+        # mask, which the tracker would count on top of the fake copy below that stands for the real run's
+        cells = real_mask.unfold(1, patch, patch).unfold(2, patch, patch)
+        patch_mask = cells.sum(dim=(-1, -2))[index] > 0
+        del cells
         per_row = torch.zeros(batch_size * num_images, dtype=torch.long)
         per_row[index] = 1
         per_row = per_row.view(batch_size, num_images).sum(1).tolist()
     pixel_values = pixel_values[index.clone()].contiguous()
-    masks = pixel_attention_mask.view(batch_size * num_images, *pixel_attention_mask.shape[2:])
-    masks = masks[index.clone()].contiguous()
+    # The real run's copy of the real images' masks, alive (as there) through the vision tower, and its patch
+    # sums: the same bytes, values unknown. A new fake tensor of that shape: converting the (real) input mask
+    # to a fake one would count its bytes a second time, which the real run does not hold.
+    masks = torch.empty((len(index), *pixel_attention_mask.shape[2:]), dtype=pixel_attention_mask.dtype)
     subgrid = masks.unfold(dimension=1, size=patch, step=patch).unfold(dimension=2, size=patch, step=patch)
-    fake_patch_mask = (subgrid.sum(dim=(-1, -2)) > 0).bool()  # the same bytes, values unknown
-    del masks, subgrid, fake_patch_mask
+    fake_patch_mask = (subgrid.sum(dim=(-1, -2)) > 0).bool()
+    del subgrid, fake_patch_mask
     patch_attention_mask = patch_mask.clone()  # known values (see real_index_math)
     image_outputs = self.vision_model(
         pixel_values=pixel_values, patch_attention_mask=patch_attention_mask, return_dict=True, **kwargs
@@ -701,3 +772,119 @@ def split_image_features(self, pixel_values, pixel_attention_mask=None, **kwargs
     image_features = self.connector(image_outputs.last_hidden_state)
     image_outputs.pooler_output = [f.reshape(-1, f.shape[-1]) for f in image_features.split(per_row)]
     return image_outputs
+
+
+# --- LLaVA-NeXT: an image fitted into one of several tile grids ("anyres") ------------------------------
+def is_anyres_vlm_config(config) -> bool:
+    """LLaVA-NeXT: each image fitted into one of image_grid_pinpoints, its tokens following its size."""
+    from bigtune.data.vlm import ANYRES_VLM_TYPES
+
+    return getattr(config, "model_type", "") in ANYRES_VLM_TYPES
+
+
+@dataclass(frozen=True)
+class AnyresGeometry:
+    """How LLaVA-NeXT tiles an image (bigtune.data.vlm.AnyresTiles, from the config), and the user turn's ids."""
+
+    tiles: object  # bigtune.data.vlm.AnyresTiles
+    channels: int
+    prompt_ids: tuple[int, ...]  # the user turn through the generation prompt, one image placeholder
+    image_token_id: int
+    from_processor: bool  # False: a bare image placeholder (the processor did not load here)
+
+    def sizes(self, images: Optional[tuple], rows: int) -> list[ImageSizeHW]:
+        """One image size per row: ``images`` in turn, or the worst case (the largest pinpoint) for every row."""
+        if not images:
+            return [self.tiles.worst_size()] * rows
+        return [(int(images[i % len(images)][0]), int(images[i % len(images)][1])) for i in range(rows)]
+
+
+def anyres_geometry(recipe: Recipe, config) -> AnyresGeometry:
+    """The tiling and user turn bigtune.data.vlm gives ``recipe``'s data (the prompt from the model's processor
+    where it loads here; the tiles from the config, as the model counts them)."""
+    from bigtune.data.vlm import AnyresTiles
+
+    _, layout = _processor_and_layout(recipe, config)
+    image_id = int(config.image_token_id)
+    return AnyresGeometry(
+        tiles=AnyresTiles.from_config(config),
+        channels=int(getattr(config.vision_config, "num_channels", 3)),
+        prompt_ids=tuple(layout.prompt_ids) if layout else (image_id,),
+        image_token_id=image_id,
+        from_processor=layout is not None,
+    )
+
+
+def anyres_batch(
+    recipe: Recipe, cfg, geometry: AnyresGeometry, b_size: int, padded: bool, images: Optional[tuple] = None
+) -> dict:
+    """A micro-batch shaped as ChatImageCollator builds it for LLaVA-NeXT: every row data.max_seq_length text
+    tokens (the placeholder among them) plus its image's tokens, padded to the longest row; each row's tiles
+    and base image in ``pixel_values`` (batch, most tiles, channels, tile, tile), padded with all-zero tiles,
+    and each image's (height, width) in ``image_sizes`` (``images``: those sizes; None: the worst case)."""
+    from bigtune.core.stepmath import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(0)
+    sizes = geometry.sizes(images, b_size)
+    prompt = list(geometry.prompt_ids)
+    at = prompt.index(geometry.image_token_id)
+    answer_len = max(1, recipe.data.max_seq_length - len(prompt))
+    top = min(int(cfg.text_config.vocab_size), geometry.image_token_id)  # answer ids below the image token
+    counts = [geometry.tiles.tokens(*size) for size in sizes]
+    rows = [prompt[:at] + [geometry.image_token_id] * c + prompt[at + 1 :] for c in counts]
+    length = max(len(row) for row in rows) + answer_len
+    ids = torch.zeros((b_size, length), dtype=torch.long)
+    labels = torch.full((b_size, length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((b_size, length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        answer = torch.randint(3, top, (answer_len,), generator=g).tolist()
+        n = len(row) + answer_len
+        ids[i, :n], labels[i, len(row) : n], mask[i, :n] = torch.tensor(row + answer), torch.tensor(answer), 1
+    if padded and bool(mask.all()):  # one padded row: the explicit-mask attention path a real padded batch takes
+        mask[-1, -1], labels[-1, -1] = 0, IGNORE_INDEX
+    tiles, side = max(geometry.tiles.tiles(*size) for size in sizes), geometry.tiles.tile
+    return {
+        # A shape only: simulate() swaps in a fake tensor (see _fake_pixels).
+        "pixel_values": torch.empty(b_size, tiles, geometry.channels, side, side),
+        "image_sizes": torch.tensor([list(size) for size in sizes], dtype=torch.long),
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "padded": padded or not bool(mask.all()),
+        "image_tokens": max(counts),  # the engine's batch-shape rule reads it
+    }
+
+
+def anyres_images_note(geometry: AnyresGeometry, images: Optional[tuple]) -> str:
+    """What the plan assumed about a LLaVA-NeXT model's images."""
+    t = geometry.tiles
+
+    def what(size: ImageSizeHW) -> str:
+        rows, cols = t.grid(*size)
+        return f"{size[0]}×{size[1]} px: {rows}×{cols} tiles of {t.tile} px + the whole image ({t.tokens(*size)} image tokens)"
+
+    sizes = sorted(set(geometry.sizes(images, len(images) if images else 1)))
+    why = "" if images else ": the worst case, an image of the largest pinpoint (--image-size HxW to plan yours)"
+    src = "" if geometry.from_processor else "; the processor did not load here, so a bare image placeholder"
+    return f"images: one per row, {', '.join(what(s) for s in sizes)}{why}{src}"
+
+
+def anyres_caption_images(recipe: Recipe, config, image_size: Optional[tuple[int, int]] = None) -> CaptionImages:
+    """What ``bigtune caption`` gives LLaVA-NeXT per image: the worst case (the largest pinpoint's size) or an
+    image of ``image_size``; its tiles and base image, each one vision-tower image."""
+    geo = anyres_geometry(recipe, config)
+    t = geo.tiles
+    size = (int(image_size[0]), int(image_size[1])) if image_size else t.worst_size()
+    n = t.tiles(*size)
+    clip_class_token = getattr(config.vision_config, "model_type", "") == "clip_vision_model"
+    return CaptionImages(
+        geo.prompt_ids,
+        geo.image_token_id,
+        t.tokens(*size),
+        n * ((t.tile // t.patch) ** 2 + int(clip_class_token)),
+        None,
+        (n, geo.channels, t.tile, t.tile),
+        False,
+        anyres_images_note(geo, (size,) if image_size else None),
+        image_size=size,
+    )

@@ -250,10 +250,14 @@ def _nf4_note(recipe: Recipe, sim: Sim, target: Target, n_layers: int) -> str:
             f", {rank / GIB:.2f} GiB per rank under FSDP (data, scalers and factors split along dim 0, scaler mean "
             "and code table replicated); each block all-gathered as 4-bit bytes"
         )
+    dora = ""
+    if recipe.peft.method == "dora":
+        dora = "; DoRA dequantizes each adapted weight once more in the forward, for its weight norm"
     return (
         f"nf4 base (torchao NF4Tensor, decoder-block linear weights): {full / GIB:.2f} GiB = ½ byte a weight + "
         f"an int8 scaler per {NF4_BLOCK} + a {8 * nf4.src_bytes}-bit factor per 256 scalers{where}; each matmul "
         "runs in the compute dtype on its weight dequantized into a temporary (again in backward), simulated as torchao's linear_nf4"
+        f"{dora}"
     )
 
 
@@ -307,6 +311,8 @@ def _model_notes(recipe: Recipe, config, images: Optional[tuple] = None) -> list
     elif chatvlm.is_split_image_vlm_config(config):
         geometry = chatvlm.split_geometry(recipe, config)
         notes.append(chatvlm.split_images_note(geometry, images, recipe.train.micro_batch_size))
+    elif chatvlm.is_anyres_vlm_config(config):
+        notes.append(chatvlm.anyres_images_note(chatvlm.anyres_geometry(recipe, config), images))
     attn_note = attention_for(recipe.model, config)[1]
     if attn_note:
         notes.append(attn_note)

@@ -195,6 +195,31 @@ def nf4_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return out
 
 
+def nf4_dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` dequantized as torchao's ``NF4Tensor.get_original_weight`` (torchao 0.18) does it, with the
+    same temporaries in the same order, so that the allocator sees its transient peak: for n = numel/2
+    packed bytes, the high and low nibbles (uint8, n) widened to int64 (8n each, alive to the end),
+    each looked up in the 16-entry code (n values each), each scaled by a flattened copy of its block
+    scalers (n values, then freed) into n values, and the two stacked into the result (2n values):
+    14 bytes a weight at the stack for a 16-bit dtype, against 2 for the result alone."""
+    n = weight.numel() // 2
+    f = torch.empty(n, dtype=torch.uint8, device=weight.device)
+    first = f.to(torch.long)
+    del f
+    f = torch.empty(n, dtype=torch.uint8, device=weight.device)
+    second = f.to(torch.long)
+    del f
+    looked_up = [torch.empty(n, dtype=dtype, device=weight.device) for _ in (first, second)]
+    scaled = []
+    for _ in looked_up:
+        repeated = torch.empty(n, dtype=dtype, device=weight.device)  # the scalers, expanded and flattened
+        scaled.append(torch.empty(n, dtype=dtype, device=weight.device))
+        del repeated
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)  # torch.stack(...).reshape(shape)
+    del first, second, looked_up, scaled
+    return out
+
+
 class _FakeNF4Matmul(torch.autograd.Function):
     """torchao's LinearNF4 as memory sees it, called as the engine calls it (models/nf4.py: input cast to
     the compute dtype, the weight's dtype here, result cast back outside): the forward dequantizes the
@@ -204,13 +229,13 @@ class _FakeNF4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
-        out = torch.nn.functional.linear(x, weight.to(x.dtype, copy=True))
+        out = torch.nn.functional.linear(x, nf4_dequantized(weight, x.dtype))
         return out if bias is None else out + bias.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
-        return grad @ weight.to(grad.dtype, copy=True), None, None
+        return grad @ nf4_dequantized(weight, grad.dtype), None, None
 
 
 def emulate_nf4(model: torch.nn.Module, compute: torch.dtype, upcast: bool = True) -> list[torch.nn.Linear]:
@@ -231,6 +256,16 @@ def emulate_nf4(model: torch.nn.Module, compute: torch.dtype, upcast: bool = Tru
 
         mod.forward = forward
     return layers
+
+
+def emulate_nf4_dora(model: torch.nn.Module) -> None:
+    """DoRA on the emulated NF4 layers as the engine runs it (models/nf4.py): peft's DoRA forward over the
+    weight dequantized into a compute-dtype temporary, alive while the adapter's weight norm is computed
+    (nf4_dequantized, as _FakeNF4Matmul makes one for the matmul)."""
+    from bigtune.models.nf4 import dora_reads_dequantized
+
+    layers = {id(m) for m in nf4_linears(model)}
+    dora_reads_dequantized(model, layers, lambda layer: nf4_dequantized(layer.weight, layer.weight.dtype))
 
 
 def nf4_parameter_delta(model: torch.nn.Module, round_to: int = 1) -> int:

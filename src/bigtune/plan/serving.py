@@ -12,7 +12,7 @@ CPU runs, inside a greedy decoding loop that mirrors transformers' ``generate`` 
 
 ``caption`` runs BLIP-2's own ``generate`` (vision tower, Q-Former, projection, the image tokens
 put in the prompt) with the language model's ``generate`` replaced by that loop; a chat
-vision-language model (Qwen2-VL, LLaVA, PaliGemma) runs that loop itself on the batch ``bigtune
+vision-language model (Qwen2-VL, LLaVA, LLaVA-NeXT, PaliGemma, SmolVLM) runs that loop itself on the batch ``bigtune
 caption`` builds (chatvlm.caption_images: the chat template, each image's tokens, its pixels), the
 vision tower inside the prefill forward; ``predict`` is one
 forward without a cache (a classification head's, or a causal LM's full logits). Only the language
@@ -383,9 +383,8 @@ def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
         if not isinstance(mod, torch.nn.Linear):
             continue
         n = mod.weight.numel()
-        if any(k in name for k in ("vision_model", "qformer", "language_projection", "visual", "vision_tower")) or (
-            "multi_modal_projector" in name
-        ):
+        vision_parts = ("vision_model", "qformer", "language_projection", "visual", "vision_tower", "connector")
+        if any(k in name for k in vision_parts) or "multi_modal_projector" in name:
             vision += n
         else:
             lm += n
@@ -614,18 +613,16 @@ def host_resources(
 def caption_workload(recipe: Recipe, config, w: Workload) -> Workload:
     """``w`` with a chat vision-language model's images laid out as ``bigtune caption`` lays them out
     (chatvlm.caption_images; its prompt is data.prompt in the chat template); BLIP-2's unchanged."""
-    from bigtune.data.vlm import SPLIT_IMAGE_VLM_TYPES, is_vlm
+    from bigtune.data.vlm import is_vlm
     from bigtune.plan.chatvlm import caption_images, check_image_budget
 
     check_image_budget(recipe, config)
-    if getattr(config, "model_type", "") in SPLIT_IMAGE_VLM_TYPES:
-        raise PlanError(
-            f"--for {w.task}: serving plans for SmolVLM / Idefics3 ({recipe.model.name}) are not available yet "
-            "(its image splitting is not simulated); plan Qwen2-VL, LLaVA, PaliGemma or BLIP-2"
-        )
     if not is_vlm(config):
         if w.image_size:
-            raise PlanError(f"--image-size is for Qwen2-VL / Qwen2.5-VL models; {recipe.model.name} is BLIP-2")
+            raise PlanError(
+                f"--image-size is for Qwen2-VL / Qwen2.5-VL, SmolVLM and LLaVA-NeXT models; {recipe.model.name} is "
+                "BLIP-2"
+            )
         return w
     images = caption_images(recipe, config, w.image_size)
     text = len(images.prompt_ids) - 1

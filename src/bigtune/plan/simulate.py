@@ -25,6 +25,7 @@ from bigtune.plan.quantized import (
     eight_bit_state_bytes,
     emulate_4bit,
     emulate_nf4,
+    emulate_nf4_dora,
     nf4_base,
     nf4_parameter_delta,
     quantized_parameter_delta,
@@ -75,10 +76,11 @@ class Stack:
 def model_stacks(config) -> list[Stack]:
     """The repeated stacks of a model: one for a decoder LM; vision, Q-Former and the language model's
     stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack); the vision tower and
-    the language model for Qwen2-VL, LLaVA, PaliGemma and Idefics3 (SmolVLM); Qwen2.5-VL's window and
+    the language model for Qwen2-VL, LLaVA, LLaVA-NeXT, PaliGemma and Idefics3 (SmolVLM); Qwen2.5-VL's window and
     full-attention vision blocks as two stacks, then its language model."""
     from bigtune.plan.chatvlm import (
         has_vision_block_kinds,
+        is_anyres_vlm_config,
         is_chat_vlm_config,
         is_fixed_image_vlm_config,
         is_split_image_vlm_config,
@@ -90,15 +92,15 @@ def model_stacks(config) -> list[Stack]:
         return [Stack(("vision_config", "depth"), kind="window"), Stack(("vision_config", "depth"), kind="full"), text]
     if is_chat_vlm_config(config):
         return [Stack(("vision_config", "depth")), text]
-    if is_fixed_image_vlm_config(config) or is_split_image_vlm_config(config):
-        # LLaVA, PaliGemma, Idefics3 (SmolVLM): the vision tower and the language model
+    if is_fixed_image_vlm_config(config) or is_split_image_vlm_config(config) or is_anyres_vlm_config(config):
+        # LLaVA, PaliGemma, Idefics3 (SmolVLM), LLaVA-NeXT: the vision tower and the language model
         return [Stack(("vision_config", "num_hidden_layers")), Stack(("text_config", "num_hidden_layers"))]
     if kind != "blip-2" and getattr(config, "vision_config", None) is not None:
         from bigtune.plan.constants import PlanError
 
         raise PlanError(
-            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL, Qwen2.5-VL, LLaVA, PaliGemma and "
-            "SmolVLM are); train with "
+            f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, "
+            "PaliGemma and SmolVLM are); train with "
             "memory.plan=false and read the measured memory"
         )
     if kind != "blip-2":
@@ -178,6 +180,8 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
         return chatvlm.fixed_image_batch(recipe, cfg, layout, b_size, padded)
     if family == "image-to-text" and chatvlm.is_split_image_vlm_config(cfg):
         return chatvlm.split_image_batch(recipe, cfg, chatvlm.split_geometry(recipe, cfg), b_size, padded, images)
+    if family == "image-to-text" and chatvlm.is_anyres_vlm_config(cfg):
+        return chatvlm.anyres_batch(recipe, cfg, chatvlm.anyres_geometry(recipe, cfg), b_size, padded, images)
     if family != "image-to-text":
         ids = torch.randint(3, cfg.vocab_size, (b_size, seq), generator=g)
         mask = torch.ones_like(ids)
@@ -551,6 +555,8 @@ def _fake_model(r: Recipe, recipe: Recipe, cfg, quantize: str) -> tuple[torch.nn
         model = apply_peft(
             model, r.peft, quantized=False, checkpointing=r.train.activation_checkpointing, family=family
         )
+        if torchao_nf4(recipe):
+            emulate_nf4_dora(model)
     ds_cast, _, fsdp_mixed = step_kind(r, r.strategy)
     if ds_cast:
         # DeepSpeed with bf16/fp16 casts the module it wraps (module.bfloat16()/half()): PEFT's fp32

@@ -10,7 +10,7 @@ printed when there is no ``--out``.
 
 The model input is laid out as in training (``bigtune.data.images.TokenLayout``): the image tokens,
 then BOS and the optional ``--prompt`` for OPT, or the prompt and EOS for the Flan-T5 encoder. Chat
-models (Qwen2-VL, Qwen2.5-VL, LLaVA; ``bigtune.data.vlm``) are asked ``--prompt`` (default: the run's
+models (Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, SmolVLM; ``bigtune.data.vlm``) are asked ``--prompt`` (default: the run's
 data.prompt) beside the image in their chat template, and answer until their end-of-turn token; PaliGemma
 reads it as its prefix after the image and answers until EOS.
 """
