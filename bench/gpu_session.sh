@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# bench/gpu_session.sh: everything a session with a lent GPU (one H100 80GB or H200, 30 minutes of device
-# time, at most 10 minutes per command) runs, in 2-3 device calls. Nothing to install: the GPU machine's
-# python3 has torch, transformers, lightning, peft, pillow, pyyaml; bigtune runs from src/ through
-# PYTHONPATH (no `pip install -e .`: nothing in bigtune reads its own package metadata; checked by
-# running `python -S -m bigtune` with only PYTHONPATH=src). Models are random-init real architectures
-# from the bundled configs, with bigtune's own tokenizer: no download, no hub.
+# bench/gpu_session.sh: everything a session with a lent GPU (one H100 80GB or H200; 15 minutes of device
+# time per task, all calls, starts and idle waits together; at most 10 minutes per command) runs. The GPU
+# machine's python3 (3.12) has torch 2.11 (CUDA 13.0), transformers 5.17, lightning, peft, pillow, pyyaml;
+# bigtune runs from src/ through PYTHONPATH (no `pip install -e .`: nothing in bigtune reads its own package
+# metadata; checked by running `python -S -m bigtune` with only PYTHONPATH=src). Models are random-init real
+# architectures from the bundled configs, with bigtune's own tokenizer: no download, no hub.
+#
+# Optional libraries: the machine has no bitsandbytes, torchao or deepspeed. Cases that need one say so
+# (`needs` in bench/plan_accuracy.py) and are written as "skipped: <library> not installed" without it:
+#   bitsandbytes 0.50.2 (43 MB wheel, has libbitsandbytes_cuda130): llama3.1-8b-nf4-bnb-qlora-b4,
+#     tinyllama-bf16true-adamw8bit-b4
+#   torchao 0.18.0 (3.4 MB wheel; built for torch >= 2.11): llama3.2-3b-nf4-torchao-qdora-b4
+#   deepspeed: no case (the CPU-offload case uses optim.name=cpu_offload_adamw, torch's CPU Adam)
+# To carry them, once here (.whl/ is git-ignored; with the ~5 MB tree it stays under the 64 MiB limit):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2 torchao==0.18.0
+# and give every run carry=[".whl"]: each mode installs .whl/*.whl into /tmp/site first (no network needed).
 #
 # With the device tool (`run`), from the repository root, in this order:
 #
-#   1. run(command="bash bench/gpu_session.sh accuracy", timeout_s=600)
+#   1. run(command="bash bench/gpu_session.sh accuracy", carry=[".whl"], timeout_s=600)
 #        planner vs measurement, most informative cases first, until its budget (BUDGET_S, default 500 s)
 #        is spent; then copy the returned plan_accuracy-<gpu>.json into bench/results/ here (it then travels
 #        with the working tree to the next call).
-#   2. run(command="bash bench/gpu_session.sh throughput bench/results/plan_accuracy-<gpu>.json", timeout_s=600)
-#        bigtune vs HF Trainer on the two GPU presets (TinyLlama full bf16, Llama-2-7B LoRA), then, with
-#        the time left in this call, more accuracy cases (the ones the file has not finished).
-#   3. if device time is left (status: budget_left_s; a call to a warm machine starts at once, a fresh one
-#      costs a minute or two): copy the newer plan_accuracy JSON over the old one and
-#      run(command="BUDGET_S=<seconds> bash bench/gpu_session.sh accuracy bench/results/plan_accuracy-<gpu>.json",
-#      timeout_s=<BUDGET_S + 60>) with BUDGET_S about 90 s under what is left (at most 500).
+#   2. if device time is left (status: budget_left_s; a call to the warm machine starts at once, a fresh one
+#      costs a minute or two): run(command="BUDGET_S=<seconds> bash bench/gpu_session.sh accuracy
+#      bench/results/plan_accuracy-<gpu>.json", carry=[".whl"], timeout_s=<BUDGET_S + 60>) with BUDGET_S
+#      about 90 s under what is left (at most 500): the cases the file has not finished, skipped ones included.
+#   3. a later session (or one with time left after 2): run(command="bash bench/gpu_session.sh throughput
+#      bench/results/plan_accuracy-<gpu>.json", timeout_s=600): bigtune vs HF Trainer on the two GPU presets
+#      (TinyLlama full bf16, Llama-2-7B LoRA), then, with the time left in this call, more accuracy cases.
+# One session measures about 6-8 cases; the matrix (33 cases) takes several, each resuming the last file.
 #
 # Every call writes at most 6 files to $OUT (names of letters, digits, '.', '-', '_'): env.txt, <mode>.log,
 # cases.log (every case's own output), plan_accuracy-<gpu>.json, throughput-tinyllama.json,
@@ -36,8 +48,14 @@ RESUME=${2:-}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 START=$SECONDS
+# carried wheels (see above): installed without network into /tmp/site, ahead of the machine's packages
+if [ "$MODE" != check ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
+    || echo "warning: installing .whl/*.whl failed; the cases that need them are skipped"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 env_report() {
   echo "== $(date -u +%FT%TZ) bench/gpu_session.sh $MODE; git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -46,7 +64,7 @@ env_report() {
 import importlib, platform, sys, time
 print("python", platform.python_version(), sys.executable)
 for mod in ("torch", "transformers", "lightning", "peft", "accelerate", "tokenizers", "safetensors", "PIL", "yaml",
-            "datasets", "torchmetrics", "bitsandbytes", "deepspeed"):
+            "datasets", "torchmetrics", "bitsandbytes", "torchao", "deepspeed"):
     try:
         m = importlib.import_module(mod)
         print(f"  {mod:<13} {getattr(m, '__version__', '?')}")
@@ -121,7 +139,7 @@ case "$MODE" in
     "$PY" bench/throughput.py --config llama-7b-lora --dry-run
     echo "check ok" ;;
   *)
-    sed -n '2,30p' "$0"
+    awk 'NR > 1 && /^set -uo/ {exit} NR > 1' "$0"
     exit 2 ;;
 esac
 echo "== done in $(( SECONDS - START )) s; files in $OUT:"

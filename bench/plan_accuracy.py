@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -41,15 +42,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
 OPENLLAMA3B, OPENLLAMA7B = "openlm-research/open_llama_3b", "openlm-research/open_llama_7b"
+LLAMA31_8B, LLAMA32_3B = "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-3B"
 BLIP2_RECIPE = "recipes/blip2-opt-2.7b.yaml"  # the lab's BLIP-2 recipe (every part trained, as the lab's script)
+LLAMA_CHAT_RECIPE = "recipes/llama-3.1-8b-chat-lora.yaml"  # LoRA all-linear, llama-3 template, chunked loss
+MOE_RECIPE = "recipes/qwen3-30b-a3b-chat-lora.yaml"  # Qwen3-30B-A3B LoRA on attention, qwen template
+GEMMA3_RECIPE = "recipes/gemma-3-4b-chat-qlora.yaml"  # Gemma 3 4B's text model, gemma template
+VLM_RECIPE = "recipes/qwen2.5-vl-3b-alt-text.yaml"  # Qwen2.5-VL-3B LoRA, alt text for photos
 LORA = {"peft.method": "lora", "peft.r": 16, "peft.alpha": 32, "peft.dropout": 0.05}
+# Local inputs some cases name as "@<name>" in their overrides (written by write_data, see there).
+QWEN_VL_PROCESSOR = "qwen2.5-vl-processor"
+MOE_8_LAYERS = "qwen3-30b-a3b-8-layers"
 
 # One case: recipe overrides (over), the base recipe (None: the built-in defaults; BLIP2_RECIPE for the
-# lab's), the kind of data it needs, what `bigtune plan --gpu h100-80gb` predicts (expect: fit | oom;
-# checked by --check-plans), an estimated and a maximum time on an H100 (seconds, process start included).
-# Every case adds: random init, data.max_seq_length (LLM 512, BLIP-2 50 as the lab), memory every step.
+# lab's), the kind of data it needs (llm, blip2, chat, vlm: see write_data), what `bigtune plan --gpu
+# h100-80gb` predicts (expect: fit | oom; checked by --check-plans), an estimated and a maximum time on an
+# H100 (seconds, process start included), and the optional libraries it needs (needs: a case whose library
+# does not import here is written as skipped, with the library's name, and the run goes on).
+# Every case adds: random init, data.max_seq_length (LLM 512, BLIP-2 50 as the lab, chat 2048 as the chat
+# recipes, chat VLM 96 text tokens as its recipe), memory every step.
 # Order = run order: the first cases are the ones the planner is judged on most (lab rungs, the largest
-# models near capacity), then the rest of the matrix, then OOM checks.
+# models near capacity), then what the project added since (never measured: chat, QLoRA, VLM, MoE, ...),
+# then the rest of the matrix, then OOM checks.
 CASES: dict[str, dict] = {
     "tinyllama-bf16true-adamw-b4": {
         "over": {"model.name": TINYLLAMA, "precision": "bf16-true", "train.micro_batch_size": 4},
@@ -74,6 +87,120 @@ CASES: dict[str, dict] = {
         },
         "note": "7B full fine-tune, AdamW, near capacity (reserved/fragmentation matter here)",
         "est": 90,
+        "timeout": 300,
+    },
+    # What the project added since the cases above were written (each needs its own measurement): chat
+    # data, QLoRA, a chat VLM, 8-bit AdamW, a CPU-held optimizer, QDoRA, Gemma 3, mixture of experts.
+    # Random init runs on the CPU, single-threaded (torch's normal_): 0.12 G parameters/s on the 2-core
+    # machine here, so an 8B model takes about a minute before its first step and the 30B MoE about four.
+    "llama3.1-8b-bf16true-lora-ckpt-b2-chat": {
+        "recipe": LLAMA_CHAT_RECIPE,
+        "kind": "chat",
+        "over": {"train.micro_batch_size": 2, "train.global_batch_size": None},
+        "note": "a chat model on chat data: the recipe's LoRA all-linear, llama-3 template, assistant-only loss, "
+        "chunked loss, b2 x 2048, checkpointing",
+        "est": 100,
+        "timeout": 300,
+    },
+    "llama3.1-8b-nf4-bnb-qlora-b4": {
+        "over": {
+            "model.name": LLAMA31_8B,
+            "model.quantize": "nf4",
+            "model.quant_backend": "bitsandbytes",
+            "precision": "bf16-true",
+            "train.micro_batch_size": 4,
+            **LORA,
+            "peft.target_modules": "all-linear",
+        },
+        "needs": ["bitsandbytes"],
+        "note": "QLoRA: bitsandbytes NF4 base (double quant, fp32 norms and head as peft prepares it), LoRA r16 "
+        "all-linear; the random base is written to disk and loaded back quantized",
+        "est": 120,
+        "timeout": 300,
+    },
+    "qwen2.5-vl-3b-bf16true-lora-ckpt-b8-acc2": {
+        "recipe": VLM_RECIPE,
+        "kind": "vlm",
+        # the plan's worst case is the largest image the processor allows (1280 image tokens, a slow plan):
+        # capped at the photos' own size, the plan before training is the measured shape
+        "over": {"model.tokenizer": "@" + QWEN_VL_PROCESSOR, "data.image_max_pixels": 448 * 448},
+        "note": "a chat vision-language model at real size: its recipe (LoRA, b8/2, checkpointing) on 448 px "
+        "photos (256 image tokens each) with captions past the 96 text tokens (its plan takes about a minute "
+        "of CPU, twice: before training and again at the measured image grids)",
+        "est": 150,
+        "timeout": 300,
+    },
+    "tinyllama-bf16true-adamw8bit-b4": {
+        "over": {
+            "model.name": TINYLLAMA,
+            "precision": "bf16-true",
+            "optim.name": "adamw8bit",
+            "train.micro_batch_size": 4,
+        },
+        "needs": ["bitsandbytes"],
+        "note": "8-bit AdamW (bitsandbytes, 1 byte per moment): the baseline case with its optimizer swapped",
+        "est": 45,
+        "timeout": 150,
+    },
+    "qwen3-moe-8l-bf16mixed-lora-ckpt-b2-chat": {
+        "recipe": MOE_RECIPE,
+        "kind": "chat",
+        "over": {
+            "model.name": "@" + MOE_8_LAYERS,
+            "precision": "bf16-mixed",
+            "train.micro_batch_size": 2,
+            "train.global_batch_size": None,
+        },
+        "note": "mixture of experts in bf16-mixed (fp32 experts: the per-expert matmuls of the non-bf16 path), "
+        "Qwen3-30B-A3B's first 8 of 48 layers (5.6 B; the whole model in fp32 would not fit), the recipe's b2",
+        "est": 80,
+        "timeout": 240,
+    },
+    "openllama3b-bf16true-cpuoffload-adamw-b4": {
+        "over": {
+            "model.name": OPENLLAMA3B,
+            "precision": "bf16-true",
+            "optim.name": "cpu_offload_adamw",
+            "train.micro_batch_size": 4,
+        },
+        "note": "optimizer state in CPU RAM on one GPU without DeepSpeed (cpu_offload_adamw: fp32 master weights "
+        "and moments on the host, torch's CPU Adam; bf16 weights and gradients on the GPU)",
+        "est": 90,
+        "timeout": 300,
+    },
+    "llama3.2-3b-nf4-torchao-qdora-b4": {
+        "over": {
+            "model.name": LLAMA32_3B,
+            "model.quantize": "nf4",
+            "model.quant_backend": "torchao",
+            "precision": "bf16-true",
+            "train.micro_batch_size": 4,
+            **LORA,
+            "peft.method": "dora",
+            "peft.target_modules": "all-linear",
+        },
+        "needs": ["torchao"],
+        "note": "QDoRA on torchao's NF4 base on one GPU (DoRA's dequantized weight copy, torchao's dequantization "
+        "temporaries, the tied head filled once), all-linear, no checkpointing",
+        "est": 75,
+        "timeout": 240,
+    },
+    "gemma3-4b-text-bf16true-lora-ckpt-b4-chat": {
+        "recipe": GEMMA3_RECIPE,
+        "kind": "chat",
+        "over": {"model.quantize": "none", "train.micro_batch_size": 4, "train.global_batch_size": None},
+        "note": "Gemma 3 4B's text model alone (the vision tower never built), LoRA all-linear on a bf16 base, "
+        "262k-token vocabulary through the chunked loss, gemma template, b4 x 2048",
+        "est": 70,
+        "timeout": 240,
+    },
+    "qwen3-30b-a3b-bf16true-lora-ckpt-b2-chat": {
+        "recipe": MOE_RECIPE,
+        "kind": "chat",
+        "over": {"train.micro_batch_size": 2, "train.global_batch_size": None},
+        "note": "mixture of experts at full size (30.5 B, 128 experts, 8 active) on chat data, the recipe's "
+        "b2 x 2048 with checkpointing (planned at 83% of the card, weights most of it); random init ~4 min",
+        "est": 250,
         "timeout": 300,
     },
     "blip2opt2.7b-32true-adamw-b16": {
@@ -317,19 +444,57 @@ SMOKE_CASES: dict[str, dict] = {
     },
 }
 
-SEQ = {"llm": 512, "blip2": 50}
-SMOKE_SEQ = {"llm": 64, "blip2": 12}
+SEQ = {"llm": 512, "blip2": 50, "chat": 2048, "vlm": 96}
+SMOKE_SEQ = {"llm": 64, "blip2": 12, "chat": 128, "vlm": 48}
 _clock = time.perf_counter  # the budget's clock (tests replace it)
 
 
 # -- data ---------------------------------------------------------------------------------------------
 
 
-def write_data(work: Path) -> dict[str, Path]:
-    """Synthetic full-length data: every record is longer than any max_seq_length used here."""
+def write_data(work: Path, names=None) -> dict[str, Path]:
+    """The inputs the cases read, written under ``work``: the data of each kind (llm, blip2, chat, vlm) and
+    the local folders cases name as "@<name>" (``names``: only these; None: all). Every record is longer
+    than any max_seq_length used here, so no batch is padded. An input that fails is an InputError in its
+    place, not the end of the run."""
     sys.path.insert(0, str(ROOT / "src"))
-    from bigtune.data.images import DEMO_IMAGES
+    writers = {
+        "llm": _long_text,
+        "blip2": _long_captions,
+        "chat": _long_chats,
+        "vlm": _photo_captions,
+        QWEN_VL_PROCESSOR: _qwen_vl_processor,
+        MOE_8_LAYERS: _moe_8_layers,
+    }
+    out: dict = {}
+    for name, write in writers.items():
+        if names is None or name in names:
+            try:
+                out[name] = write(work)
+            except Exception as e:  # noqa: BLE001 - only the cases that read it fail (see input_errors)
+                out[name] = InputError(f"{type(e).__name__}: {e}")
+    return out
 
+
+class InputError(str):
+    """An input write_data could not write (its message): the cases that read it are skipped rows saying so
+    (a --resume tries them again), the others run."""
+
+
+def input_errors(case: dict, data: dict) -> list[str]:
+    return [f"input {n} could not be written: {data[n]}" for n in inputs_of([case]) if isinstance(data[n], InputError)]
+
+
+def inputs_of(cases: list[dict]) -> set[str]:
+    """The data kinds and "@" folders these cases read (what write_data must write for them)."""
+    out = set()
+    for case in cases:
+        out.add(case.get("kind", "llm"))
+        out.update(v[1:] for v in case["over"].values() if isinstance(v, str) and v.startswith("@"))
+    return out
+
+
+def _long_text(work: Path) -> Path:
     text = work / "long.jsonl"
     text.write_text(
         "".join(
@@ -337,21 +502,147 @@ def write_data(work: Path) -> dict[str, Path]:
             for i in range(256)
         )
     )
-    images = sorted((DEMO_IMAGES / "images").glob("*.png"))
+    return text
+
+
+def _caption_lines(images: list[Path], n: int) -> str:
+    return "".join(
+        json.dumps(
+            {
+                "image": str(images[i % len(images)]),
+                "text": f"a plate {i} of tomato soup with basil and bread on a wooden table " * 4,
+            }
+        )
+        + "\n"
+        for i in range(n)
+    )
+
+
+def _long_captions(work: Path) -> Path:
+    from bigtune.data.images import DEMO_IMAGES
+
     captions = work / "long_captions.jsonl"
-    captions.write_text(
+    captions.write_text(_caption_lines(sorted((DEMO_IMAGES / "images").glob("*.png")), 512))
+    return captions
+
+
+def _long_chats(work: Path) -> Path:
+    """Conversations of the bundled chat demo strung together (the turns of 40 demo conversations each; their
+    system turns dropped, the ShareGPT-style and bad records left out; user and assistant alternate): each is
+    past 2048 tokens, so every row is full length and carries assistant tokens in its first 2048."""
+    from bigtune.core.presets import DEMO_CHAT_DATA
+
+    demo = [json.loads(x) for x in DEMO_CHAT_DATA.read_text().splitlines() if x.strip()]
+    turns = [[m for m in d["messages"] if m["role"] != "system"] for d in demo if "messages" in d]
+    # whole exchanges only (the demo holds a few bad records on purpose: empty turns, wrong order)
+    turns = [t for t in turns if t and t[0]["role"] == "user" and t[-1]["role"] == "assistant"]
+    turns = [t for t in turns if all(m.get("content") for m in t)]
+    chats = work / "long_chats.jsonl"
+    chats.write_text(
         "".join(
-            json.dumps(
-                {
-                    "image": str(images[i % len(images)]),
-                    "text": f"a plate {i} of tomato soup with basil and bread on a wooden table " * 4,
-                }
-            )
-            + "\n"
-            for i in range(512)
+            json.dumps({"messages": [m for k in range(40) for m in turns[(i * 40 + k) % len(turns)]]}) + "\n"
+            for i in range(64)
         )
     )
-    return {"llm": text, "blip2": captions}
+    return chats
+
+
+def _photo_captions(work: Path) -> Path:
+    """The bundled 32 px photos at a real photo size (448 px: Qwen2-VL's processor keeps it, 32 x 32 patches,
+    256 image tokens), with captions longer than the text budget."""
+    from PIL import Image
+
+    from bigtune.data.images import DEMO_IMAGES
+
+    folder = work / "photos-448"
+    folder.mkdir(exist_ok=True)
+    images = []
+    for src in sorted((DEMO_IMAGES / "images").glob("*.png"))[:32]:
+        dst = folder / src.name
+        Image.open(src).convert("RGB").resize((448, 448), Image.BICUBIC).save(dst)
+        images.append(dst)
+    captions = work / "photo_captions.jsonl"
+    captions.write_text(_caption_lines(images, 256))
+    return captions
+
+
+def _qwen_vl_processor(work: Path) -> Path:
+    """A Qwen2.5-VL processor folder for the random-init model (set as model.tokenizer): Qwen's image
+    processor at its published defaults, bigtune's tiny tokenizer with Qwen's chat and vision tokens at the
+    model config's ids (the model finds the image by those ids) and Qwen2-VL's chat template.
+
+    Why here: a random-init chat VLM gets BLIP-2's processor from bigtune (load_processor), which fails on a
+    Qwen2.5-VL config (no vision_config.image_size); the hub processor cannot be fetched on the GPU machine."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from bigtune.core.presets import QWEN2_VL_CHAT_TEMPLATE, TOKENIZER_FILE
+    from bigtune.core.processors import chat_vlm_processor, has_torchvision
+
+    cfg = json.loads((ROOT / "src/bigtune/assets/configs/Qwen--Qwen2.5-VL-3B-Instruct.json").read_text())
+    ids = {
+        "<|endoftext|>": cfg["bos_token_id"],
+        "<|im_start|>": 151644,  # between the two in Qwen2's tokenizer; the config does not name it
+        "<|im_end|>": cfg["eos_token_id"],
+        "<|vision_start|>": cfg["vision_start_token_id"],
+        "<|vision_end|>": cfg["vision_end_token_id"],
+        "<|image_pad|>": cfg["image_token_id"],
+        "<|video_pad|>": cfg["video_token_id"],
+    }
+    spec = json.loads(TOKENIZER_FILE.read_text())
+    for token, i in ids.items():  # in the vocabulary at the config's id, matched whole as a special token
+        spec["model"]["vocab"][token] = i
+        spec["added_tokens"].append(
+            {
+                "id": i,
+                "content": token,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+    folder = work / QWEN_VL_PROCESSOR
+    folder.mkdir(exist_ok=True)
+    (folder / "spec.json").write_text(json.dumps(spec))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "spec.json"),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+        padding_side="right",
+    )
+    images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2)
+    if has_torchvision():
+        # (the GPU machine) transformers then checks every part the processor declares, the video processor
+        # too, and loads the saved folder with AutoProcessor, which needs it there
+        import transformers
+
+        proc = transformers.Qwen2_5_VLProcessor(
+            image_processor=images,
+            tokenizer=tok,
+            video_processor=transformers.Qwen2VLVideoProcessor(),
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        )
+    else:
+        proc = chat_vlm_processor("Qwen2_5_VLProcessor", images, tok, QWEN2_VL_CHAT_TEMPLATE)
+    proc.save_pretrained(folder)
+    return folder
+
+
+def _moe_8_layers(work: Path) -> Path:
+    """Qwen3-30B-A3B's published config cut to its first 8 of 48 layers (every layer's shape kept: 128
+    experts, 8 active), as a model folder with bigtune's tiny tokenizer (model.init random reads it)."""
+    from bigtune.core.presets import tiny_tokenizer
+
+    cfg = json.loads((ROOT / "src/bigtune/assets/configs/Qwen--Qwen3-30B-A3B.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")} | {"num_hidden_layers": 8, "max_window_layers": 8}
+    folder = work / MOE_8_LAYERS
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
 
 
 def case_recipe(
@@ -377,13 +668,33 @@ def case_recipe(
         "name": name,
         "train.log_every_steps": 1,
     }
-    if kind == "blip2" and not smoke:
-        # images are decoded and resized to 224 px per sample: in the training process that would add to the
-        # measured step time what the time model does not plan (the lab sets num_workers too)
+    if kind in ("blip2", "vlm") and not smoke:
+        # images are decoded and resized per sample (BLIP-2: to 224 px): in the training process that would add
+        # to the measured step time what the time model does not plan (the lab sets num_workers too)
         over["data.num_workers"] = 4
-    over.update(case["over"])
+    # "@<name>": a folder write_data wrote (a processor, a cut-down model)
+    over.update(
+        {k: str(data[v[1:]]) if isinstance(v, str) and v.startswith("@") else v for k, v in case["over"].items()}
+    )
     recipe = case.get("recipe")
     return (str(ROOT / recipe) if recipe else None), over
+
+
+def missing_libraries(case: dict) -> list[str]:
+    """The case's optional libraries (``needs``) that do not import here."""
+    import importlib.util
+
+    return [lib for lib in case.get("needs", ()) if importlib.util.find_spec(lib) is None]
+
+
+def skipped_row(name: str, case: dict, reason: str) -> dict:
+    return {
+        "case": name,
+        "note": case.get("note"),
+        "expect": case.get("expect", "fit"),
+        "status": "skipped",
+        "reason": reason,
+    }
 
 
 def _value(v) -> str:
@@ -427,13 +738,21 @@ def run_case(
     args = [sys.executable, "-m", "bigtune", "train"] + ([recipe] if recipe else [])
     for k, v in over.items():
         args += ["--set", f"{k}={_value(v)}"]
+    # A random-init base that is quantized is written to a temporary folder first (16 GB for an 8B model)
+    # and bigtune leaves it there: each case gets its own, removed when it ends, so the disk does not fill.
+    tmp = work / f"{name}.tmp"
+    tmp.mkdir(exist_ok=True)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x),
         PYTHONUNBUFFERED="1",
+        TMPDIR=str(tmp),
     )
     t0 = time.perf_counter()
-    res = run_process(args, timeout, env=env, cwd=str(work))
+    try:
+        res = run_process(args, timeout, env=env, cwd=str(work))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if log is not None:  # every case's own output, for reading what a surprising number came from
         with open(log, "a") as f:
             f.write(
@@ -651,7 +970,7 @@ def print_row(row: dict) -> None:
 
     expect = "" if row.get("expect", "fit") == "fit" else f" (expect {row['expect']})"
     if row["status"] == "skipped":
-        print(f"{row['case']:<42} skipped  {row.get('reason', '')}", flush=True)
+        print(f"{row['case']:<42} skipped: {row.get('reason', '')}", flush=True)
         return
     print(
         f"{row['case']:<42} {row['status']:<8} alloc {mem(row.get('measured_peak_allocated'))} / "
@@ -694,9 +1013,17 @@ def check_plans(names: list[str], cases: dict, gpu_name: str, smoke: bool) -> in
     gpu = find_gpu(gpu_name)
     bad = 0
     with tempfile.TemporaryDirectory() as d:
-        data = write_data(Path(d))
+        data = write_data(Path(d), inputs_of([cases[n] for n in names]))
         for name in names:
             case = cases[name]
+            missing = missing_libraries(case)
+            if missing:  # its recipe does not validate without the library: the GPU run skips it the same way
+                print(f"{name:<42} skipped: {', '.join(missing)} not installed", flush=True)
+                continue
+            if input_errors(case, data):
+                print(f"{name:<42} {'; '.join(input_errors(case, data))}  MISMATCH", flush=True)
+                bad += 1
+                continue
             recipe, over = case_recipe(case, data, Path(d) / name, name, 4, "auto", smoke)
             t0 = time.perf_counter()
             p = plan(load_recipe(recipe, over), Target("cuda", gpu))
@@ -786,27 +1113,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        data = write_data(work)
+        data = write_data(work, inputs_of([cases[n] for n in names if n not in done]))
         for name in names:
             if name in done:
                 continue
             case = cases[name]
             timeout = args.case_timeout_s or case["timeout"]
+            missing = missing_libraries(case)
+            why = [f"{', '.join(missing)} not installed (carry the wheel)"] if missing else input_errors(case, data)
+            if why:  # a row that says so (a later --resume tries it again), and the next case
+                rows.append(skipped_row(name, case, "; ".join(why)))
+                print_row(rows[-1])
+                write_json(path, result_record(rows, device, argv, started))
+                continue
             if args.budget_s is not None:
                 left = args.budget_s - (_clock() - t0)
                 # the estimates scaled by how long this machine took for the cases so far (within 0.5-1.5x)
                 pace = min(1.5, max(0.5, spent["s"] / spent["est"])) if spent["est"] else 1.0
                 need = case["est"] * pace
                 if left < need:
-                    rows.append(
-                        {
-                            "case": name,
-                            "note": case.get("note"),
-                            "expect": case.get("expect", "fit"),
-                            "status": "skipped",
-                            "reason": f"time budget: {left:.0f} s left, estimate {need:.0f} s",
-                        }
-                    )
+                    rows.append(skipped_row(name, case, f"time budget: {left:.0f} s left, estimate {need:.0f} s"))
                     print_row(rows[-1])
                     write_json(path, result_record(rows, device, argv, started))
                     continue

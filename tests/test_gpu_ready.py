@@ -95,6 +95,46 @@ def test_budget_skips_cases_that_would_not_finish_and_resume_runs_only_those(pa,
     assert rec["status_counts"] == {"ok": 3, "oom": 1} and rec["expectation_mismatches"] == []
 
 
+def test_a_case_whose_library_or_input_is_missing_is_a_skipped_row_and_the_run_goes_on(
+    pa, tmp_path, monkeypatch, capsys
+):
+    calls = []
+
+    def fake_run_case(name, case, data, work, steps, timeout, accelerator, smoke, log=None):
+        calls.append(name)
+        return {"case": name, "expect": case.get("expect", "fit"), "status": "ok", "seconds": 1.0}
+
+    monkeypatch.setattr(pa, "run_case", fake_run_case)
+    first = next(iter(pa.SMOKE_CASES))
+    monkeypatch.setitem(pa.SMOKE_CASES, first, {**pa.SMOKE_CASES[first], "needs": ["no_such_library_xyz", "json"]})
+    assert pa.missing_libraries(pa.SMOKE_CASES[first]) == ["no_such_library_xyz"]
+    assert pa.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "plan_accuracy-cpu-smoke.json").read_text())
+    row = rec["cases"][0]
+    assert row["case"] == first and row["status"] == "skipped"
+    assert row["reason"].startswith("no_such_library_xyz not installed")
+    assert calls == list(pa.SMOKE_CASES)[1:]  # not started; every other case ran
+    assert f"{first:<42} skipped: no_such_library_xyz not installed" in capsys.readouterr().out
+    # the CPU pre-flight names it the same way instead of failing on the recipe
+    assert pa.check_plans([first], pa.SMOKE_CASES, "h100-80gb", True) == 0
+    assert "skipped: no_such_library_xyz not installed" in capsys.readouterr().out
+    # an input that cannot be written (the text data here) stops only the cases that read it
+    calls.clear()
+    monkeypatch.setitem(pa.SMOKE_CASES, first, {k: v for k, v in pa.SMOKE_CASES[first].items() if k != "needs"})
+
+    def broken(work):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(pa, "_long_text", broken)
+    assert pa.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "plan_accuracy-cpu-smoke.json").read_text())["cases"]
+    text = [n for n, c in pa.SMOKE_CASES.items() if c.get("kind", "llm") == "llm"]
+    assert calls == [n for n in pa.SMOKE_CASES if n not in text] and len(calls) == 1
+    for r in rows:
+        if r["case"] in text:
+            assert r["status"] == "skipped" and r["reason"] == "input llm could not be written: RuntimeError: disk full"
+
+
 def test_row_from_a_cuda_summary_computes_every_error_from_its_numbers(pa):
     plan = {
         "measured_peak_allocated": 40 * GIB,
@@ -129,10 +169,14 @@ def test_every_gpu_case_is_a_valid_recipe_and_the_matrix_covers_the_lab(pa, tmp_
     from bigtune.recipe import load_recipe
 
     data = pa.write_data(tmp_path)
-    seen = set()
+    assert set(data) == pa.inputs_of(list(pa.CASES.values()))  # every kind and "@" folder a case reads
+    seen, features = set(), set()
     with mock.patch("torch.cuda.is_available", return_value=True):  # validated as on the GPU machine
         for name, case in pa.CASES.items():
             assert case["est"] < case["timeout"] <= 300 and case.get("expect", "fit") in ("fit", "oom")
+            assert len(name) <= 42  # the printed table's column
+            if pa.missing_libraries(case):  # bitsandbytes / torchao not installed here: the run skips it too
+                continue
             recipe, over = pa.case_recipe(case, data, tmp_path / name, name, 6, "cuda", False)
             r = load_recipe(recipe, over)
             assert r.model.init == "random" and r.accelerator == "cuda" and not r.memory.oom_alternatives
@@ -144,14 +188,24 @@ def test_every_gpu_case_is_a_valid_recipe_and_the_matrix_covers_the_lab(pa, tmp_
                     r.train.activation_checkpointing,
                     r.peft.method,
                     r.data.max_seq_length,
+                    "blip2" in r.model.name,
                 )
             )
-    lab = {x for x in seen if x[0] == "image-to-text"}
+            quant = f"{r.model.quantize}-{r.model.quant_backend}" if r.model.quantize != "none" else None
+            features |= {r.optim.name, r.data.format, r.peft.method, quant, r.model.name.rsplit("/", 1)[-1]}
+    lab = {x for x in seen if x[6]}
     assert {x[1] for x in lab} == {"bf16-true", "32-true", "bf16-mixed"} and all(x[5] == 50 for x in lab)
     assert any(x[3] for x in lab)  # checkpointing
     llm = {x for x in seen if x[0] == "causal-lm"}
     assert {"lora"} <= {x[4] for x in llm} and {"sgd", "adamw"} <= {x[2] for x in llm}
     assert "32-true" in {x[1] for x in llm}
+    # what the project added since: chat data, a CPU-held optimizer, a chat VLM, Gemma 3, mixture of experts
+    # (the 30B and the 8-layer cut in bf16-mixed), and, where their libraries are here, QLoRA, 8-bit AdamW, QDoRA
+    assert {"chat", "cpu_offload_adamw", "Qwen2.5-VL-3B-Instruct", "gemma-3-4b-it", "Qwen3-30B-A3B"} <= features
+    assert pa.MOE_8_LAYERS in features and ("causal-lm", "bf16-mixed") in {x[:2] for x in seen if x[4] == "lora"}
+    for lib, wanted in (("bitsandbytes", {"nf4-bitsandbytes", "adamw8bit"}), ("torchao", {"nf4-torchao", "dora"})):
+        if importlib.util.find_spec(lib) is not None:
+            assert wanted <= features, (lib, features)
     assert list(pa.CASES)[:3] == [
         "tinyllama-bf16true-adamw-b4",
         "blip2opt2.7b-bf16true-adamw-b16-acc4",

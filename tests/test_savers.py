@@ -277,3 +277,20 @@ def test_missing_optional_package_names_the_install(monkeypatch):
     with pytest.raises(RecipeError) as e:
         load_recipe({}, ["optim.name=deepspeed_cpu_adam"])
     assert any("pip install 'bigtune[deepspeed]'" in p for p in e.value.problems)
+
+
+@pytest.mark.parametrize("backend", ["bitsandbytes", "torchao"])
+def test_a_quantized_preset_leaves_no_base_folder_behind(tmp_path, monkeypatch, backend):
+    """A preset or random-init model is written out once to be quantized on loading (bitsandbytes) or
+    streamed into NF4 (torchao); without save_model that folder is scratch (14 GB for a 7B) and goes."""
+    import tempfile
+
+    if backend == "torchao":
+        pytest.importorskip("torchao", reason="the NF4 base needs torchao: pip install 'bigtune[torchao]'")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    over = {"peft.method": "lora", "model.quantize": "nf4", "model.quant_backend": backend, "memory.plan": False}
+    s = train({}, tiny_overrides(tmp_path / "run", **over), quiet_recipe=True)
+    assert s["status"] == "ok"
+    assert not list(scratch.glob("bigtune-base-*")), list(scratch.iterdir())

@@ -17,7 +17,7 @@ from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config
 from bigtune.plan.planner import plan
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
-from conftest import CHROMIUM, NO_CHROMIUM, ROOT, chromium, console_messages, page_ink
+from conftest import CHROMIUM, NO_CHROMIUM, ROOT, chromium, console_messages, page_ink, run_cli
 
 # Parameter counts printed on the model cards (Hugging Face's safetensors count, 3 significant figures);
 # the exact number our bundled config.json builds is in the comment.
@@ -107,3 +107,12 @@ def test_tiny_vlm_ladder_report_renders(tiny_ladder, tmp_path):
     assert re.findall(r'<svg[^>]*class="plot (\w+)"', dom.stdout) == ["memory", "throughput", "loss"]
     for rung in ("01-full-frozen-vision", "05-qlora"):
         assert rung in dom.stdout
+
+
+def test_random_init_chat_vlm_without_a_processor_is_one_clear_error(tmp_path):
+    """Random weights of a real chat VLM need that model's processor (its image tokens, its chat template):
+    bigtune builds one for BLIP-2 only, and says how to give one, instead of failing inside transformers."""
+    over = ["model.name=Qwen/Qwen2.5-VL-3B-Instruct", "model.family=image-to-text", "model.init=random"]
+    p = run_cli("train", *[a for o in over for a in ("--set", o)], "--set", "accelerator=cpu", cwd=tmp_path)
+    assert p.returncode != 0 and "Set model.tokenizer to a folder holding that model's processor" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

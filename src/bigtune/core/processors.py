@@ -1,10 +1,11 @@
-"""Processors of chat vision-language models (Qwen2-VL, Qwen2.5-VL) without torchvision.
+"""Processors of chat vision-language models (Qwen2-VL, Qwen2.5-VL), image-only.
 
-transformers checks every part a processor declares, the video processor included, and its video
-processors need torchvision; the PyPI torchvision wheel does not import beside a CPU-only torch. Such
-a processor is then built from its image processor (the PIL variant) and tokenizer alone: an
-image-only subclass under the same class name, so a folder it saves says ``Qwen2VLProcessor`` and
-loads as the full processor wherever torchvision is installed.
+transformers checks every part a processor declares, the video processor included, and rejects a
+missing one; its video processors need torchvision, whose PyPI wheel does not import beside a CPU-only
+torch. bigtune trains and captions photos, so such a processor is always built from its image processor
+(the PIL variant) and tokenizer alone: an image-only subclass under the same class name, so that a
+folder it saves says ``Qwen2VLProcessor`` and loads as the full processor elsewhere. The same build is
+used with or without torchvision, so a run behaves the same on both.
 """
 
 from __future__ import annotations
@@ -15,12 +16,6 @@ from typing import Optional
 
 # processor_class (processor_config.json) of the chat vision-language models bigtune trains
 CHAT_VLM_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
-
-
-def has_torchvision() -> bool:
-    from transformers.utils import is_torchvision_available
-
-    return bool(is_torchvision_available())
 
 
 def _image_only(cls):
@@ -34,15 +29,14 @@ def _image_only(cls):
 
 
 def chat_vlm_processor(class_name: str, image_processor, tokenizer, chat_template: Optional[str]):
-    """A ``class_name`` processor (Qwen2VLProcessor, Qwen2_5_VLProcessor) from its parts; image-only
-    without torchvision (videos are not supported then)."""
+    """A ``class_name`` processor (Qwen2VLProcessor, Qwen2_5_VLProcessor) from its parts, image-only: bigtune
+    trains and captions photos, not videos. Also where torchvision is installed: the full class would
+    then want a video processor, and transformers rejects None for it (check_argument_for_proper_class)."""
     import transformers
 
     if class_name not in CHAT_VLM_PROCESSORS:
         raise ValueError(f"{class_name}: not a chat vision-language processor ({', '.join(CHAT_VLM_PROCESSORS)})")
     cls = getattr(transformers, class_name)
-    if has_torchvision():
-        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
     return _image_only(cls)(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
@@ -61,13 +55,13 @@ def saved_processor_class(folder: Path) -> Optional[str]:
 
 
 def load_chat_vlm_processor(folder: Path):
-    """The processor saved in ``folder`` without its video processor (no torchvision here), or None when
+    """The processor saved in ``folder`` without its video processor (see chat_vlm_processor), or None when
     the folder does not hold a chat vision-language processor."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     folder = Path(folder)
     cls = saved_processor_class(folder)
-    if cls not in CHAT_VLM_PROCESSORS or has_torchvision():
+    if cls not in CHAT_VLM_PROCESSORS:
         return None
     template = None
     if (folder / "chat_template.jinja").is_file():
@@ -81,7 +75,7 @@ def load_chat_vlm_processor(folder: Path):
 
 class AutoImageTextProcessor:
     """``AutoProcessor.from_pretrained``, except that a chat vision-language processor saved in a local
-    folder loads without torchvision (its image parts; see the module docstring)."""
+    folder loads as its image parts (see the module docstring)."""
 
     @staticmethod
     def from_pretrained(source: str, **kwargs):

@@ -256,7 +256,9 @@ def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], labe
     from bigtune.models.build import write_base
     from bigtune.models.nf4 import build_nf4_peft_model, weights_folder
 
+    scratch = False  # a base written only to be streamed back, removed once loaded
     if recipe.model.name in PRESETS or recipe.model.init == "random":
+        scratch = base_dir is None
         base_dir = base_dir or Path(tempfile.mkdtemp(prefix="bigtune-base-"))
         plain = dataclasses.replace(recipe.model, quantize="none")
         whole = build_model(plain, tokenizer, recipe.precision, recipe.seed, None, label_names)
@@ -275,6 +277,9 @@ def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], labe
         shard=shard_while_loading(recipe, fabric),
         quantize_on=fabric.device if fabric.device.type == "cuda" else None,
     )
+    if scratch:
+        shutil.rmtree(base_dir, ignore_errors=True)
+        base_dir = None
     fabric.print(
         f"model: NF4 base (torchao) loaded tensor by tensor: {report['nf4_base_bytes_this_rank'] / 2**20:.2f} MiB "
         f"of 4-bit weights on this rank, peak host RSS {report['load_peak_rss_bytes'] / 2**30:.2f} GiB while loading"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -69,12 +70,20 @@ def load_processor(cfg: ModelConfig):
         from bigtune.core.presets import random_init_processor
         from bigtune.models.configs import resolve_config_name
 
+        config = resolve_config_name(cfg)
+        if getattr(config, "model_type", "") != "blip-2":
+            raise ModelError(
+                f"model.init=random for {cfg.name} ({getattr(config, 'model_type', '?')}): bigtune builds a "
+                "processor for a random-init BLIP-2 only; a chat vision-language model needs its own (its image "
+                "tokens and chat template). Set model.tokenizer to a folder holding that model's processor "
+                "(processor, tokenizer and chat template files; no weights needed)"
+            )
         print(
             f"model: random init of {cfg.name}; bigtune's tiny tokenizer (ids < 512) and BLIP's image processor "
             "at the model's image size",
             flush=True,
         )
-        return random_init_processor(resolve_config_name(cfg))
+        return random_init_processor(config)
 
     from bigtune.core.processors import AutoImageTextProcessor  # Qwen2-VL loads without torchvision too
 
@@ -352,7 +361,8 @@ def build_model(
             setattr(config, key, value)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if quant is not None and base_dir is None:
+        scratch = quant is not None and base_dir is None  # written only to be quantized on loading
+        if scratch:
             base_dir = Path(tempfile.mkdtemp(prefix="bigtune-base-"))
         if base_dir is not None:
             model.save_pretrained(base_dir, safe_serialization=True)
@@ -362,6 +372,8 @@ def build_model(
         if quant is not None:
             del model
             model = _from_pretrained(str(base_dir), cfg, dtype, quant, label_names, attn)
+        if scratch:  # loaded: a 7B base is 14 GB of temporary files otherwise left behind
+            shutil.rmtree(base_dir, ignore_errors=True)
     else:
         name = _local_or_id(cfg.name)
         local = Path(name).is_dir()
