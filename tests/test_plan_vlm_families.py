@@ -13,6 +13,17 @@ from bigtune.recipe import load_recipe
 from conftest import run_cli
 from test_plan_vlm import DEMO, mixed_sizes, one_thread, train_and_compare, two_size_photos  # noqa: F401 - fixtures
 
+# 3 steps of 4 photos on the given data, every step measured and re-planned at its batch
+MEASURED_STEPS = {
+    "data.val_fraction": 0.0,
+    "train.micro_batch_size": 4,
+    "train.max_steps": 3,
+    "train.max_epochs": None,
+    "memory.every_steps": 1,
+    "memory.plan": True,
+    "checkpoint.save_model": False,
+}
+
 MATRIX = [
     # preset, precision, checkpointing, peft
     ("tiny-llava", "32-true", False, "none"),
@@ -28,13 +39,7 @@ def test_plan_matches_the_measured_step(tmp_path, mixed_sizes, preset, precision
         {
             "model.name": preset,
             "data.source": str(mixed_sizes),  # every photo resized to the tower's 32 px: 16 image tokens
-            "data.val_fraction": 0.0,
-            "train.micro_batch_size": 4,
-            "train.max_steps": 3,
-            "train.max_epochs": None,
-            "memory.every_steps": 1,
-            "memory.plan": True,
-            "checkpoint.save_model": False,
+            **MEASURED_STEPS,
             "precision": precision,
             "train.activation_checkpointing": ckpt,
             "peft.method": peft,
@@ -84,13 +89,7 @@ def test_smolvlm_plan_matches_the_measured_step_with_two_tile_grids(tmp_path, ti
         {
             "model.name": "tiny-smolvlm",
             "data.source": str(tiled_sizes),
-            "data.val_fraction": 0.0,
-            "train.micro_batch_size": 4,
-            "train.max_steps": 3,
-            "train.max_epochs": None,
-            "memory.every_steps": 1,
-            "memory.plan": True,
-            "checkpoint.save_model": False,
+            **MEASURED_STEPS,
             "peft.method": "lora",
         },
     )
@@ -125,13 +124,7 @@ def test_llava_next_plan_matches_the_measured_step_with_two_aspect_ratios(tmp_pa
         {
             "model.name": "tiny-llava-next",
             "data.source": str(tiled_sizes),
-            "data.val_fraction": 0.0,
-            "train.micro_batch_size": 4,
-            "train.max_steps": 3,
-            "train.max_epochs": None,
-            "memory.every_steps": 1,
-            "memory.plan": True,
-            "checkpoint.save_model": False,
+            **MEASURED_STEPS,
             "precision": precision,
             "train.activation_checkpointing": ckpt,
             "peft.method": peft,

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from conftest import read_jsonl, resume_from_step_3, run_cli, run_losses, train_cli
+from conftest import read_jsonl, resume_from_step_3, run_losses, train_cli
 
 pytest.importorskip("torchao", reason="QDoRA under FSDP needs torchao: pip install 'bigtune[torchao]'")
 
-from test_qlora_fsdp import COMMON  # noqa: E402 - after the skip: that module needs torchao too
+from test_qlora_fsdp import COMMON, RESUME_RUN, merged_export_equals_adapter  # noqa: E402 - after the skip: that module needs torchao too
 
 DORA = {**COMMON, "peft.method": "dora"}
 MAGNITUDE = ".lora_magnitude_vector"
@@ -156,20 +156,9 @@ def test_fsdp_qdora_resumes_exactly_and_exports_merged(tmp_path):
     """The sharded, adapters-only checkpoint (A, B and the magnitudes with their optimizer state, no base
     weight) continues the loss curve exactly; the exported adapter carries the magnitudes, and export --merge
     folds them into the unquantized base with the logits of base + adapter."""
-    from peft import PeftModel
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoModelForCausalLM
 
-    over = _fsdp(
-        precision="bf16-true",
-        **{
-            "train.max_steps": 6,
-            "checkpoint.enabled": True,
-            "checkpoint.every_steps": 3,
-            "checkpoint.keep_last": 5,
-            "checkpoint.save_model": True,
-        },
-    )
+    over = _fsdp(precision="bf16-true", **RESUME_RUN)
     ref = _train(tmp_path, "ref", **over)
     ckpt = ref / "checkpoints" / "step-000003.ckpt"
     assert ckpt.is_dir()  # FSDP: a distributed checkpoint folder
@@ -180,16 +169,4 @@ def test_fsdp_qdora_resumes_exactly_and_exports_merged(tmp_path):
     assert run_losses(cut) == run_losses(ref)
 
     assert json.loads((ref / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
-    res = run_cli("export", str(ref), "--merge", "--dtype", "float32", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    merged = AutoModelForCausalLM.from_pretrained(ref / "merged", dtype=torch.float32)
-    base_model = AutoModelForCausalLM.from_pretrained(ref / "base", dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base_model, str(ref / "adapter"))
-    assert len(_dora_layers(adapted)) == 4
-    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
-        with adapted.disable_adapter():
-            base = adapted(input_ids=ids).logits
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(base, a, atol=1e-4)  # the adapters trained
+    assert len(_dora_layers(merged_export_equals_adapter(tmp_path, ref))) == 4

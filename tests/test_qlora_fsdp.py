@@ -104,29 +104,21 @@ def test_fsdp_qlora_with_cpu_offload_and_checkpointing_trains_the_same(tmp_path)
     assert run_losses(both)[-1] < run_losses(both)[0]
 
 
-def test_fsdp_qlora_resumes_exactly_and_exports_merged(tmp_path):
-    """A sharded, adapters-only checkpoint continues the loss curve exactly; export --merge folds the adapters
-    into the unquantized base with the logits of base + adapter."""
+# 6 steps on 2 ranks with a sharded checkpoint at step 3 and the model saved: the resume/export tests' run
+RESUME_RUN = {
+    "train.max_steps": 6,
+    "checkpoint.enabled": True,
+    "checkpoint.every_steps": 3,
+    "checkpoint.keep_last": 5,
+    "checkpoint.save_model": True,
+}
+
+
+def merged_export_equals_adapter(tmp_path, ref):
+    """``bigtune export ref --merge``: its logits equal base + adapter (1e-4), and differ from the base (the
+    adapters trained). Returns the PeftModel of base + adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    over = _fsdp(
-        precision="bf16-true",
-        **{
-            "train.max_steps": 6,
-            "checkpoint.enabled": True,
-            "checkpoint.every_steps": 3,
-            "checkpoint.keep_last": 5,
-            "checkpoint.save_model": True,
-        },
-    )
-    ref = _train(tmp_path, "ref", **over)
-    ckpt = ref / "checkpoints" / "step-000003.ckpt"
-    assert ckpt.is_dir()  # FSDP: a distributed checkpoint folder
-    saved = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-    assert saved < 200_000, "adapters and their optimizer state only, not the base"
-    cut = resume_from_step_3(tmp_path, ref, COMMON, over)
-    assert run_losses(cut) == run_losses(ref)
 
     res = run_cli("export", str(ref), "--merge", "--dtype", "float32", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -140,6 +132,22 @@ def test_fsdp_qlora_resumes_exactly_and_exports_merged(tmp_path):
             base = adapted(input_ids=ids).logits
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(base, a, atol=1e-4)  # the adapters trained
+    return adapted
+
+
+def test_fsdp_qlora_resumes_exactly_and_exports_merged(tmp_path):
+    """A sharded, adapters-only checkpoint continues the loss curve exactly; export --merge folds the adapters
+    into the unquantized base with the logits of base + adapter."""
+    over = _fsdp(precision="bf16-true", **RESUME_RUN)
+    ref = _train(tmp_path, "ref", **over)
+    ckpt = ref / "checkpoints" / "step-000003.ckpt"
+    assert ckpt.is_dir()  # FSDP: a distributed checkpoint folder
+    saved = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    assert saved < 200_000, "adapters and their optimizer state only, not the base"
+    cut = resume_from_step_3(tmp_path, ref, COMMON, over)
+    assert run_losses(cut) == run_losses(ref)
+
+    merged_export_equals_adapter(tmp_path, ref)
 
 
 def test_loading_keeps_each_rank_far_below_the_whole_model(tmp_path):

@@ -194,14 +194,33 @@ def grids_for(geometry: ImageGeometry, images: Optional[tuple[Grid, ...]], rows:
     return [tuple(int(x) for x in images[i % len(images)]) for i in range(rows)]
 
 
+def _answered_rows(rows: list[list[int]], answer_len: int, top: int, padded: bool) -> tuple:
+    """(input_ids, labels, attention_mask) of a batch as ChatImageCollator pads it: each row's ids (image
+    tokens in place) then a random answer of ``answer_len`` ids below ``top`` (seeded, one draw per row),
+    the loss on the answer only, right-padded to the longest row; ``padded`` with every row full: one
+    padded position, so the explicit-mask attention path a real padded batch takes is the one simulated."""
+    from bigtune.core.stepmath import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(0)
+    length = max(len(row) for row in rows) + answer_len
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        answer = torch.randint(3, top, (answer_len,), generator=g).tolist()
+        n = len(row) + answer_len
+        ids[i, :n], labels[i, len(row) : n], mask[i, :n] = torch.tensor(row + answer), torch.tensor(answer), 1
+    if padded and bool(mask.all()):
+        mask[-1, -1], labels[-1, -1] = 0, IGNORE_INDEX
+    return ids, labels, mask
+
+
 def synthetic_batch(
     recipe: Recipe, cfg, geometry: ImageGeometry, b_size: int, padded: bool, images: Optional[tuple[Grid, ...]]
 ) -> dict:
     """A micro-batch shaped as ChatImageCollator builds it: every row data.max_seq_length text tokens (the
     image placeholder among them) plus its image's tokens, padded to the longest row."""
-    from bigtune.core.stepmath import IGNORE_INDEX
 
-    g = torch.Generator().manual_seed(0)
     grids = grids_for(geometry, images, b_size)
     counts = [geometry.tokens(grid) for grid in grids]
     prompt = list(geometry.prompt_ids)
@@ -210,19 +229,8 @@ def synthetic_batch(
     # answer ids below every special (image, vision start/end) id: the image tokens are only where placed
     special = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     top = min([int(cfg.text_config.vocab_size)] + [int(getattr(cfg, k)) for k in special if getattr(cfg, k, None)])
-    length = max(len(prompt) - 1 + c + answer_len for c in counts)
-    ids = torch.full((b_size, length), 0, dtype=torch.long)
-    labels = torch.full((b_size, length), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((b_size, length), dtype=torch.long)
-    for i, c in enumerate(counts):
-        row = prompt[:at] + [geometry.image_token_id] * c + prompt[at + 1 :]
-        answer = torch.randint(3, top, (answer_len,), generator=g).tolist()
-        n = len(row) + answer_len
-        ids[i, :n] = torch.tensor(row + answer)
-        labels[i, len(row) : n] = torch.tensor(answer)
-        mask[i, :n] = 1
-    if padded and bool(mask.all()):  # one padded row: the explicit-mask attention path a real padded batch takes
-        mask[-1, -1], labels[-1, -1] = 0, IGNORE_INDEX
+    rows = [prompt[:at] + [geometry.image_token_id] * c + prompt[at + 1 :] for c in counts]
+    ids, labels, mask = _answered_rows(rows, answer_len, top, padded)
     # A shape only: simulate() swaps in a fake tensor (see _fake_pixels).
     pixels = torch.empty(sum(t * h * w for t, h, w in grids), geometry.tile_width())
     return {
@@ -626,9 +634,7 @@ def split_image_batch(
     images (tiles, then the global image) in ``pixel_values`` (batch, images, channels, tile, tile), padded
     with all-zero images to the most images of a row, and ``pixel_attention_mask`` 1 on every real image
     (all of its pixels: tiles are whole) and 0 on the padding images, as the processor and collator pad."""
-    from bigtune.core.stepmath import IGNORE_INDEX
 
-    g = torch.Generator().manual_seed(0)
     grids = [tuple(int(x) for x in images[i % len(images)]) for i in range(b_size)] if images else None
     grids = grids or [geometry.worst_grid()] * b_size
     prompt = list(geometry.prompt_ids)
@@ -636,16 +642,7 @@ def split_image_batch(
     answer_len = max(1, recipe.data.max_seq_length - len(prompt))
     top = min(int(cfg.text_config.vocab_size), geometry.image_token_id)  # answer ids below the image token
     rows = [prompt[:at] + geometry.image_ids(grid) + prompt[at + 1 :] for grid in grids]
-    length = max(len(row) for row in rows) + answer_len
-    ids = torch.zeros((b_size, length), dtype=torch.long)
-    labels = torch.full((b_size, length), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((b_size, length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        answer = torch.randint(3, top, (answer_len,), generator=g).tolist()
-        n = len(row) + answer_len
-        ids[i, :n], labels[i, len(row) : n], mask[i, :n] = torch.tensor(row + answer), torch.tensor(answer), 1
-    if padded and bool(mask.all()):  # one padded row: the explicit-mask attention path a real padded batch takes
-        mask[-1, -1], labels[-1, -1] = 0, IGNORE_INDEX
+    ids, labels, mask = _answered_rows(rows, answer_len, top, padded)
     counts = [geometry.images(grid) for grid in grids]
     side = geometry.tile
     # Filled on one thread: a parallel fill of this large tensor would start OpenMP's pool, after which the
@@ -822,9 +819,7 @@ def anyres_batch(
     tokens (the placeholder among them) plus its image's tokens, padded to the longest row; each row's tiles
     and base image in ``pixel_values`` (batch, most tiles, channels, tile, tile), padded with all-zero tiles,
     and each image's (height, width) in ``image_sizes`` (``images``: those sizes; None: the worst case)."""
-    from bigtune.core.stepmath import IGNORE_INDEX
 
-    g = torch.Generator().manual_seed(0)
     sizes = geometry.sizes(images, b_size)
     prompt = list(geometry.prompt_ids)
     at = prompt.index(geometry.image_token_id)
@@ -832,16 +827,7 @@ def anyres_batch(
     top = min(int(cfg.text_config.vocab_size), geometry.image_token_id)  # answer ids below the image token
     counts = [geometry.tiles.tokens(*size) for size in sizes]
     rows = [prompt[:at] + [geometry.image_token_id] * c + prompt[at + 1 :] for c in counts]
-    length = max(len(row) for row in rows) + answer_len
-    ids = torch.zeros((b_size, length), dtype=torch.long)
-    labels = torch.full((b_size, length), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((b_size, length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        answer = torch.randint(3, top, (answer_len,), generator=g).tolist()
-        n = len(row) + answer_len
-        ids[i, :n], labels[i, len(row) : n], mask[i, :n] = torch.tensor(row + answer), torch.tensor(answer), 1
-    if padded and bool(mask.all()):  # one padded row: the explicit-mask attention path a real padded batch takes
-        mask[-1, -1], labels[-1, -1] = 0, IGNORE_INDEX
+    ids, labels, mask = _answered_rows(rows, answer_len, top, padded)
     tiles, side = max(geometry.tiles.tiles(*size) for size in sizes), geometry.tiles.tile
     return {
         # A shape only: simulate() swaps in a fake tensor (see _fake_pixels).
