@@ -79,14 +79,14 @@ def main() -> int:
             "earlier_lengths": lengths,
             "peak_allocated_gib": sim.peak_allocated / GIB,
             "reserved_gib": sim.reserved / GIB,
-            "in_use_gib": sim.in_use / GIB,
+            "needed_gib": sim.needed / GIB,
             "reserved_over_allocated": sim.reserved / sim.peak_allocated,
         }
         rows.append(row)
         what = "fixed shape" if seed is None else f"after lengths {lengths}"
         print(
             f"{what:<44} peak allocated {row['peak_allocated_gib']:.3f} GiB, reserved "
-            f"{row['reserved_gib']:.3f} GiB ({row['reserved_over_allocated']:.2f}×), in use {row['in_use_gib']:.3f}",
+            f"{row['reserved_gib']:.3f} GiB ({row['reserved_over_allocated']:.2f}×), needed {row['needed_gib']:.3f}",
             flush=True,
         )
     if args.json:

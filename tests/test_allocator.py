@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from bigtune.models.configs import resolve_config
-from bigtune.plan.allocator import CachingAllocator, replay, round_size, segment_size
+from bigtune.plan.allocator import AllocatorOOM, CachingAllocator, least_capacity, replay, round_size, segment_size
 from bigtune.plan.simulate import estimate_reserved, simulate, simulate_full_depth
 from bigtune.recipe import load_recipe
 from conftest import ROOT
@@ -56,6 +58,62 @@ def test_fragmentation_forces_a_new_segment():
     assert a.stats.in_use == 0
 
 
+def test_release_cached_blocks_gives_back_whole_segments_only():
+    # release_cached_blocks -> release_blocks: a cached block with no neighbour is a whole segment and goes
+    # back to the driver; a free piece of a segment that still holds a live block stays.
+    a = CachingAllocator()
+    whole = a.malloc(30 * MiB)  # its own 30 MiB segment
+    small = a.malloc(4 * MiB)  # a 20 MiB segment, 16 MiB cached beside it
+    tiny = a.malloc(100)  # a 2 MiB small-pool segment
+    a.free(whole)
+    a.free(tiny)
+    assert a.stats.reserved == 52 * MiB
+    assert a.release_cached_blocks() == 32 * MiB
+    assert (a.stats.reserved, a.stats.segments, a.stats.allocated) == (20 * MiB, 1, 4 * MiB)
+    a.free(small)
+    assert a.release_cached_blocks() == 20 * MiB and a.stats.reserved == 0 and a.stats.segments == 0
+
+
+def test_a_full_device_frees_its_cache_and_retries_before_failing():
+    # malloc: alloc_block fails -> release_cached_blocks -> alloc_block again; only then an OOM.
+    a = CachingAllocator(capacity=64 * MiB)
+    big = a.malloc(40 * MiB)
+    a.free(big)  # cached: 40 MiB reserved, nothing allocated
+    x = a.malloc(24 * MiB)  # the cached 40 MiB block serves it (best fit), split: 16 MiB left cached
+    assert (a.stats.reserved, a.stats.alloc_retries) == (40 * MiB, 0)
+    a.free(x)
+    y = a.malloc(50 * MiB)  # 40 + 50 > 64: the cached segment is given back, then 50 fits
+    assert (a.stats.reserved, a.stats.alloc_retries, y.size) == (50 * MiB, 1, 50 * MiB)
+    with pytest.raises(AllocatorOOM):  # 50 live + 16 > 64 even with an empty cache
+        a.malloc(15 * MiB)
+    assert a.stats.alloc_retries == 2
+
+
+def test_best_fit_fragmentation_decides_a_verdict_a_naive_count_gets_wrong():
+    # Two 8 MiB tensors share one 20 MiB segment; the first is freed, leaving holes of 8 and 4 MiB
+    # around the live second. A 9 MiB request fits neither hole (get_free_block), and the segment
+    # cannot be released (it holds a live block), so it needs a second 20 MiB segment: 40 MiB.
+    events = [("alloc", 0, 8 * MiB), ("alloc", 1, 8 * MiB), ("free", 0), ("alloc", 2, 9 * MiB)]
+    peak_allocated = replay(events).stats.peak_allocated
+    assert peak_allocated == 17 * MiB  # a count of live bytes (or 1.05 times it) says 32 MiB is plenty
+    with pytest.raises(AllocatorOOM):
+        replay(events, CachingAllocator(capacity=32 * MiB))
+    assert least_capacity(events) == 40 * MiB
+
+
+def test_least_capacity_is_below_the_unbounded_segments_in_use():
+    # Unbounded, the 150 MiB tensor gets a third segment and the 6 MiB one is then cut from a cached
+    # 100 MiB segment, which counts as in use whole: 150 + 100. On a 200 MiB device the two cached
+    # segments are given back for the 150 MiB request, and the 6 MiB one gets a 20 MiB segment of its own.
+    events = [("alloc", 0, 100 * MiB), ("alloc", 1, 100 * MiB), ("free", 0), ("free", 1)]
+    events += [("alloc", 2, 150 * MiB), ("alloc", 3, 6 * MiB)]
+    unbounded = replay(events).stats
+    assert (unbounded.peak_reserved, unbounded.peak_in_use) == (350 * MiB, 250 * MiB)
+    assert least_capacity(events) == 200 * MiB  # the two 100 MiB tensors alive together
+    bounded = replay(events, CachingAllocator(capacity=200 * MiB)).stats
+    assert (bounded.alloc_retries, bounded.reserved, bounded.segments) == (1, 170 * MiB, 2)
+
+
 def test_replay_of_events_and_zero_byte_storages():
     events = [
         ("alloc", 0, 3 * MiB),
@@ -86,10 +144,10 @@ def test_steady_replay_frees_what_crosses_the_step_boundary():
         ("free", 3),
         ("alloc", 4, g),
     ]  # step 1: the same, one step later
-    reserved, in_use = _replay_steady(events, 4)
-    three_steps = replay(events + [("alloc", 5, act), ("free", 4), ("free", 5), ("alloc", 6, g)]).stats
-    assert (reserved, in_use) == (three_steps.peak_reserved, three_steps.peak_in_use)
-    assert three_steps.peak_allocated == 128 * MiB + g + act
+    reserved, needed = _replay_steady(events, 4)
+    three = events + [("alloc", 5, act), ("free", 4), ("free", 5), ("alloc", 6, g)]
+    assert (reserved, needed) == (replay(three).stats.peak_reserved, least_capacity(three))
+    assert replay(three).stats.peak_allocated == 128 * MiB + g + act
 
 
 def _tinyllama(layers: int):
@@ -109,7 +167,7 @@ def test_traced_step_reserves_at_least_its_peak_and_counts_the_same_tensors():
     assert plain.reserved == 0 and traced.reserved >= traced.peak_allocated
     # tracing takes a real step 0 instead of the zero-gradient shortcut: same steady step
     assert traced.phases == plain.phases and traced.peak_allocated == plain.peak_allocated
-    assert traced.peak_allocated <= traced.in_use <= traced.reserved
+    assert traced.peak_allocated <= traced.needed <= traced.reserved
 
 
 def test_reserved_extrapolation_close_to_a_full_depth_replay():
@@ -118,9 +176,9 @@ def test_reserved_extrapolation_close_to_a_full_depth_replay():
     full = simulate(r, cfg, 14, cuda=True, trace=True)
     sim = simulate_full_depth(r, cfg, cuda=True)
     assert sim.peak_allocated == full.peak_allocated  # allocated extrapolates exactly
-    estimate, in_use, how = estimate_reserved(r, cfg, sim, (9, 0))
+    estimate, needed, how = estimate_reserved(r, cfg, sim, (9, 0))
     assert abs(estimate - full.reserved) / full.reserved < 0.03, (estimate, full.reserved)
-    assert abs(in_use - full.in_use) / full.in_use < 0.03, (in_use, full.in_use)
+    assert abs(needed - full.needed) / full.needed < 0.03, (needed, full.needed)
     assert "8 blocks deep" in how[0]
 
 

@@ -20,10 +20,16 @@ What is modelled (c10/cuda/CUDACachingAllocator.cpp, default settings: no expand
 * A freed block merges with free neighbours in its segment and goes back to the cache; segments are
   never returned (short of an out-of-memory retry or ``empty_cache``).
 
-Not modelled: kernels' internal workspaces, several streams (NCCL, FSDP prefetch), and the
-allocator's release of cached segments when a reservation fails near the capacity: the replay's
-peak reserved is what a GPU with room to spare shows. On a full GPU PyTorch frees the wholly cached
-segments and retries, so what must fit is less: the segments still in use (``peak_in_use``).
+What happens near the capacity is modelled too (``capacity``): when a new segment would not fit, PyTorch
+frees every cached block that is a whole segment and asks again (``release_cached_blocks`` from
+``malloc``; torch.cuda.memory_stats' ``num_alloc_retries``); only if that is still short is it an
+out-of-memory error. Blocks still cut from a segment that holds a live one are never given back. So a
+trace that reserves more than a device has on a GPU with room to spare can still run on it: cached
+segments are freed at the worst moments and later requests get segments of their own size instead of
+pieces of big cached ones. ``least_capacity`` finds the smallest device on which a trace survives:
+that is what FITS/OOM is judged by, not the reserved peak of an unbounded replay.
+
+Not modelled: kernels' internal workspaces and several streams (NCCL, FSDP prefetch).
 
 Each rule above is checked against the C++ functions it models (round_size, get_allocation_size,
 get_free_block, should_split, free_block's merge) on synthetic traces reasoned by hand (tests/test_allocator.py).
@@ -89,13 +95,20 @@ class _Block:
         self.next: Optional[_Block] = None
 
 
+class AllocatorOOM(RuntimeError):
+    """A request that does not fit the capacity even after the cached segments were given back."""
+
+    def __init__(self, nbytes: int, reserved: int, capacity: int):
+        super().__init__(f"{nbytes} bytes requested with {reserved} of {capacity} bytes reserved by live segments")
+        self.nbytes, self.reserved, self.capacity = nbytes, reserved, capacity
+
+
 @dataclass
 class AllocatorStats:
     """Byte counters as torch.cuda.memory_stats keeps them, plus ``in_use``: the bytes of segments
     holding at least one allocated block, the part of reserved that PyTorch cannot give back when a
-    reservation fails (it then frees every wholly cached segment and retries). ``peak_in_use`` is
-    therefore what a device must hold at least, where ``peak_reserved`` is what one with room to spare
-    ends up holding."""
+    reservation fails. ``alloc_retries``: how often the cache was emptied to make room (torch's
+    ``num_alloc_retries``)."""
 
     reserved: int = 0
     allocated: int = 0
@@ -104,13 +117,16 @@ class AllocatorStats:
     segments: int = 0
     in_use: int = 0
     peak_in_use: int = 0
+    alloc_retries: int = 0
 
 
 @dataclass
 class CachingAllocator:
-    """Replays malloc/free requests; ``stats`` follows torch.cuda.memory_stats' byte counters."""
+    """Replays malloc/free requests; ``stats`` follows torch.cuda.memory_stats' byte counters.
+    ``capacity``: the bytes the device can give this process (None: as much as asked)."""
 
     stats: AllocatorStats = field(default_factory=AllocatorStats)
+    capacity: Optional[int] = None
 
     def __post_init__(self):
         self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # (size, addr) of free blocks
@@ -137,6 +153,12 @@ class CachingAllocator:
             self._uncache(block)
         else:  # a new segment from the driver
             seg = segment_size(size)
+            if self.capacity is not None and self.stats.reserved + seg > self.capacity:
+                # cudaMalloc would fail: give back the wholly cached segments and try once more
+                self.stats.alloc_retries += 1
+                self.release_cached_blocks()
+                if self.stats.reserved + seg > self.capacity:
+                    raise AllocatorOOM(nbytes, self.stats.reserved, self.capacity)
             block = _Block(self._next_addr, seg, small, _Segment(seg))
             self._next_addr += seg + ROUND_LARGE  # segments never touch: no merging across them
             s = self.stats
@@ -161,6 +183,23 @@ class CachingAllocator:
             s.peak_in_use = max(s.peak_in_use, s.in_use)
         block.segment.live += 1
         return block
+
+    def release_cached_blocks(self) -> int:
+        """Give every cached block that is a whole segment back to the driver (release_cached_blocks ->
+        release_blocks, which skips blocks with a neighbour: a split segment stays); the bytes freed.
+        This is also what torch.cuda.empty_cache does."""
+        whole = [
+            self._free_at[addr]
+            for small in (True, False)
+            for _, addr in self._pools[small]
+            if self._free_at[addr].prev is None and self._free_at[addr].next is None
+        ]
+        for b in whole:
+            self._uncache(b)
+        freed = sum(b.size for b in whole)
+        self.stats.reserved -= freed
+        self.stats.segments -= len(whole)
+        return freed
 
     def free(self, block: _Block) -> None:
         self.stats.allocated -= block.size
@@ -198,3 +237,24 @@ def replay(events: Iterable[tuple], allocator: Optional[CachingAllocator] = None
             if b is not None:
                 a.free(b)
     return a
+
+
+def least_capacity(events: list) -> int:
+    """The smallest capacity on which ``events`` replay without an out-of-memory error, the
+    free-and-retry path taken wherever it is needed.
+
+    Segments are whole multiples of 2 MiB, so only such capacities differ. Below the peak allocated
+    bytes none can work and the unbounded replay's peak reserved always does; between the two,
+    bisection. Where the cache is emptied changes which blocks later requests reuse, so success need
+    not be monotone in the capacity: the answer is one that was replayed and survived, with one 2 MiB
+    smaller that failed."""
+    unbounded = replay(events).stats
+    lo, hi = (unbounded.peak_allocated - 1) // ROUND_LARGE, -(-unbounded.peak_reserved // ROUND_LARGE)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            replay(events, CachingAllocator(capacity=mid * ROUND_LARGE))
+            hi = mid
+        except AllocatorOOM:
+            lo = mid
+    return hi * ROUND_LARGE

@@ -75,7 +75,7 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
         lo.block_numel,
         lo.attention,
         f(lo.reserved, hi.reserved),
-        f(lo.in_use, hi.in_use),
+        f(lo.needed, hi.needed),
         ops,
         lo.fsdp_upcast,
         lo.fsdp_upcast_optimizer,

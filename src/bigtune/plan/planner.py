@@ -355,7 +355,7 @@ def _reserved_and_needed(
     notes: list[str],
     images: Optional[tuple] = None,
 ) -> tuple[int, int]:
-    """(peak reserved, bytes of segments in use at the peak: what must fit) on a CUDA device, from an
+    """(peak reserved, least capacity the replay survives on: what must fit) on a CUDA device, from an
     allocator replay where ``replayed``, else a fixed ratio to the peak; its notes go to ``notes``."""
     if not replayed:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
         reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
@@ -363,19 +363,20 @@ def _reserved_and_needed(
         return reserved, needed
     # The single-device step replayed through the caching allocator; several devices keep its
     # reserved/allocated ratio (their sharded peak is analytic).
-    replayed_bytes, in_use, how = estimate_reserved(
+    replayed_bytes, least, how = estimate_reserved(
         sim_recipe, config, sim, target_arch(target), padded, workers=workers, images=images
     )
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
-        reserved, needed = replayed_bytes + workspaces, in_use + workspaces
+        reserved, needed = replayed_bytes + workspaces, least + workspaces
     else:
         ratio = replayed_bytes / max(1, sim.peak_allocated)
-        reserved, needed = int(peak * ratio), int(peak * in_use / max(1, sim.peak_allocated))
+        reserved, needed = int(peak * ratio), int(peak * least / max(1, sim.peak_allocated))
         how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
     notes.extend(how)
     notes.append(
-        f"FITS/OOM by the {needed / GIB:.2f} GiB of segments in use at the peak: near the capacity "
-        "PyTorch frees its wholly cached segments and retries, so the rest of reserved need not fit"
+        f"FITS/OOM by the {needed / GIB:.2f} GiB the replayed allocator needs at least: on a device "
+        "with less than the reserved peak, PyTorch frees its wholly cached segments and retries where a "
+        "new one would not fit (slower steps), and later requests get segments of their own size"
     )
     if not recipe.data.packing:
         notes.append(

@@ -44,7 +44,7 @@ class Sim:
     block_numel: int = 0  # elements inside the repeated blocks FSDP shards one by one (the rest is the root)
     attention: tuple[str, ...] = ()  # SDPA kernels CUDA would pick (cuda_kernels.sdpa_backend); () on a CPU
     reserved: int = 0  # peak reserved by the CUDA caching allocator replayed over the step (0: not replayed)
-    in_use: int = 0  # its peak bytes of segments holding a live block (what must fit; see allocator.py)
+    needed: int = 0  # the least device memory on which that replay survives (what must fit; allocator.least_capacity)
     # roofline.OpCounter rows of one micro-batch's forward and backward and of one optimizer update
     ops: dict = field(default_factory=dict)
     # FSDP with *-mixed computes on 16-bit copies of fp32 shards (step_kind): the simulation's weights are
@@ -331,11 +331,11 @@ def simulate(
         snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace, pipeline)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
-    reserved = in_use = 0
+    reserved = needed = 0
     if events is not None:
-        reserved, in_use = _replay_steady(events, step1)
-    peak, reserved, in_use = _analytic_bytes(
-        steady, peak, reserved, in_use, wrapped, recipe, r, quantize, eight_bit, cuda
+        reserved, needed = _replay_steady(events, step1)
+    peak, reserved, needed = _analytic_bytes(
+        steady, peak, reserved, needed, wrapped, recipe, r, quantize, eight_bit, cuda
     )
     # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
     ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
@@ -347,7 +347,7 @@ def simulate(
         block_numel,
         tuple(sorted(attention)),
         reserved,
-        in_use,
+        needed,
         ops,
         fsdp_upcast,
         not eight_bit,
@@ -414,7 +414,7 @@ def _analytic_bytes(
     steady: dict,
     peak: int,
     reserved: int,
-    in_use: int,
+    needed: int,
     wrapped,
     recipe: Recipe,
     r: Recipe,
@@ -431,13 +431,13 @@ def _analytic_bytes(
             delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
         peak = _add_bytes(steady, peak, ("parameters", "allocated", "peak_allocated", "phase_peak"), delta)
         # weights are whole long-lived blocks: the allocator holds about as much less
-        reserved, in_use = (max(0, x + delta) if x else 0 for x in (reserved, in_use))
+        reserved, needed = (max(0, x + delta) if x else 0 for x in (reserved, needed))
     if eight_bit:
         shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
         extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
         peak = _add_bytes(steady, peak, ("optimizer_device", "allocated", "peak_allocated", "phase_peak"), extra)
-        reserved, in_use = (x + extra if x else 0 for x in (reserved, in_use))
-    return peak, reserved, in_use
+        reserved, needed = (x + extra if x else 0 for x in (reserved, needed))
+    return peak, reserved, needed
 
 
 def _add_bytes(steady: dict, peak: int, categories: tuple[str, ...], extra: int) -> int:
@@ -658,10 +658,11 @@ def _measured_step(built, model, wrapped, batches: list, tokens: int, round_to: 
 
 
 def _replay_steady(events: list, step1: int) -> tuple[int, int]:
-    """(peak reserved, peak in-use segment bytes) of the CUDA caching allocator over the weights, step
-    0, step 1 and a step 2 identical to step 1 (reserved can still grow once the cache holds step 1's
-    pattern; it does not after that)."""
-    from bigtune.plan.allocator import replay
+    """(peak reserved, least capacity) of the CUDA caching allocator over the weights, step 0, step 1
+    and a step 2 identical to step 1 (reserved can still grow once the cache holds step 1's pattern; it
+    does not after that). The least capacity is the smallest device on which that sequence runs, the
+    allocator emptying its cache and retrying where it must (allocator.least_capacity)."""
+    from bigtune.plan.allocator import least_capacity, replay
 
     step = events[step1:]
     born = {e[1]: e[2] for e in step if e[0] == "alloc"}
@@ -683,8 +684,9 @@ def _replay_steady(events: list, step1: int) -> tuple[int, int]:
         for e in step
         if e[1] in born or e[1] in heir
     ]
-    stats = replay(events + again).stats
-    return stats.peak_reserved, stats.peak_in_use
+    full = events + again
+    stats = replay(full).stats
+    return stats.peak_reserved, least_capacity(full)
 
 
 def simulate_full_depth(
@@ -761,7 +763,7 @@ def simulate_full_depth(
         ext(lambda x: x.block_numel),
         base.attention,
         ext(lambda x: x.reserved),
-        ext(lambda x: x.in_use),
+        ext(lambda x: x.needed),
         ops,
         upcast,
         base.fsdp_upcast_optimizer,
@@ -801,7 +803,7 @@ def estimate_reserved(
     how = f"caching-allocator replay of a step simulated {b_depths[stacks[-1]]} blocks deep"
     if b_depths == full:
         b = simulate(recipe, config, b_depths, True, micro_batch, padded, arch, trace=True, images=images)
-        return b.reserved, b.in_use, [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
+        return b.reserved, b.needed, [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
     args = [(recipe, config, d, True, micro_batch, padded, arch, True, images) for d in (a_depths, b_depths)]
     if workers > 1:
         import multiprocessing as mp
@@ -822,10 +824,10 @@ def estimate_reserved(
         by_ratio = sim.peak_allocated * get(b) / max(1, b.peak_allocated)
         return max(sim.peak_allocated, int((by_slope + by_ratio) / 2))
 
-    reserved, in_use = extrapolate(lambda x: x.reserved), extrapolate(lambda x: x.in_use)
+    reserved, needed = extrapolate(lambda x: x.reserved), extrapolate(lambda x: x.needed)
     return (
         reserved,
-        min(in_use, reserved),
+        min(needed, reserved),
         [f"reserved from a {how} and one {a_depths[stacks[-1]]} deep, extrapolated to full depth"],
     )
 
