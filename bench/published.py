@@ -105,6 +105,22 @@ HF_TRAINER = (
 # _softmax_backward_data, see transformers' is_torch_less_than_1_11 branch). That input is the scores plus
 # the fp32 extended mask: 16 heads × 512 × 512 fp32 = 16 MiB, in fp32 and in fp16 AMP (the fp32 mask
 # promoted the fp16 scores), 24 layers × 16 MiB = 0.375 GiB per sample.
+# litgpt's model and loss, from its source (litgpt/model.py CausalSelfAttention.forward; litgpt/utils.py
+# chunked_cross_entropy as finetune/full.py and the LLM API call it):
+# - attention: with fewer key/value heads than query heads, k and v are repeat_interleave'd to every query
+#   head before SDPA in training, and SDPA saves those copies for backward. Transformers hands SDPA the
+#   grouped k and v (enable_gqa) when there is no mask, so bigtune's step saves n_kv/n_head of that. On
+#   TinyLlama (4 of 32 heads) at fp32 that is 14 KiB more per token and layer: 4.8 GiB at 32 × 512 × 22.
+# - full fine-tune loss: chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:]) reshapes the sliced
+#   logits (a copy, the slice is not contiguous) and takes cross-entropy per 128 rows; bigtune's loss shifts
+#   the labels and copies nothing: one logits-sized tensor more from the loss through the backward.
+LITGPT_ATTENTION_NOTE = (
+    "planned with litgpt's attention: k and v repeated to every query head before SDPA, which saves "
+    "those copies (no change where every head has its own k and v)"
+)
+LITGPT_FULL_LOSS_NOTE = (
+    "planned with litgpt's full fine-tune loss: a copy of the sliced logits, cross-entropy per 128 rows"
+)
 LEGACY_SOFTMAX_NOTE = (
     "planned with PyTorch < 1.11's softmax, which saved its 16 MiB fp32 input per layer and sample "
     "(0.375 GiB per sample over 24 layers); today's PyTorch does not"
@@ -215,6 +231,14 @@ class Row:
     # (pytorch issue #64000); rows measured on it are planned with that input kept (bench-only emulation).
     legacy_softmax: bool = False
 
+    def litgpt_emulations(self) -> list[str]:
+        """What of litgpt's own code the row is planned with (rows whose impl is litgpt's model), bench-only
+        emulations like legacy_softmax: its attention (LITGPT_ATTENTION_NOTE) on every litgpt row, and its
+        full fine-tune loss (LITGPT_FULL_LOSS_NOTE) where no adapter is trained."""
+        if not self.impl.startswith(LITGPT):
+            return []
+        return ["litgpt-attention"] + ([] if "peft.method" in self.over else ["litgpt-full-loss"])
+
     def value_gib(self) -> Optional[float]:
         if self.value is None:
             return None
@@ -224,6 +248,7 @@ class Row:
         """Rows that differ only in the published counter share one plan."""
         # The emulation changes the plan, so it is part of the key (absent when off: other keys unchanged).
         legacy = ["legacy_softmax"] if self.legacy_softmax else []
+        legacy += self.litgpt_emulations()
         return json.dumps([self.recipe, self.over, self.gpu, self.gpus, self.strategy, *legacy], sort_keys=True)
 
 
@@ -1393,6 +1418,34 @@ def _keep_softmax_inputs() -> None:
     functional.softmax = softmax
 
 
+def _litgpt_attention() -> None:
+    """Make transformers repeat k and v to every query head before SDPA, as litgpt's attention does in
+    training (Row.litgpt_emulations): its repeat_kv path, taken when grouped SDPA is not used."""
+    from transformers.integrations import sdpa_attention
+
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
+
+
+def _litgpt_full_loss() -> None:
+    """Make the engine's loss litgpt's full fine-tune loss (Row.litgpt_emulations): the shifted logits
+    copied by a reshape of their non-contiguous slice, then cross-entropy per 128 rows."""
+    import torch
+
+    from bigtune.core.stepmath import IGNORE_INDEX
+    from bigtune.engine import loop
+
+    def litgpt_loss_sum(logits, labels, shift=True, class_weights=None):
+        rows = logits[..., :-1, :].reshape(-1, logits.size(-1))
+        targets = labels[..., 1:].reshape(-1)
+        parts = [
+            torch.nn.functional.cross_entropy(x, t, ignore_index=IGNORE_INDEX, reduction="none")
+            for x, t in zip(rows.split(128), targets.split(128))
+        ]
+        return torch.cat(parts).sum()
+
+    loop.causal_lm_loss_sum = litgpt_loss_sum
+
+
 def plan_row(row: Row) -> dict:
     """Plan one row with the real planner; returns Plan.to_dict() (bytes)."""
     from bigtune.core.gpus import find_gpu
@@ -1405,6 +1458,10 @@ def plan_row(row: Row) -> dict:
         _keep_4bit_inputs()
     if row.legacy_softmax:
         _keep_softmax_inputs()
+    if "litgpt-attention" in row.litgpt_emulations():
+        _litgpt_attention()
+    if "litgpt-full-loss" in row.litgpt_emulations():
+        _litgpt_full_loss()
     if row.fsdp1_units:
         from bigtune.plan import sharding
 
@@ -1468,6 +1525,7 @@ def peak_floor_s(notes: list[str]) -> Optional[float]:
 
 def compare(row: Row, plan: Optional[dict]) -> dict:
     out: dict[str, Any] = {**dataclasses.asdict(row), "published_gib": row.value_gib()}
+    out["litgpt"] = row.litgpt_emulations()
     if plan is None:
         return out
     out["plan_fits"] = plan["fits"]
@@ -1522,6 +1580,7 @@ def print_table(results: list[dict]) -> None:
             "fit": "fit/OOM",
         }[x["metric"]]
         flag = ("impl" if x["impl"] else "") + (" legacy-softmax" if x.get("legacy_softmax") else "")
+        flag += " litgpt" if x.get("litgpt") else ""
         # the step-time error of rows with a published rate, beside the memory error (details: the time table)
         t_err = f"{x['time_error_pct']:>+7.1f}" if "time_error_pct" in x else f"{'':>7}"
         if "error" in x:
@@ -1543,6 +1602,10 @@ def print_table(results: list[dict]) -> None:
     legacy = [x["id"] for x in results if x.get("legacy_softmax")]
     if legacy:  # the emulation changes these rows' planned numbers: say so where they are read
         print(f"legacy-softmax ({', '.join(legacy)}): {LEGACY_SOFTMAX_NOTE}")
+    lit = [x["id"] for x in results if x.get("litgpt")]
+    if lit:
+        full = [i for i in lit if "litgpt-full-loss" in next(x["litgpt"] for x in results if x["id"] == i)]
+        print(f"litgpt ({len(lit)} rows): {LITGPT_ATTENTION_NOTE}; {', '.join(full)} also {LITGPT_FULL_LOSS_NOTE}")
 
 
 def print_time_table(results: list[dict]) -> None:
@@ -1699,6 +1762,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             "recipe",
                             "gpus",
                             "strategy",
+                            "impl",
                         )
                     },
                     legacy_softmax=x.get("legacy_softmax", False),

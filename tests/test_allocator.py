@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
+from bigtune.core.allocconf import AllocatorConfig, AllocatorConfigError
+from bigtune.core.gpus import find_gpu
 from bigtune.models.configs import resolve_config
 from bigtune.plan.allocator import AllocatorOOM, CachingAllocator, least_capacity, replay, round_size, segment_size
+from bigtune.plan.planner import plan
 from bigtune.plan.simulate import estimate_reserved, simulate, simulate_full_depth
-from bigtune.recipe import load_recipe
+from bigtune.plan.target import Target
+from bigtune.recipe import RecipeError, load_recipe
 from conftest import ROOT
 
 MiB = 1 << 20
@@ -248,3 +253,165 @@ def test_lora_adapters_pack_into_small_segments():
     assert s.peak_allocated == (256 + 8) * adapter
     assert s.peak_reserved == -(-(256 + 8) * adapter // (2 * MiB)) * 2 * MiB == 34 * MiB
     assert s.segments == 17
+
+
+# -- PYTORCH_CUDA_ALLOC_CONF (train.cuda_alloc_conf) ------------------------------------------------------
+
+
+def test_alloc_conf_parses_pytorchs_grammar_and_refuses_what_the_replay_does_not_model():
+    # AcceleratorAllocatorConfig::parseArgs / ConfigTokenizer: whitespace dropped, a trailing comma allowed, the
+    # last of a repeated key wins, True/False spelled so, *_mb at least kLargeBuffer / 1 MiB = 20.
+    assert AllocatorConfig.parse("").is_default
+    conf = AllocatorConfig.parse(" expandable_segments : True , max_split_size_mb:128,")
+    assert (conf.expandable_segments, conf.max_split_size) == (True, 128 * MiB)
+    assert str(conf) == "expandable_segments:True,max_split_size_mb:128"
+    assert AllocatorConfig.parse(str(conf)) == conf
+    assert not AllocatorConfig.parse("expandable_segments:True,expandable_segments:False").expandable_segments
+    assert AllocatorConfig.parse("max_non_split_rounding_mb:64").max_non_split_rounding == 64 * MiB
+    for bad, says in [
+        ("expandable_segments:true", "True or False"),
+        ("max_split_size_mb:19", ">= 20"),
+        ("max_split_size_mb:1.5e2", ">= 20"),
+        ("garbage_collection_threshold:1.0", r"\(0.0, 1.0\)"),
+        ("expandible_segments:True", "did you mean expandable_segments"),
+        ("roundup_power2_divisions:[256:1,>:4]", "does not model"),
+        ("backend:cudaMallocAsync", "does not model"),
+        ("expandable_segments", "has no value"),
+        ("expandable_segments:True;max_split_size_mb:40", "expected ','"),
+    ]:
+        with pytest.raises(AllocatorConfigError, match=says):
+            AllocatorConfig.parse(bad)
+
+
+def test_max_split_size_keeps_oversize_blocks_whole():
+    # get_free_block: a cached block >= max_split_size serves no smaller request, and an oversize request only
+    # if it is less than max_non_split_rounding_mb (20 MiB) larger; should_split: a block handed to an oversize
+    # request is never split.
+    conf = AllocatorConfig.parse("max_split_size_mb:40")
+    a = CachingAllocator(config=conf)
+    a.free(a.malloc(100 * MiB))  # a cached oversize 100 MiB segment
+    a.malloc(30 * MiB)  # not cut from it: a 30 MiB segment of its own
+    assert (a.stats.reserved, a.stats.segments) == (130 * MiB, 2)
+    z = a.malloc(70 * MiB)  # 100 >= 70 + 20: too much larger, a 70 MiB segment
+    assert (a.stats.reserved, a.stats.segments) == (200 * MiB, 3)
+    a.free(z)
+    w = a.malloc(90 * MiB)  # best fit is the 100 MiB block (100 < 90 + 20), handed out whole
+    assert (w.size, a.stats.allocated, a.stats.reserved) == (100 * MiB, 130 * MiB, 200 * MiB)
+    default = CachingAllocator()
+    default.free(default.malloc(100 * MiB))
+    default.malloc(30 * MiB)  # without the setting the 30 MiB are cut from the cached 100 MiB
+    assert default.stats.reserved == 100 * MiB
+    wider = CachingAllocator(config=AllocatorConfig.parse("max_split_size_mb:40,max_non_split_rounding_mb:40"))
+    wider.free(wider.malloc(100 * MiB))
+    assert wider.malloc(70 * MiB).size == 100 * MiB and wider.stats.segments == 1  # 100 < 70 + 40
+
+
+def test_max_split_size_frees_oversize_blocks_before_the_full_retry():
+    # malloc: alloc_block fails -> release_available_cached_blocks (the smallest cached oversize block >= the
+    # request; else oversize blocks from the largest down, freed even when they fall short) -> alloc_block;
+    # only then release_cached_blocks and a counted retry.
+    conf = AllocatorConfig.parse("max_split_size_mb:40")
+    a = CachingAllocator(capacity=200 * MiB, config=conf)
+    for b in [a.malloc(100 * MiB), a.malloc(60 * MiB), a.malloc(30 * MiB)]:
+        a.free(b)  # three cached whole segments, 190 MiB reserved
+    a.malloc(70 * MiB)  # the 100 MiB block is too much larger to serve it; 190 + 70 > 200: the 100 MiB goes
+    assert (a.stats.reserved, a.stats.alloc_retries) == (160 * MiB, 0)
+    assert sorted(size for size, _ in a._pools[False]) == [30 * MiB, 60 * MiB]
+    a.malloc(120 * MiB)  # no cached block >= 120: the 60 MiB goes (short of 120), then the full retry frees 30
+    assert (a.stats.reserved, a.stats.alloc_retries, a.stats.segments) == (190 * MiB, 1, 2)
+    events = [("alloc", 0, 100 * MiB), ("alloc", 1, 60 * MiB), ("alloc", 2, 30 * MiB), ("free", 0), ("free", 1)]
+    events += [("free", 2), ("alloc", 3, 70 * MiB), ("alloc", 4, 120 * MiB)]
+    with pytest.raises(AllocatorOOM):  # default: the 70 MiB is cut from the 100 MiB segment, which then stays
+        replay(events, CachingAllocator(capacity=200 * MiB))
+    assert replay(events, CachingAllocator(capacity=200 * MiB, config=conf)).stats.reserved == 190 * MiB
+
+
+def test_expandable_segments_map_pages_and_unmap_them_on_release():
+    # find_expandable_block / map_block: the large pool's one segment is mapped in 20 MiB pages (kLargeBuffer),
+    # a request the cache cannot serve maps what the free block before the unmapped tail lacks; every block is
+    # split while 512 bytes remain (should_split). release_cached_blocks -> unmap_block gives back whole free
+    # pages only; release_expandable_segment drops a segment with nothing mapped. Reserved = mapped bytes;
+    # torch.cuda.memory_stats counts no segments for it.
+    a = CachingAllocator(config=AllocatorConfig.parse("expandable_segments:True"))
+    pinned = a.malloc(2 * MiB)  # one 20 MiB page: 2 MiB live, 18 MiB free after it
+    a.free(a.malloc(16 * MiB))  # cut from the 18 MiB and merged back
+    c = a.malloc(30 * MiB)  # the free 18 MiB plus one more page: 38 MiB, of which 30 are handed out
+    assert (a.stats.reserved, a.stats.segments, a.stats.allocated) == (40 * MiB, 0, 32 * MiB)
+    assert c.addr - pinned.addr == 2 * MiB and c.size == 30 * MiB
+    a.free(c)  # free 2-40 MiB: the page 20-40 is whole, the page 0-20 holds the live 2 MiB
+    assert a.release_cached_blocks() == 20 * MiB and a.stats.reserved == 20 * MiB
+    a.free(pinned)
+    assert a.release_cached_blocks() == 20 * MiB and a.stats.reserved == 0 and not a._unmapped[False]
+    a.malloc(100)  # the small pool's segment maps 2 MiB pages (kSmallBuffer)
+    assert a.stats.reserved == 2 * MiB
+
+
+def test_expandable_best_fit_prefers_a_block_away_from_the_unmapped_tail():
+    # get_free_block: a free block next to the unmapped tail counts at the size it could grow to
+    # (expandable_size), so a larger block elsewhere that fits is taken first.
+    def fifth_request_at(conf: str) -> int:
+        a = CachingAllocator(config=AllocatorConfig.parse(conf))
+        first = a.malloc(4 * MiB)  # one 20 MiB segment (page) either way
+        middle = a.malloc(8 * MiB)
+        a.malloc(2 * MiB)  # 6 MiB left free at the end
+        a.free(middle)  # free: 8 MiB at 4 MiB, 6 MiB at 14 MiB
+        return a.malloc(5 * MiB).addr - first.addr
+
+    assert fifth_request_at("") == 14 * MiB  # best fit: the 6 MiB block
+    assert fifth_request_at("expandable_segments:True") == 4 * MiB  # the 6 MiB block could grow: the 8 MiB one
+
+
+def test_expandable_segments_lower_the_least_capacity_of_a_pinned_segment():
+    # A live 2 MiB block pins its 20 MiB segment (default): the 18 MiB freed beside it cannot serve 30 MiB, and
+    # release_cached_blocks cannot free a split segment, so 30 MiB more is needed: 50 MiB. With one expandable
+    # segment the free 18 MiB sits before the unmapped tail and one more 20 MiB page makes room: 40 MiB.
+    events = [("alloc", 0, 2 * MiB), ("alloc", 1, 16 * MiB), ("free", 1), ("alloc", 2, 30 * MiB)]
+    expandable = AllocatorConfig.parse("expandable_segments:True")
+    assert replay(events).stats.peak_reserved == least_capacity(events) == 50 * MiB
+    assert replay(events, config=expandable).stats.peak_reserved == 40 * MiB
+    assert least_capacity(events, expandable) == 40 * MiB
+
+
+def test_cuda_alloc_conf_in_the_recipe_is_checked_and_garbage_collection_refused():
+    # garbage_collect_cached_blocks runs only under a per-process memory fraction (set_fraction /
+    # allowed_memory_maximum), which bigtune never sets: the key would do nothing, so the recipe refuses it.
+    path = ROOT / "recipes" / "tinyllama-full.yaml"
+    assert load_recipe(path, {"train.cuda_alloc_conf": "expandable_segments:True"}).train.cuda_alloc_conf
+    assert AllocatorConfig.parse("garbage_collection_threshold:0.6").garbage_collection_threshold == 0.6
+    for conf, says in [("max_split_size_mb:10", ">= 20"), ("garbage_collection_threshold:0.6", "per-process")]:
+        with pytest.raises(RecipeError) as e:
+            load_recipe(path, {"train.cuda_alloc_conf": conf})
+        assert len(e.value.problems) == 1 and e.value.problems[0].startswith("train.cuda_alloc_conf:")
+        assert says in e.value.problems[0]
+
+
+def test_traced_step_replayed_with_expandable_segments():
+    # The same traced TinyLlama step (2 layers) replayed under each setting: expandable segments reserve and
+    # need no more than the defaults here, and the plan says which settings it replayed.
+    r, cfg = _tinyllama(2)
+    default = simulate(r, cfg, 2, cuda=True, trace=True)
+    r_exp = load_recipe(r, {"train.cuda_alloc_conf": "expandable_segments:True"})
+    expandable = simulate(r_exp, cfg, 2, cuda=True, trace=True)
+    assert expandable.peak_allocated == default.peak_allocated
+    assert expandable.peak_allocated <= expandable.reserved <= default.reserved
+    assert expandable.peak_allocated <= expandable.needed <= default.needed
+    notes = plan(r_exp, Target("cuda", find_gpu("a100-80gb"), 1), config=cfg).notes
+    assert "caching allocator replayed with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in "\n".join(notes)
+
+
+def test_engine_exports_the_recipes_alloc_conf_and_refuses_another_one(monkeypatch):
+    # PyTorch reads PYTORCH_CUDA_ALLOC_CONF when its allocator starts: the engine sets it before Fabric, and
+    # a different value already in the environment would make the run differ from the recipe and the plan.
+    from bigtune.engine.loop import set_cuda_alloc_conf
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(var, "")  # recorded, so what set_cuda_alloc_conf sets is undone after the test
+        monkeypatch.delenv(var)
+    path = ROOT / "recipes" / "tinyllama-full.yaml"
+    set_cuda_alloc_conf(load_recipe(path))  # '': the environment is left alone
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    set_cuda_alloc_conf(load_recipe(path, {"train.cuda_alloc_conf": "expandable_segments:True"}))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    with pytest.raises(RecipeError, match="environment sets PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:64'"):
+        set_cuda_alloc_conf(load_recipe(path, {"train.cuda_alloc_conf": "expandable_segments:True"}))

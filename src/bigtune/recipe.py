@@ -281,6 +281,17 @@ class TrainConfig:
         "tokens of the whole optimizer step, as without pipelining.",
         min=1,
     )
+    cuda_alloc_conf: str = _f(
+        "",
+        "PYTORCH_CUDA_ALLOC_CONF for the training process, set before CUDA starts, and the caching-allocator "
+        "settings `bigtune plan` replays: e.g. 'expandable_segments:True' (one growing segment per pool, mapped "
+        "in 2 MiB / 20 MiB pages: no slivers pinned in half-used segments) or 'max_split_size_mb:128' (cached "
+        "blocks of that size or more are not split for smaller requests and are freed first near the capacity). "
+        "Keys: expandable_segments (True/False), max_split_size_mb and max_non_split_rounding_mb (whole MiB, "
+        ">= 20). garbage_collection_threshold is refused: PyTorch runs it only under a per-process memory "
+        "fraction, which bigtune does not set. '': PyTorch's defaults (an inherited PYTORCH_CUDA_ALLOC_CONF is "
+        "left alone, and not planned); a different PYTORCH_CUDA_ALLOC_CONF already in the environment is an error.",
+    )
 
 
 @dataclass
@@ -769,6 +780,8 @@ def load_recipe(
     for key, value in items:
         _set_path(tree, key, value)
     recipe = _build(Recipe, tree, "", problems)
+    if isinstance(recipe.train.cuda_alloc_conf, str):
+        problems.extend(_check_cuda_alloc_conf(recipe.train.cuda_alloc_conf))
     if not problems and check:
         problems.extend(check_combinations(recipe))
     if problems:
@@ -1225,6 +1238,23 @@ def _check_compile(r: Recipe, accel: str) -> list[str]:
             "(the version matching your torch), or set train.compile=false"
         )
     return p
+
+
+def _check_cuda_alloc_conf(text: str) -> list[str]:
+    """train.cuda_alloc_conf: PyTorch's grammar and limits, and only settings the planner replays."""
+    from bigtune.core.allocconf import AllocatorConfig, AllocatorConfigError
+
+    try:
+        conf = AllocatorConfig.parse(text)
+    except AllocatorConfigError as e:
+        return [f"train.cuda_alloc_conf: {e}"]
+    if conf.garbage_collection_threshold:
+        return [
+            "train.cuda_alloc_conf: garbage_collection_threshold does nothing here: PyTorch collects cached blocks "
+            "only under a per-process memory fraction (torch.cuda.set_per_process_memory_fraction), which bigtune "
+            "does not set; remove it (expandable_segments:True or max_split_size_mb fight fragmentation instead)"
+        ]
+    return []
 
 
 def _preset_family(name: str) -> Optional[str]:

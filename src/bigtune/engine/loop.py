@@ -74,6 +74,38 @@ class TrainingOOM(RuntimeError):
         super().__init__(f"out of memory at step {oom.get('step')} during {oom.get('phase')}")
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # both carry the allocator settings (torch 2.9+)
+
+
+def set_cuda_alloc_conf(recipe: Recipe) -> None:
+    """Export train.cuda_alloc_conf as PYTORCH_CUDA_ALLOC_CONF. PyTorch reads it once, when the caching
+    allocator first starts, so this runs before Fabric touches CUDA; the ranks Fabric spawns inherit it, and
+    ranks started by torchrun or Slurm run this themselves. A different setting already in the environment,
+    or a CUDA allocator that started before bigtune could set it, is a RecipeError: the run would not be
+    the one the recipe says (and planned)."""
+    conf = recipe.train.cuda_alloc_conf
+    if not conf:
+        return
+    wanted = "".join(conf.split())
+    for var in ALLOC_CONF_VARS:
+        have = os.environ.get(var)
+        if have is not None and "".join(have.split()) != wanted:
+            raise RecipeError(
+                [
+                    f"train.cuda_alloc_conf: {conf!r}, but the environment sets {var}={have!r}; unset {var}, or "
+                    f"make the two agree (or set train.cuda_alloc_conf='' to keep the environment's)"
+                ]
+            )
+    if torch.cuda.is_initialized() and "".join(os.environ.get(ALLOC_CONF_VARS[0], "").split()) != wanted:
+        raise RecipeError(
+            [
+                f"train.cuda_alloc_conf: {conf!r} comes too late: CUDA already started in this process with other "
+                f"allocator settings; export PYTORCH_CUDA_ALLOC_CONF={conf!r} before starting Python"
+            ]
+        )
+    os.environ[ALLOC_CONF_VARS[0]] = conf
+
+
 def setup_fabric(recipe: Recipe):
     from lightning.fabric import Fabric
 
@@ -1070,6 +1102,7 @@ def train(
             run_path = Path(r.output_dir)  # a requeued job starts over in its own folder
         else:
             run_path = pick_run_dir(r.output_dir, r.name)
+    set_cuda_alloc_conf(r)
     fabric = setup_fabric(r)
     if fabric.world_size > 1:
         run_path = Path(fabric.broadcast(str(run_path), src=0))  # every rank uses rank 0's choice

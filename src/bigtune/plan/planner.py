@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from bigtune.core.allocconf import AllocatorConfig
 from bigtune.models.configs import resolve_config
 from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
 from bigtune.plan.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
@@ -357,9 +358,11 @@ def _reserved_and_needed(
 ) -> tuple[int, int]:
     """(peak reserved, least capacity the replay survives on: what must fit) on a CUDA device, from an
     allocator replay where ``replayed``, else a fixed ratio to the peak; its notes go to ``notes``."""
+    conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
     if not replayed:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
         reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
-        notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed)")
+        unplayed = "" if conf.is_default else f"; PYTORCH_CUDA_ALLOC_CONF={conf} not replayed"
+        notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed{unplayed})")
         return reserved, needed
     # The single-device step replayed through the caching allocator; several devices keep its
     # reserved/allocated ratio (their sharded peak is analytic).
@@ -373,6 +376,8 @@ def _reserved_and_needed(
         reserved, needed = int(peak * ratio), int(peak * least / max(1, sim.peak_allocated))
         how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
     notes.extend(how)
+    if not conf.is_default:
+        notes.append(f"caching allocator replayed with PYTORCH_CUDA_ALLOC_CONF={conf} (train.cuda_alloc_conf)")
     notes.append(
         f"FITS/OOM by the {needed / GIB:.2f} GiB the replayed allocator needs at least: on a device "
         "with less than the reserved peak, PyTorch frees its wholly cached segments and retries where a "

@@ -16,6 +16,7 @@ from unittest import mock
 
 import torch
 
+from bigtune.core.allocconf import AllocatorConfig
 from bigtune.memory.monitor import PHASES
 from bigtune.plan.constants import CATEGORIES
 from bigtune.plan.quantized import (
@@ -333,7 +334,7 @@ def simulate(
     peak = max(s.peak_allocated for s in snaps)
     reserved = needed = 0
     if events is not None:
-        reserved, needed = _replay_steady(events, step1)
+        reserved, needed = _replay_steady(events, step1, AllocatorConfig.parse(recipe.train.cuda_alloc_conf))
     peak, reserved, needed = _analytic_bytes(
         steady, peak, reserved, needed, wrapped, recipe, r, quantize, eight_bit, cuda
     )
@@ -657,11 +658,12 @@ def _measured_step(built, model, wrapped, batches: list, tokens: int, round_to: 
     return snaps, counter
 
 
-def _replay_steady(events: list, step1: int) -> tuple[int, int]:
+def _replay_steady(events: list, step1: int, config: Optional[AllocatorConfig] = None) -> tuple[int, int]:
     """(peak reserved, least capacity) of the CUDA caching allocator over the weights, step 0, step 1
     and a step 2 identical to step 1 (reserved can still grow once the cache holds step 1's pattern; it
     does not after that). The least capacity is the smallest device on which that sequence runs, the
-    allocator emptying its cache and retrying where it must (allocator.least_capacity)."""
+    allocator emptying its cache and retrying where it must (allocator.least_capacity). ``config``: the
+    PYTORCH_CUDA_ALLOC_CONF settings replayed (train.cuda_alloc_conf; None: PyTorch's defaults)."""
     from bigtune.plan.allocator import least_capacity, replay
 
     step = events[step1:]
@@ -685,8 +687,8 @@ def _replay_steady(events: list, step1: int) -> tuple[int, int]:
         if e[1] in born or e[1] in heir
     ]
     full = events + again
-    stats = replay(full).stats
-    return stats.peak_reserved, least_capacity(full)
+    stats = replay(full, config=config).stats
+    return stats.peak_reserved, least_capacity(full, config)
 
 
 def simulate_full_depth(
