@@ -359,7 +359,12 @@ def _reserved_and_needed(
     """(peak reserved, least capacity the replay survives on: what must fit) on a CUDA device, from an
     allocator replay where ``replayed``, else a fixed ratio to the peak; its notes go to ``notes``."""
     conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
-    if not replayed:  # variants of --alternatives, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
+    if not replayed and sim.reserved:
+        # a variant of --alternatives that shares the recipe's simulation: that step's replayed ratios
+        ratio, least_ratio = (x / max(1, sim.peak_allocated) for x in (sim.reserved, sim.needed))
+        notes.append(f"reserved/allocated ratio {ratio:.3f} of the recipe's replayed step (same simulation)")
+        return int(peak * ratio), int(peak * least_ratio)
+    if not replayed:  # other variants, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
         reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
         unplayed = "" if conf.is_default else f"; PYTORCH_CUDA_ALLOC_CONF={conf} not replayed"
         notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed{unplayed})")
@@ -369,6 +374,8 @@ def _reserved_and_needed(
     replayed_bytes, least, how = estimate_reserved(
         sim_recipe, config, sim, target_arch(target), padded, workers=workers, images=images
     )
+    # kept on the simulation, which plan() may have shared with --alternatives (its ``sims``)
+    sim.reserved, sim.needed = replayed_bytes, least
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
         reserved, needed = replayed_bytes + workspaces, least + workspaces
     else:
