@@ -178,6 +178,34 @@ def test_qlora_plan_with_16_bit_hidden_states_and_its_alternative():
     assert not [p.variant for p in alts if "deepspeed_stage_2" in p.variant]
 
 
+def test_alternatives_sharing_the_plans_simulation_take_its_replayed_ratios():
+    r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2})
+    target = Target("cuda", find_gpu("a100-80gb"), 1)
+    sims: dict = {}
+    own = plan(r, target, sims=sims)  # replayed: its simulation now carries the replay's bytes
+    (sim,) = sims.values()
+    assert sim.reserved > sim.peak_allocated > 0 and sim.needed >= sim.peak_allocated
+    two = plan(r, Target("cuda", find_gpu("a100-80gb"), 2, "fsdp"), "2 GPUs fsdp", sim=sim)
+    assert any("of the recipe's replayed step" in n for n in two.notes)
+    assert not any("assumed, not replayed" in n for n in two.notes)
+    assert two.peak_reserved / two.peak_allocated == pytest.approx(sim.reserved / sim.peak_allocated, rel=1e-6)
+    # the same simulation on the same single GPU is the same step: the recipe's own replayed bytes
+    again = plan(r, target, "again", sim=sim)
+    assert (again.peak_reserved, again.fits) == (own.peak_reserved, own.fits)
+    assert any("of the recipe's replayed step" in n for n in again.notes)
+    other = load_recipe(
+        ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2, "precision": "32-true"}
+    )
+    unshared = plan(other, target, "fp32", sim=copy_sim_unreplayed(sim))
+    assert any("assumed, not replayed" in n for n in unshared.notes)
+
+
+def copy_sim_unreplayed(sim):
+    import dataclasses
+
+    return dataclasses.replace(sim, reserved=0, needed=0)
+
+
 def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
     import bigtune.plan.alternatives as planner
 

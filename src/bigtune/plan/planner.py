@@ -360,7 +360,11 @@ def _reserved_and_needed(
     allocator replay where ``replayed``, else a fixed ratio to the peak; its notes go to ``notes``."""
     conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
     if not replayed and sim.reserved:
-        # a variant of --alternatives that shares the recipe's simulation: that step's replayed ratios
+        # a variant of --alternatives that shares the recipe's simulation: on one device the same step, on
+        # several its ratios, as below
+        if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+            notes.append("reserved and least capacity of the recipe's replayed step (same simulation)")
+            return sim.reserved + workspaces, sim.needed + workspaces
         ratio, least_ratio = (x / max(1, sim.peak_allocated) for x in (sim.reserved, sim.needed))
         notes.append(f"reserved/allocated ratio {ratio:.3f} of the recipe's replayed step (same simulation)")
         return int(peak * ratio), int(peak * least_ratio)
