@@ -30,7 +30,7 @@
 #   3. a later session (or one with time left after 2): run(command="bash bench/gpu_session.sh throughput
 #      bench/results/plan_accuracy-<gpu>.json", timeout_s=600): bigtune vs HF Trainer on the two GPU presets
 #      (TinyLlama full bf16, Llama-2-7B LoRA), then, with the time left in this call, more accuracy cases.
-# One session measures about 6-8 cases; the matrix (33 cases) takes several, each resuming the last file.
+# One session measures about 6-8 cases; the matrix (34 cases) takes several, each resuming the last file.
 #
 # Every call writes at most 6 files to $OUT (names of letters, digits, '.', '-', '_'): env.txt, <mode>.log,
 # cases.log (every case's own output), plan_accuracy-<gpu>.json, throughput-tinyllama.json,

@@ -203,6 +203,19 @@ CASES: dict[str, dict] = {
         "est": 250,
         "timeout": 300,
     },
+    "openllama7b-bf16true-adamw-ckpt-b4-expseg": {
+        "over": {
+            "model.name": OPENLLAMA7B,
+            "precision": "bf16-true",
+            "train.activation_checkpointing": True,
+            "train.micro_batch_size": 4,
+            "train.cuda_alloc_conf": "expandable_segments:True",
+        },
+        "note": "the 7B case above with expandable segments (train.cuda_alloc_conf): reserved and the least "
+        "capacity as the allocator replay models that setting, against the default run beside it",
+        "est": 90,
+        "timeout": 300,
+    },
     "blip2opt2.7b-32true-adamw-b16": {
         "recipe": BLIP2_RECIPE,
         "kind": "blip2",
