@@ -181,9 +181,10 @@ def test_reserved_extrapolation_close_to_a_full_depth_replay():
     full = simulate(r, cfg, 14, cuda=True, trace=True)
     sim = simulate_full_depth(r, cfg, cuda=True)
     assert sim.peak_allocated == full.peak_allocated  # allocated extrapolates exactly
-    estimate, needed, how = estimate_reserved(r, cfg, sim, (9, 0))
+    estimate, needed, how, expandable = estimate_reserved(r, cfg, sim, (9, 0))
     assert abs(estimate - full.reserved) / full.reserved < 0.03, (estimate, full.reserved)
     assert abs(needed - full.needed) / full.needed < 0.03, (needed, full.needed)
+    assert abs(expandable - full.needed_expandable) / full.needed_expandable < 0.03, (expandable, full)
     assert "8 blocks deep" in how[0]
 
 
@@ -415,3 +416,31 @@ def test_engine_exports_the_recipes_alloc_conf_and_refuses_another_one(monkeypat
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
     with pytest.raises(RecipeError, match="environment sets PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:64'"):
         set_cuda_alloc_conf(load_recipe(path, {"train.cuda_alloc_conf": "expandable_segments:True"}))
+
+
+def test_an_oom_plan_says_when_expandable_segments_would_fit():
+    """Default allocator settings, a card just too small for the replayed step: the plan names the setting
+    that fits, and the plan with that setting agrees (same replay, same bytes)."""
+    import dataclasses
+    import re
+
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan.constants import FIT_MARGIN, GIB
+    from bigtune.plan.planner import plan
+    from bigtune.plan.target import Target
+
+    r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", {"train.micro_batch_size": 4})
+    roomy = plan(r, Target("cuda", find_gpu("a100-80gb"), 1))
+    assert not any("expandable" in n for n in roomy.notes)  # it fits: nothing to say
+    card = dataclasses.replace(find_gpu("a100-80gb"), memory_gib=(roomy.needed_total - 1) / (1 - FIT_MARGIN) / GIB)
+    tight = plan(r, Target("cuda", card, 1))
+    (note,) = [n for n in tight.notes if "expandable_segments:True" in n]
+    assert tight.fits is False and note.startswith("FITS with train.cuda_alloc_conf")
+    said = float(re.search(r"needs ([\d.]+) GiB", note).group(1))
+    r_x = load_recipe(
+        ROOT / "recipes" / "tinyllama-full.yaml",
+        {"train.micro_batch_size": 4, "train.cuda_alloc_conf": "expandable_segments:True"},
+    )
+    with_it = plan(r_x, Target("cuda", card, 1))
+    assert with_it.fits is True
+    assert abs(with_it.needed_total - with_it.overhead - said * GIB) < 0.01 * GIB

@@ -121,17 +121,22 @@ def plan(
         cap = target.capacity_bytes
         replayed = replay and own_sim and not simulated_host and not (cap is not None and peak > cap)
         replayed = replayed and stage_peaks is None  # the replay's traced simulations are of the whole model
-        reserved, needed = _reserved_and_needed(
+        reserved, needed, needed_expandable = _reserved_and_needed(
             recipe, sim_recipe, config, sim, target, peak, workspaces, padded, workers, replayed, notes, images
         )
         overhead = CUDA_CONTEXT_BYTES
         notes.append(_CUDA_CONTEXT_NOTE)
     else:
         reserved, overhead = None, 0
-        needed = peak
+        needed, needed_expandable = peak, 0
     total = (reserved if reserved is not None else peak) + overhead
     cap = target.capacity_bytes
     fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
+    if fits is False and needed_expandable and needed_expandable + overhead <= cap * (1 - FIT_MARGIN):
+        notes.append(
+            f"FITS with train.cuda_alloc_conf: expandable_segments:True: replayed with it the allocator needs "
+            f"{needed_expandable / GIB:.2f} GiB (one growing segment per pool, nothing pinned in half-used ones)"
+        )
     step, tps, tnotes = step_time(recipe, sim, target, config)
     host_per_node = None
     if cuda and sim.nf4 is not None:
@@ -355,36 +360,39 @@ def _reserved_and_needed(
     replayed: bool,
     notes: list[str],
     images: Optional[tuple] = None,
-) -> tuple[int, int]:
-    """(peak reserved, least capacity the replay survives on: what must fit) on a CUDA device, from an
-    allocator replay where ``replayed``, else a fixed ratio to the peak; its notes go to ``notes``."""
+) -> tuple[int, int, int]:
+    """(peak reserved, least capacity the replay survives on: what must fit, that capacity with expandable
+    segments or 0) on a CUDA device, from an allocator replay where ``replayed``, else a fixed ratio to the
+    peak; its notes go to ``notes``."""
     conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
     if not replayed and sim.reserved:
         # a variant of --alternatives that shares the recipe's simulation: on one device the same step, on
         # several its ratios, as below
         if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
             notes.append("reserved and least capacity of the recipe's replayed step (same simulation)")
-            return sim.reserved + workspaces, sim.needed + workspaces
+            return sim.reserved + workspaces, sim.needed + workspaces, 0
         ratio, least_ratio = (x / max(1, sim.peak_allocated) for x in (sim.reserved, sim.needed))
         notes.append(f"reserved/allocated ratio {ratio:.3f} of the recipe's replayed step (same simulation)")
-        return int(peak * ratio), int(peak * least_ratio)
+        return int(peak * ratio), int(peak * least_ratio), 0
     if not replayed:  # other variants, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
         reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
         unplayed = "" if conf.is_default else f"; PYTORCH_CUDA_ALLOC_CONF={conf} not replayed"
         notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed{unplayed})")
-        return reserved, needed
+        return reserved, needed, 0
     # The single-device step replayed through the caching allocator; several devices keep its
     # reserved/allocated ratio (their sharded peak is analytic).
-    replayed_bytes, least, how = estimate_reserved(
+    replayed_bytes, least, how, least_expandable = estimate_reserved(
         sim_recipe, config, sim, target_arch(target), padded, workers=workers, images=images
     )
     # kept on the simulation, which plan() may have shared with --alternatives (its ``sims``)
     sim.reserved, sim.needed = replayed_bytes, least
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
         reserved, needed = replayed_bytes + workspaces, least + workspaces
+        expandable = least_expandable + workspaces if least_expandable else 0
     else:
         ratio = replayed_bytes / max(1, sim.peak_allocated)
         reserved, needed = int(peak * ratio), int(peak * least / max(1, sim.peak_allocated))
+        expandable = int(peak * least_expandable / max(1, sim.peak_allocated))
         how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
     notes.extend(how)
     if not conf.is_default:
@@ -400,7 +408,7 @@ def _reserved_and_needed(
             "change shape each step and reserved creeps above this over a run (not what must "
             "fit: bench/varlen_reserved.py)"
         )
-    return reserved, needed
+    return reserved, needed, expandable
 
 
 def count_parameters(config, family: Optional[str] = None) -> int:

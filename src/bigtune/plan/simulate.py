@@ -33,6 +33,8 @@ from bigtune.plan.quantized import (
 )
 from bigtune.recipe import Recipe, quant_backend
 
+EXPANDABLE = AllocatorConfig.parse("expandable_segments:True")
+
 
 @dataclass
 class Sim:
@@ -56,6 +58,9 @@ class Sim:
     nf4: Optional[NF4Base] = None  # a torchao NF4 base (model.quant_backend=torchao): what sharding needs of it
     block_quant_constants: int = 0  # a bitsandbytes 4-bit base: one block's absmax/codes (whole under ZeRO-3)
     block_quant_numel: int = 0  # ... and the elements of its quantized weights (gathered at half a byte each)
+    # ``needed`` replayed with expandable segments where the recipe keeps PyTorch's default allocator (0: not
+    # replayed): what train.cuda_alloc_conf=expandable_segments:True would need instead
+    needed_expandable: int = 0
 
 
 @dataclass(frozen=True)
@@ -332,11 +337,13 @@ def simulate(
         snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace, pipeline)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     peak = max(s.peak_allocated for s in snaps)
-    reserved = needed = 0
+    replayed = (0, 0, 0)  # reserved, needed, needed with expandable segments
     if events is not None:
-        reserved, needed = _replay_steady(events, step1, AllocatorConfig.parse(recipe.train.cuda_alloc_conf))
-    peak, reserved, needed = _analytic_bytes(
-        steady, peak, reserved, needed, wrapped, recipe, r, quantize, eight_bit, cuda
+        conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
+        expandable = _replay_steady(events, step1, EXPANDABLE)[1] if conf.is_default else 0
+        replayed = (*_replay_steady(events, step1, conf), expandable)
+    peak, (reserved, needed, needed_expandable) = _analytic_bytes(
+        steady, peak, replayed, wrapped, recipe, r, quantize, eight_bit, cuda
     )
     # Rows per micro-batch: the step ran k of them (the accumulation window is scaled in _time).
     ops = scale(dict(counter.ops), ("forward", "backward"), 1 / len(batches))
@@ -354,6 +361,7 @@ def simulate(
         not eight_bit,
         nf4,
         *constants,
+        needed_expandable=needed_expandable,
     )
 
 
@@ -414,17 +422,17 @@ def _fake_pixels(batches: list[dict]) -> None:
 def _analytic_bytes(
     steady: dict,
     peak: int,
-    reserved: int,
-    needed: int,
+    replayed: tuple[int, ...],
     wrapped,
     recipe: Recipe,
     r: Recipe,
     quantize: str,
     eight_bit: bool,
     cuda: bool,
-) -> tuple[int, int, int]:
-    """(peak, reserved, in use) with what fake tensors could not hold added to ``steady``: the quantized
-    base's packed bytes in place of its simulated 16-bit weights, and the 8-bit optimizer's state."""
+) -> tuple[int, tuple[int, ...]]:
+    """(peak, replayed bytes) with what fake tensors could not hold added to ``steady`` and to each of the
+    allocator replay's figures (0: not replayed): the quantized base's packed bytes in place of its
+    simulated 16-bit weights, and the 8-bit optimizer's state."""
     if quantize != "none":
         if torchao_nf4(recipe):
             delta = nf4_parameter_delta(wrapped, 512 if cuda else 1)
@@ -432,13 +440,13 @@ def _analytic_bytes(
             delta = quantized_parameter_delta(wrapped, quantize, recipe.model.double_quant, r.model.upcast_unquantized)
         peak = _add_bytes(steady, peak, ("parameters", "allocated", "peak_allocated", "phase_peak"), delta)
         # weights are whole long-lived blocks: the allocator holds about as much less
-        reserved, needed = (max(0, x + delta) if x else 0 for x in (reserved, needed))
+        replayed = tuple(max(0, x + delta) if x else 0 for x in replayed)
     if eight_bit:
         shapes = [p.numel() for p in wrapped.parameters() if p.requires_grad]
         extra = 0 if recipe.optim.name.startswith("paged") and cuda else eight_bit_state_bytes(shapes)
         peak = _add_bytes(steady, peak, ("optimizer_device", "allocated", "peak_allocated", "phase_peak"), extra)
-        reserved, needed = (x + extra if x else 0 for x in (reserved, needed))
-    return peak, reserved, needed
+        replayed = tuple(x + extra if x else 0 for x in replayed)
+    return peak, replayed
 
 
 def _add_bytes(steady: dict, peak: int, categories: tuple[str, ...], extra: int) -> int:
@@ -785,9 +793,10 @@ def estimate_reserved(
     micro_batch: Optional[int] = None,
     workers: int = 1,
     images: Optional[tuple] = None,
-) -> tuple[int, int, list[str]]:
-    """(peak reserved, peak in-use segment bytes, notes) on a CUDA device for the full-depth step
-    ``sim``, from the caching allocator replayed over traced simulations (allocator.py).
+) -> tuple[int, int, list[str], int]:
+    """(peak reserved, least capacity, notes, least capacity with expandable segments or 0) on a CUDA
+    device for the full-depth step ``sim``, from the caching allocator replayed over traced simulations
+    (allocator.py).
 
     Which cached block each request reuses depends on the whole sequence, so reserved is not exactly
     linear in depth the way allocated bytes are: between 1 and 2 layers its increment can be off by
@@ -805,7 +814,8 @@ def estimate_reserved(
     how = f"caching-allocator replay of a step simulated {b_depths[stacks[-1]]} blocks deep"
     if b_depths == full:
         b = simulate(recipe, config, b_depths, True, micro_batch, padded, arch, trace=True, images=images)
-        return b.reserved, b.needed, [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
+        notes = [how.replace(f"{b_depths[stacks[-1]]} blocks deep", "at full depth")]
+        return b.reserved, b.needed, notes, b.needed_expandable
     args = [(recipe, config, d, True, micro_batch, padded, arch, True, images) for d in (a_depths, b_depths)]
     if workers > 1:
         import multiprocessing as mp
@@ -827,10 +837,12 @@ def estimate_reserved(
         return max(sim.peak_allocated, int((by_slope + by_ratio) / 2))
 
     reserved, needed = extrapolate(lambda x: x.reserved), extrapolate(lambda x: x.needed)
+    expandable = min(extrapolate(lambda x: x.needed_expandable), reserved) if b.needed_expandable else 0
     return (
         reserved,
         min(needed, reserved),
         [f"reserved from a {how} and one {a_depths[stacks[-1]]} deep, extrapolated to full depth"],
+        expandable,
     )
 
 
