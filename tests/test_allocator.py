@@ -444,3 +444,29 @@ def test_an_oom_plan_says_when_expandable_segments_would_fit():
     with_it = plan(r_x, Target("cuda", card, 1))
     assert with_it.fits is True
     assert abs(with_it.needed_total - with_it.overhead - said * GIB) < 0.01 * GIB
+
+
+def test_an_oom_with_much_cached_but_unusable_memory_advises_expandable_segments():
+    """PyTorch's CUDA OOM message states the bytes reserved but unallocated at the failing request
+    (CUDACachingAllocator.cpp); a run records them and, from 1 GiB on, advises the allocator setting."""
+    import torch
+
+    from bigtune.memory.monitor import unallocated_at_oom
+    from bigtune.run.advice import oom_advice
+
+    err = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
+        "1.23 GiB is free. Including non-PyTorch memory, this process has 77.90 GiB memory in use. Of the "
+        "allocated memory 70.12 GiB is allocated by PyTorch, and 3.45 GiB is reserved by PyTorch but unallocated."
+    )
+    assert unallocated_at_oom(err) == int(3.45 * 2**30)
+    assert unallocated_at_oom(RuntimeError("CUDA error: out of memory")) is None
+    r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml")
+    advice = oom_advice(r, {"cached_unallocated_bytes": unallocated_at_oom(err)})
+    assert advice[0].startswith("train.cuda_alloc_conf=expandable_segments:True (3.45 GiB")
+    assert not any("expandable" in a for a in oom_advice(r, {"cached_unallocated_bytes": 200 * MiB}))
+    set_already = load_recipe(
+        ROOT / "recipes" / "tinyllama-full.yaml", {"train.cuda_alloc_conf": "expandable_segments:True"}
+    )
+    assert not any("expandable" in a for a in oom_advice(set_already, {"cached_unallocated_bytes": 4 << 30}))
+    assert oom_advice(r) == oom_advice(r, {"cached_unallocated_bytes": None})  # unchanged where not said

@@ -1223,6 +1223,7 @@ def _train(
                 "phase": state.phase,
                 "message": str(e).splitlines()[0][:500],
                 "last_snapshot": monitor.last.to_dict() if monitor and monitor.last else None,
+                "cached_unallocated_bytes": mem.unallocated_at_oom(e),
             }
             print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
             if hooks is not None:

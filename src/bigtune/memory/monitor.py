@@ -15,6 +15,7 @@ with several devices, communication buffers), allocated, peak allocated, reserve
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -355,6 +356,19 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+# PyTorch's CUDA out-of-memory message states the cache's unused bytes at the failing request
+# (CUDACachingAllocator.cpp, malloc's OOM path): "... and 3.45 GiB is reserved by PyTorch but unallocated."
+_UNALLOCATED = re.compile(r"([\d.]+) (GiB|MiB|KiB|B) is reserved by PyTorch but unallocated")
+_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def unallocated_at_oom(exc: BaseException) -> Optional[int]:
+    """Bytes PyTorch held cached but unallocated when a CUDA allocation failed (fragmentation: free pieces
+    of segments, none large enough), read from its message; None where the message does not say."""
+    m = _UNALLOCATED.search(str(exc))
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
 
 
 _FIELDS = (

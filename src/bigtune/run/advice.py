@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from bigtune.recipe import Recipe
 
+FRAGMENTED_BYTES = 2**30  # cached but unusable at the failure: from this much on, the allocator setting is advised
 
-def oom_advice(r: Recipe) -> list[str]:
-    """What usually frees the most memory for this recipe, most effective first."""
+
+def oom_advice(r: Recipe, oom: Optional[dict] = None) -> list[str]:
+    """What usually frees the most memory for this recipe, most effective first; ``oom`` (the run's
+    record of the failure) adds what the failure itself showed: bytes cached but unusable."""
     out = []
+    cached = (oom or {}).get("cached_unallocated_bytes")
+    if (
+        cached is not None
+        and cached >= FRAGMENTED_BYTES
+        and "expandable_segments:true" not in (r.train.cuda_alloc_conf.replace(" ", "").lower())
+    ):
+        out.append(
+            f"train.cuda_alloc_conf=expandable_segments:True ({cached / 2**30:.2f} GiB were cached but unusable "
+            "when the allocation failed: pieces of half-used segments; one growing segment per pool does not "
+            "pin them, and `bigtune plan` replays that setting)"
+        )
     if r.strategy == "fsdp" and r.fsdp_wrap == "none" and r.world_size > 1:
         out.append(
             "fsdp_wrap=block (one FSDP unit per decoder block: the whole model is no longer gathered at "

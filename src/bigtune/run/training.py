@@ -29,7 +29,7 @@ class PlanHooks:
             self.prediction = predict_for_device(recipe, device, world)
 
     def on_oom(self, recipe: Recipe, device: torch.device, cap_bytes: Optional[int], oom: dict) -> None:
-        oom["advice"] = oom_advice(recipe)
+        oom["advice"] = oom_advice(recipe, oom)
         for a in oom["advice"]:
             print(f"  try: {a}", flush=True)
         fitting = alternatives_for_device(recipe, device, cap_bytes) if recipe.memory.oom_alternatives else []
