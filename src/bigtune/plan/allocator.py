@@ -129,6 +129,16 @@ class _Block:
         self.prev: Optional[_Block] = None
         self.next: Optional[_Block] = None
 
+    def split(self, size: int) -> _Block:
+        """Keep the first ``size`` bytes; the rest becomes the next block of the same segment (returned)."""
+        rest = _Block(self.addr + size, self.size - size, self.small, self.segment)
+        rest.prev, rest.next = self, self.next
+        if self.next is not None:
+            self.next.prev = rest
+        self.next = rest
+        self.size = size
+        return rest
+
 
 class AllocatorOOM(RuntimeError):
     """A request that does not fit the capacity even after the cached segments were given back."""
@@ -199,13 +209,7 @@ class CachingAllocator:
         if block is None:
             block = self._new_block(size, small, nbytes)
         if self._should_split(block, size, small):
-            rest = _Block(block.addr + size, block.size - size, small, block.segment)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            self._cache(rest)
+            self._cache(block.split(size))
         block.free = False
         s = self.stats
         s.allocated += block.size
@@ -398,13 +402,7 @@ class CachingAllocator:
         self._drop_unmapped(b)
         b.mapped = True
         if mapped < b.size:
-            rest = _Block(end, b.size - mapped, b.small, seg)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = mapped
-            self._add_unmapped(rest)
+            self._add_unmapped(b.split(mapped))
         self._merge(b, b.prev)
         self._merge(b, b.next)
         self._cache(b)
