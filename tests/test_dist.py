@@ -309,8 +309,9 @@ def test_fsdp_units_planned_per_phase(tmp_path, deep_model, case):
             if c == "allocated" and phase == "after_forward":
                 # under load (CI: twice in ~20 runs, with checkpointing) the snapshot counted exactly one more
                 # block's gathered weights (184,832 B): their release is timing-dependent under gloo's async
-                # collectives. Never less than planned, never more than one unit over.
-                assert 0 <= cats[c]["measured"] - cats[c]["predicted"] <= unit + 512, (phase, cats[c], unit)
+                # collectives; once (CI, 2026-11-27) 1,174 B more beside them, small tensors of the same
+                # in-flight collective. Never less than planned, never more than one unit (and 4 KiB) over.
+                assert 0 <= cats[c]["measured"] - cats[c]["predicted"] <= unit + 4096, (phase, cats[c], unit)
             elif c == "allocated" and phase in ("after_backward", "after_optimizer"):
                 # the root's last reduce-scatter input may outlive the backward until its collective is
                 # waited on (timing-dependent under gloo): at most the root's unsharded gradients, its
