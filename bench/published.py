@@ -66,6 +66,9 @@ HF_PERF = (
     "(stored Korean translation, id 37018384513; English identical for these rows)"
 )
 PEFT_DS = "huggingface/peft: docs/source/accelerate/deepspeed.md (commit not recorded in the notes)"
+# litgpt config_hub/finetune/<model>/*.yaml as stored (the table's commit 03ffc551 is not stored for them):
+# the setup of the HUB rows below is read from these versions, named per row.
+HUB_YAML = "Lightning-AI/litgpt: config_hub/finetune/{} @{} (stored version)"
 
 # -- implementation flags: how the source's engine differs from bigtune's ----------------------------------
 LITGPT = (
@@ -91,12 +94,17 @@ TORCHTUNE_IMPL = (
 # hold a second copy of the gradients beside .grad (bigtune's default is true: ddp_bucket_view).
 LIGHTNING_DDP_KEYS = {"devices": 4, "strategy": "ddp", "ddp_bucket_view": False}
 HF_TRAINER = (
-    "HF Trainer on an older transformers (eager attention); nvidia-smi total includes a measured "
-    "1343 MB CUDA context vs the planner's assumed 0.5 GiB; the Trainer's model.zero_grad() (set_to_none "
-    "defaulted to False before PyTorch 2.0) kept every gradient allocated, also through forward at acc 1, "
-    "where bigtune frees them after the step (1.25 GiB here); the run (January 2022: PyTorch < 1.11) kept "
-    "each softmax input for backward (planned so: legacy_softmax)"
+    "HF Trainer on an older transformers (eager attention); nvidia-smi total: reserved + the 1343 MB the "
+    "source measured after its first tiny tensor (its CUDA context then; planned so: src-context); the "
+    "Trainer's model.zero_grad() (set_to_none defaulted to False before PyTorch 2.0) kept every gradient "
+    "allocated, also through forward at acc 1 (planned so: kept-grads); the run (January 2022: PyTorch < "
+    "1.11) kept each softmax input for backward (planned so: legacy_softmax)"
 )
+# The doc's print_gpu_utilization (pynvml used // 1024**2, so MiB) read 1343 after torch.ones((1, 1)).to("cuda"):
+# the CUDA context and kernels of that 2022 stack plus the 2 MiB small-pool segment of that one tensor. The
+# rows' totals are reserved + context, so the context is 1343 - 2 MiB; the planner's own 0.5 GiB is an
+# assumption for today's stacks (CUDA loads kernels lazily since 11.7), not for this one.
+HF_PERF_CONTEXT_MIB = 1343 - 2
 # Why legacy_softmax (the doc's nvidia-smi printout is dated 11 January 2022, before PyTorch 1.11), per
 # BERT-large layer and sample at 512 tokens: the planner's simulation of today's
 # eager BertLayer holds 69 MiB (fp32) / 49 MiB (fp16 AMP) after forward, the same tensors as transformers 4.x
@@ -114,6 +122,10 @@ HF_TRAINER = (
 # - full fine-tune loss: chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:]) reshapes the sliced
 #   logits (a copy, the slice is not contiguous) and takes cross-entropy per 128 rows; bigtune's loss shifts
 #   the labels and copies nothing: one logits-sized tensor more from the loss through the backward.
+LITGPT_GELU_NOTE = (
+    "and its MLP's fused tanh GELU where transformers writes gelu_new out (phi-1.5, phi-2: one saved "
+    "tensor per MLP element instead of several)"
+)
 LITGPT_ATTENTION_NOTE = (
     "planned with litgpt's attention: k and v repeated to every query head before SDPA, which saves "
     "those copies (no change where every head has its own k and v)"
@@ -179,6 +191,9 @@ def LIT_FSDP_ACCUMULATION(devices: int, micro_batch: int) -> dict:  # noqa: N802
 
 
 QV = ["q_proj", "v_proj"]
+# litgpt lora_query/key/value/projection/mlp/head all on, in HF module names (phi-2 and Phi-3 name theirs apart)
+PHI2_ALL_AND_HEAD = ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2", "lm_head"]
+PHI3_ALL_AND_HEAD = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
 LLAMA_ALL_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 # The longest Alpaca sample decides litgpt's resource-table peak (batches padded to the longest):
 ALPACA_LONGEST_LLAMA2, ALPACA_LONGEST_PHI15 = 1304, 1044
@@ -230,14 +245,22 @@ class Row:
     # PyTorch before 1.11 (March 2022) saved each softmax's input for a backward that only needs the output
     # (pytorch issue #64000); rows measured on it are planned with that input kept (bench-only emulation).
     legacy_softmax: bool = False
+    # Optimizer.zero_grad(set_to_none=False), PyTorch's default before 2.0 and what HF Trainer's
+    # model.zero_grad() did then: every gradient stays allocated (zeroed in place) across steps, also through
+    # the forward after an optimizer step, where bigtune's engine frees them (bench-only emulation).
+    keep_gradients: bool = False
+    # The CUDA context the source itself measured (nvidia-smi after its first tiny tensor, in MiB): a
+    # device_used row is then planned as reserved + this, not + the planner's assumed context.
+    context_mib: Optional[float] = None
 
     def litgpt_emulations(self) -> list[str]:
         """What of litgpt's own code the row is planned with (rows whose impl is litgpt's model), bench-only
-        emulations like legacy_softmax: its attention (LITGPT_ATTENTION_NOTE) on every litgpt row, and its
-        full fine-tune loss (LITGPT_FULL_LOSS_NOTE) where no adapter is trained."""
+        emulations like legacy_softmax: its attention (LITGPT_ATTENTION_NOTE) and its fused GELU
+        (LITGPT_GELU_NOTE) on every litgpt row, and its full fine-tune loss (LITGPT_FULL_LOSS_NOTE) where no
+        adapter is trained."""
         if not self.impl.startswith(LITGPT):
             return []
-        return ["litgpt-attention"] + ([] if "peft.method" in self.over else ["litgpt-full-loss"])
+        return ["litgpt-attention", "litgpt-gelu"] + ([] if "peft.method" in self.over else ["litgpt-full-loss"])
 
     def value_gib(self) -> Optional[float]:
         if self.value is None:
@@ -248,6 +271,7 @@ class Row:
         """Rows that differ only in the published counter share one plan."""
         # The emulation changes the plan, so it is part of the key (absent when off: other keys unchanged).
         legacy = ["legacy_softmax"] if self.legacy_softmax else []
+        legacy += ["keep_gradients"] if self.keep_gradients else []
         legacy += self.litgpt_emulations()
         return json.dumps([self.recipe, self.over, self.gpu, self.gpus, self.strategy, *legacy], sort_keys=True)
 
@@ -1281,6 +1305,8 @@ ROWS: list[Row] = [
             note=LEGACY_SOFTMAX_NOTE,
             speed=(sps, "samples/s"),
             legacy_softmax=True,
+            keep_gradients=True,
+            context_mib=HF_PERF_CONTEXT_MIB,
         )
         for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v, sps in (
             (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949, 8.86),
@@ -1323,6 +1349,180 @@ ROWS: list[Row] = [
         note="'64 GB (80%)' read off an nvidia-smi-style screenshot: 80% of an 80 GB H100 is 64 GiB, so read as "
         "GiB; LoRA dropout 0.1 as the doc's script (assumed)",
     ),
+    # ---- issue #25: more of litgpt config_hub/finetune/README.md @03ffc551 (A10G 24GB, Alpaca2k max_seq_length
+    # 512, bf16-true, torch AdamW betas 0.9/0.95, one device unless named; accumulation = global / micro batch).
+    # Gemma: litgpt's checkpoint conversion gives the head its own copy of the embedding (HF ties the two), and
+    # its bnb.nf4 quantizes that head too; planned with HF's tied head, so the LoRA rows lack ~1 GB (2B) and
+    # ~1.8 GB (9B) of bf16 head the source held. ----
+    *[
+        Row(
+            i,
+            HUB,
+            setup,
+            "peak_allocated",
+            v,
+            "GB",
+            "a10g",
+            {
+                "model.name": model,
+                **lit_lora(r, 16, targets, quant),
+                "peft.dropout": dropout,
+                "train.micro_batch_size": mbs,
+                "train.accumulate_grad_batches": acc,
+                "data.max_seq_length": 512,
+            },
+            impl=LITGPT_QLORA if quant != "none" else LITGPT_LORA,
+            legacy_bnb=quant != "none",
+            note=HUB_YAML.format(yaml, commit) + f": r{r} α16 dropout {dropout}, every linear + head, "
+            f"micro-batch {mbs}, global batch {mbs * acc}",
+        )
+        for i, setup, model, r, targets, quant, dropout, mbs, acc, v, yaml, commit in (
+            (
+                "R35a",
+                "Gemma-2B LoRA r8 all linear + head, bf16-true, 2×512 acc 3, 1×A10G",
+                "google/gemma-2b",
+                8,
+                LLAMA_ALL_AND_HEAD,
+                "none",
+                0.1,
+                2,
+                3,
+                12.62,
+                "gemma-2b/lora.yaml",
+                "3352a7aa",
+            ),
+            (
+                "R35b",
+                "Gemma-2B QLoRA nf4 r16 all linear + head, bf16-true, 2×512 acc 3, 1×A10G",
+                "google/gemma-2b",
+                16,
+                LLAMA_ALL_AND_HEAD,
+                "nf4",
+                0.1,
+                2,
+                3,
+                11.58,
+                "gemma-2b/qlora.yaml",
+                "0077627d",
+            ),
+            (
+                "R36a",
+                "Gemma-2-9B QLoRA nf4 r16 all linear + head, bf16-true, 1×512 acc 6, 1×A10G",
+                "google/gemma-2-9b",
+                16,
+                LLAMA_ALL_AND_HEAD,
+                "nf4",
+                0.1,
+                1,
+                6,
+                20.92,
+                "gemma2-9b/qlora.yaml",
+                "3fae864c",
+            ),
+            (
+                "R37a",
+                "phi-2 LoRA r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
+                "microsoft/phi-2",
+                8,
+                PHI2_ALL_AND_HEAD,
+                "none",
+                0.05,
+                4,
+                2,
+                13.98,
+                "phi-2/lora.yaml",
+                "14db26be",
+            ),
+            (
+                "R37b",
+                "phi-2 QLoRA nf4 r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
+                "microsoft/phi-2",
+                8,
+                PHI2_ALL_AND_HEAD,
+                "nf4",
+                0.05,
+                4,
+                2,
+                14.27,
+                "phi-2/qlora.yaml",
+                "3352a7aa",
+            ),
+            (
+                "R38a",
+                "Phi-3-mini-4k LoRA r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
+                "microsoft/Phi-3-mini-4k-instruct",
+                8,
+                PHI3_ALL_AND_HEAD,
+                "none",
+                0.05,
+                4,
+                2,
+                19.75,
+                "phi-3/lora.yaml",
+                "6ec34633",
+            ),
+            (
+                "R38b",
+                "Phi-3-mini-4k QLoRA nf4 r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
+                "microsoft/Phi-3-mini-4k-instruct",
+                8,
+                PHI3_ALL_AND_HEAD,
+                "nf4",
+                0.05,
+                4,
+                2,
+                19.13,
+                "phi-3/qlora.yaml",
+                "6ec34633",
+            ),
+        )
+    ],
+    Row(
+        "R36b",
+        HUB,
+        "Gemma-2-9B LoRA r16 all linear + head, bf16-true, 1×512 acc 6, 1×A10G",
+        "fit",
+        None,
+        "-",
+        "a10g",
+        {
+            "model.name": "google/gemma-2-9b",
+            **lit_lora(16, 16, LLAMA_ALL_AND_HEAD),
+            "peft.dropout": 0.1,
+            "train.micro_batch_size": 1,
+            "train.accumulate_grad_batches": 6,
+            "data.max_seq_length": 512,
+        },
+        expect="oom",
+        impl=LITGPT_LORA,
+        note=HUB_YAML.format("gemma2-9b/lora.yaml", "524bbb9e") + "; the table reports OOM on 1xA10G",
+    ),
+    Row(
+        "R35c",
+        HUB,
+        "Gemma-2B full, bf16-true, AdamW, 1×512 acc 4, 4×A10G FSDP + act. ckpt",
+        "peak_allocated",
+        17.43,
+        "GB",
+        "a10g",
+        {
+            "model.name": "google/gemma-2b",
+            **LIT_FULL,
+            "train.micro_batch_size": 1,
+            "train.accumulate_grad_batches": 4,
+            "data.max_seq_length": 512,
+            "train.activation_checkpointing": True,
+            "devices": 4,
+            "strategy": "fsdp",
+            "fsdp_grad_sync": "step",
+        },
+        gpus=4,
+        strategy="fsdp",
+        impl=LITGPT + "; FSDP1 per Block",
+        note=HUB_YAML.format("gemma-2b/full.yaml", "0fe99f85") + ": devices 4, global batch 16, micro-batch 1, "
+        "so 4 micro-batches per step under Fabric's no_backward_sync (unsharded gradients kept through the "
+        "window: fsdp_grad_sync step); litgpt's multi-device full.py wraps and checkpoints each Block",
+    ),
 ]
 
 # Published data points not planned, and why (ids as in the notes).
@@ -1349,6 +1549,32 @@ SKIPPED: dict[str, str] = {
     "P6": "QLoRA under ZeRO-3: bigtune refuses model.quantize with DeepSpeed",
     "B10": "qualitative (DDP per-GPU memory larger than single-GPU, FSDP smaller): no number or fit boundary",
     "lab 13B DeepSpeed": "torch/a100_llama13b_deepspeed.py: no recorded numbers",
+    # issue #25 (sources searched for fixed-shape HF + PEFT measurements; ids continue the notes' R series)
+    "R35-R38 siblings (config_hub falcon-7b, gemma-7b)": "falcon-7b and gemma-7b configs not bundled",
+    "R39 (config_hub phi-3/full.yaml)": "17.01 GB on 1xA10G cannot be the stated setup: the stored yaml trains "
+    "all 3.8 B weights on one device with AdamW under bf16-true, whose weights, gradients and two moments "
+    "alone are ~30 GB",
+    "R40 (config_hub llama-3.1-8b lora/qlora)": "the same numbers (19.73 / 17.41 GB), micro-batches and "
+    "adapters as R28/R29 on an architecture of the same shapes: a duplicate, not new evidence",
+    "R41 (config_hub gemma2-2b)": "the table's rows are placeholders (xxxxx), no number",
+    "PEFT MetaMathQA": "huggingface/peft method_comparison/MetaMathQA results: reserved is read after each "
+    "optimizer step and averaged over bucketed variable-length batches up to 768 tokens, and cuda_memory_max "
+    "includes generation-time evaluation: no counter answers one stated batch shape",
+    "PEFT DoRA optimization": "huggingface/peft docs developer_guides/lora.md (dora_finetuning.py on a 4090, "
+    "batch 16, padded to max_length 512): only runtimes are published, no memory; the script's default model "
+    "(huggyllama/llama-7b) is not bundled",
+    "PEFT EuroPython 2024 slides": "BenjaminBossan/presentations 2024-07-11-europython: the memory tables are "
+    "computed by its utils.py from parameter counts (weights + 3× trainable, no activations), not measured",
+    "peft #1142": "huggingface/peft issue #1142 (Llama-2-7B LoRA, 8×1024, checkpointing reentrant vs not): "
+    "the memory is shown only in chart images, no number to read",
+    "peft #1469": "huggingface/peft issue #1469: bert-base-uncased and ESM models, configs not bundled",
+    "unsloth context table": "unslothai/unsloth README (Llama 3.1 8B QLoRA r32, batch 1, padded to the "
+    "length, max length per VRAM size for 'HF + FA2'): the baseline's checkpointing, optimizer and counter "
+    "are not stated, and flash-attn 2 is not a bigtune attention; unsloth's own column uses its kernels",
+    "universal-llm-trainer": "ljm565/universal-llm-trainer README (H100, batch 2 × 8192 'fully filled', "
+    "checkpointing): the counter behind 'Peak Mem.' is not named, values are whole GiB, the note says both "
+    "torch and HF checkpointing were tested without saying which row used which, and the configs' data "
+    "(ai2_arc QA) is far shorter than 8192 tokens; the Phi-3 rows use the 128k model (not bundled)",
 }
 
 
@@ -1418,6 +1644,30 @@ def _keep_softmax_inputs() -> None:
     functional.softmax = softmax
 
 
+def _keep_gradients() -> None:
+    """Make every optimizer's zero_grad zero the gradients in place instead of freeing them
+    (Row.keep_gradients): set_to_none=False, PyTorch's default before 2.0. The next backward then
+    accumulates into the held gradients (AccumulateGrad adds each new gradient in place and frees it)."""
+    import torch
+
+    plain = torch.optim.Optimizer.zero_grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        plain(self, set_to_none=False)
+
+    torch.optim.Optimizer.zero_grad = zero_grad
+
+
+def _litgpt_gelu() -> None:
+    """Make transformers' gelu_new (phi-1.5, phi-2) one fused tanh GELU, as litgpt's MLP calls it
+    (``F.gelu(x, approximate="tanh")``, the same function): the written-out formula keeps its input,
+    its cube and its tanh for backward, the fused kernel its input alone."""
+    import torch
+    from transformers import activations
+
+    activations.NewGELUActivation.forward = lambda self, x: torch.nn.functional.gelu(x, approximate="tanh")
+
+
 def _litgpt_attention() -> None:
     """Make transformers repeat k and v to every query head before SDPA, as litgpt's attention does in
     training (Row.litgpt_emulations): its repeat_kv path, taken when grouped SDPA is not used."""
@@ -1458,8 +1708,12 @@ def plan_row(row: Row) -> dict:
         _keep_4bit_inputs()
     if row.legacy_softmax:
         _keep_softmax_inputs()
+    if row.keep_gradients:
+        _keep_gradients()
     if "litgpt-attention" in row.litgpt_emulations():
         _litgpt_attention()
+    if "litgpt-gelu" in row.litgpt_emulations():
+        _litgpt_gelu()
     if "litgpt-full-loss" in row.litgpt_emulations():
         _litgpt_full_loss()
     if row.fsdp1_units:
@@ -1477,6 +1731,8 @@ def planned_gib(row: Row, p: dict) -> Optional[float]:
         b = p["phases"]["after_forward"]["allocated"]
     elif row.metric == "reserved":
         b = p["peak_reserved"]
+    elif row.metric == "device_used" and row.context_mib is not None:
+        b = p["peak_reserved"] + row.context_mib * 2**20  # reserved + the context the source measured
     elif row.metric == "device_used":
         b = p["peak_total"]  # reserved + the assumed CUDA context
     else:
@@ -1580,6 +1836,8 @@ def print_table(results: list[dict]) -> None:
             "fit": "fit/OOM",
         }[x["metric"]]
         flag = ("impl" if x["impl"] else "") + (" legacy-softmax" if x.get("legacy_softmax") else "")
+        flag += " kept-grads" if x.get("keep_gradients") else ""
+        flag += " src-context" if x.get("context_mib") is not None else ""
         flag += " litgpt" if x.get("litgpt") else ""
         # the step-time error of rows with a published rate, beside the memory error (details: the time table)
         t_err = f"{x['time_error_pct']:>+7.1f}" if "time_error_pct" in x else f"{'':>7}"
@@ -1605,7 +1863,10 @@ def print_table(results: list[dict]) -> None:
     lit = [x["id"] for x in results if x.get("litgpt")]
     if lit:
         full = [i for i in lit if "litgpt-full-loss" in next(x["litgpt"] for x in results if x["id"] == i)]
-        print(f"litgpt ({len(lit)} rows): {LITGPT_ATTENTION_NOTE}; {', '.join(full)} also {LITGPT_FULL_LOSS_NOTE}")
+        print(
+            f"litgpt ({len(lit)} rows): {LITGPT_ATTENTION_NOTE}, {LITGPT_GELU_NOTE}; "
+            f"{', '.join(full)} also {LITGPT_FULL_LOSS_NOTE}"
+        )
 
 
 def print_time_table(results: list[dict]) -> None:
@@ -1766,6 +2027,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         )
                     },
                     legacy_softmax=x.get("legacy_softmax", False),
+                    keep_gradients=x.get("keep_gradients", False),
                 ).plan_key()
                 and row.value == x["value"]
                 and row.metric == x["metric"]
