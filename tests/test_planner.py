@@ -722,3 +722,42 @@ def test_bundled_gemma3_checkpoints_are_the_published_vision_language_models(nam
     assert round(n / 1e8) == round(card / 1e8), n  # 4,300,079,472 and 12,187,325,040
     text = resolve_config(load_recipe({}, {"model.name": name}))
     assert text.model_type == "gemma3_text" and count_parameters(text) == PUBLISHED_PARAMS[name]
+
+
+def test_depth_extrapolation_follows_a_phase_high_that_moves_with_depth():
+    """BERT-large dimensions, bf16 autocast with checkpointing, 2 micro-batches: autocast keeps each
+    layer's 16-bit weight copies until the forward ends, so the forward's high grows with depth, while at
+    one or two layers a fixed temporary of the first backward (the embedding's gradient) stands higher in
+    the same window. Extrapolated segment by segment, the 8-layer plan from 1- and 2-layer simulations
+    equals the 8-layer simulation; the window's high extrapolated as one stayed at the fixed point."""
+    import copy
+    from unittest import mock
+
+    from bigtune.plan import simulate as sim_mod
+
+    r = load_recipe(
+        ROOT / "recipes" / "distilbert-sst2.yaml",
+        {
+            "model.name": "bert-large-uncased",
+            "model.attn_implementation": "eager",
+            "data.max_seq_length": 512,
+            "precision": "bf16-mixed",
+            "train.micro_batch_size": 1,
+            "train.global_batch_size": 2,
+            "train.activation_checkpointing": True,
+            "optim.zero_grad": "before_backward",
+        },
+    )
+    cfg = copy.deepcopy(resolve_config(r))
+    cfg.num_hidden_layers = 8
+    direct = sim_mod.simulate(r, cfg, 8, cuda=False)
+    planned = sim_mod.simulate_full_depth(r, cfg, cuda=False)
+    with mock.patch.object(sim_mod, "_segment_lift", lambda *args: (0, 0)):
+        as_one = sim_mod.simulate_full_depth(r, cfg, cuda=False)
+    for phase in ("after_forward", "after_backward", "after_optimizer"):
+        for key in ("phase_peak", "phase_peak_activations"):
+            want, got = direct.phases[phase][key], planned.phases[phase][key]
+            assert abs(got - want) <= 0.005 * want, (phase, key, got, want)
+    assert planned.peak_allocated == direct.peak_allocated
+    forward_high = direct.phases["after_forward"]["phase_peak_activations"]
+    assert as_one.phases["after_forward"]["phase_peak_activations"] < 0.6 * forward_high

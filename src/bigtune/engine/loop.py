@@ -519,6 +519,8 @@ def train_step(
             # Backward needs the loss's saved tensors, not the logits: holding them through backward
             # would add tokens × vocab × bytes to the step's peak.
             del logits
+            if track:
+                monitor.mark_segment()  # the forward's high, apart from the backward's (planner: simulate)
             if measure and last:
                 snaps.append(monitor.snapshot(state.step, "after_forward", model, opt))
             if late_zero and i == 0:
@@ -535,6 +537,8 @@ def train_step(
                 del aux
             state.phase = "backward"
             fabric.backward(loss, **backward_kwargs(fabric))
+            if track:
+                monitor.mark_segment()
         del loss
     if measure:
         snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))

@@ -58,9 +58,15 @@ class Snapshot:
     # it: the caching allocator's reserved memory plus the CUDA context and anything outside PyTorch
     # (other processes too). None on the CPU.
     device_used: Optional[int] = None
+    # CPU tracker: the (peak, non-state peak) of each segment of this phase's window, in order (the engine
+    # marks the end of every micro-batch's forward and backward; the snapshot closes the last one).
+    # The planner extrapolates them one by one to the model's depth (simulate.simulate_full_depth).
+    phase_segment_peaks: Optional[tuple] = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["phase_segment_peaks"]  # the planner's, not a record for the run's memory.jsonl
+        return out
 
 
 def zero_tensors(optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -270,6 +276,12 @@ class MemoryMonitor:
             b.register_full_backward_pre_hook(reached) for b in blocks
         ]
 
+    def mark_segment(self) -> None:
+        """The engine ends a micro-batch's forward or backward: a segment of the phase's window (CPU
+        tracker only; see Snapshot.phase_segment_peaks)."""
+        if self._active and self.tracker is not None:
+            self.tracker.mark_segment()
+
     def end_step(self) -> None:
         if self._active and self.tracker is not None:
             self.tracker.__exit__(None, None, None)
@@ -280,7 +292,7 @@ class MemoryMonitor:
 
     def snapshot(self, step: int, phase: str, model: torch.nn.Module, optimizer) -> Snapshot:
         states = model_state_bytes(model, optimizer, self.device.type)
-        phase_peak = unheld_peak = unheld_late = pending = None
+        phase_peak = unheld_peak = unheld_late = pending = segments = None
         if self.is_cuda:
             allocated = torch.cuda.memory_allocated(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -291,6 +303,8 @@ class MemoryMonitor:
         else:
             assert self.tracker is not None
             allocated, peak = self.tracker.live_bytes, self.tracker.peak_bytes
+            self.tracker.mark_segment()
+            segments = tuple(self.tracker.segment_peaks)
             phase_peak = self.tracker.window_peak
             unheld_peak = self.tracker.window_unheld_peak if self._following else None
             unheld_late = self.tracker.window_unheld_late if self._following else None
@@ -317,6 +331,7 @@ class MemoryMonitor:
             phase_peak_activations=unheld_peak,
             phase_peak_activations_late=unheld_late,
             phase_gradients_pending_late=pending,
+            phase_segment_peaks=segments,
             **states,
         )
         self.last = snap

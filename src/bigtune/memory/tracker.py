@@ -66,6 +66,11 @@ class LiveTensorTracker(TorchDispatchMode):
         # window's new gradients): see MemoryMonitor.snapshot's phase_gradients_pending_late
         self.window_held_start = 0
         self.window_live_late = 0
+        # Highs of the window's segments (mark_segment: the engine marks each micro-batch's forward and
+        # backward), closed ones in order, as (peak, unheld peak): the planner extrapolates each on its own,
+        # since the point of a window that holds its high can move with the model's depth.
+        self.segment_peaks: list[tuple[int, int]] = []
+        self._segment_peak = self._segment_unheld_peak = 0
         self._generation = 0
         # Called as observer(func, args, kwargs, out) after each operator: the planner's time model
         # (roofline.OpCounter.observe) rides on this mode instead of stacking a second one.
@@ -173,8 +178,17 @@ class LiveTensorTracker(TorchDispatchMode):
             self.window_unheld_late = self.live_bytes - self.held_bytes
             self.window_live_late = self.live_bytes - self.window_held_start
 
+    def mark_segment(self) -> None:
+        """Close the window's current segment (its highs go to segment_peaks) and start the next."""
+        self.segment_peaks.append((self._segment_peak, self._segment_unheld_peak))
+        self._segment_peak, self._segment_unheld_peak = self.live_bytes, self.live_bytes - self.held_bytes
+
     def _after_growth(self) -> None:
         unheld = self.live_bytes - self.held_bytes
+        if unheld > self._segment_unheld_peak:
+            self._segment_unheld_peak = unheld
+        if self.live_bytes > self._segment_peak:
+            self._segment_peak = self.live_bytes
         if unheld > self.window_unheld_peak:
             self.window_unheld_peak = unheld
         if self.window_unheld_late is not None:
@@ -199,6 +213,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.window_unheld_peak = self.live_bytes - self.held_bytes
         self.window_unheld_late = None
         self.window_held_start, self.window_live_late = self.held_bytes, 0
+        self.segment_peaks = []
+        self._segment_peak, self._segment_unheld_peak = self.window_peak, self.window_unheld_peak
 
     def clear(self) -> None:
         self._generation += 1

@@ -61,6 +61,9 @@ class Sim:
     # ``needed`` replayed with expandable segments where the recipe keeps PyTorch's default allocator (0: not
     # replayed): what train.cuda_alloc_conf=expandable_segments:True would need instead
     needed_expandable: int = 0
+    # phase -> the (peak, non-state peak) of each segment of its window as simulated (MemoryMonitor's
+    # Snapshot.phase_segment_peaks, before _analytic_bytes): simulate_full_depth extrapolates them one by one
+    segments: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -336,6 +339,7 @@ def simulate(
             pipeline = emulated_runner(r, fabric, wrapped, stage, cfg)
         snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace, pipeline)
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
+    segments = {s.phase: s.phase_segment_peaks for s in snaps if s.phase_segment_peaks}
     peak = max(s.peak_allocated for s in snaps)
     replayed = (0, 0, 0)  # reserved, needed, needed with expandable segments
     if events is not None:
@@ -362,6 +366,7 @@ def simulate(
         nf4,
         *constants,
         needed_expandable=needed_expandable,
+        segments=segments,
     )
 
 
@@ -737,18 +742,7 @@ def simulate_full_depth(
             return None  # a measure not every simulation has (e.g. no gradient stored in that phase)
         return int(round(b0 + sum((get(sim) - b0) * times for sim, times in grown)))
 
-    phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
-    # Max and extrapolation do not commute: which phase holds the step's peak can change with depth
-    # (shallow, the logits' backward; deep, the optimizer's temporaries over all the weights). Each
-    # phase's own high-water mark sits at the same point of the step at every depth, so it
-    # extrapolates; the step's peak is the highest of them, and each phase's cumulative peak the
-    # highest so far.
-    running = 0
-    for name in PHASES:
-        if name in phases:
-            ph = phases[name]
-            running = max(running, ph["allocated"], ph["phase_peak"] or 0)
-            ph["peak_allocated"] = max(ph["peak_allocated"], running)
+    phases, running = _full_depth_phases(base, grown, ext)
     peak = max(ext(lambda x: x.peak_allocated), running)
     # Operator rows are linear in depth too (each block adds the same kernels); counts, FLOPs, bytes.
     keys = set(base.ops).union(*(sim.ops for sim, _ in grown))
@@ -779,6 +773,53 @@ def simulate_full_depth(
         base.fsdp_upcast_optimizer,
         base.nf4,
     )
+
+
+def _full_depth_phases(base: Sim, grown: list, ext) -> tuple[dict, int]:
+    """simulate_full_depth's phases at full depth and the step's running high over them (``ext``: its
+    linear extrapolation over ``base`` and the ``grown`` simulations)."""
+    phases = {ph: {c: ext(lambda x, ph=ph, c=c: x.phases[ph][c]) for c in CATEGORIES} for ph in base.phases}
+    for name, ph in phases.items():
+        lift, lift_unheld = _segment_lift(name, [base] + [sim for sim, _ in grown], ext)
+        if ph.get("phase_peak") is not None:
+            ph["phase_peak"] += lift
+        if ph.get("phase_peak_activations") is not None:
+            ph["phase_peak_activations"] += lift_unheld
+    # Max and extrapolation do not commute: which phase holds the step's peak can change with depth
+    # (shallow, the logits' backward; deep, the optimizer's temporaries over all the weights). Each
+    # phase's own high is extrapolated (segment by segment where its point moves too, _segment_lift);
+    # the step's peak is the highest of them, and each phase's cumulative peak the highest so far.
+    running = 0
+    for name in PHASES:
+        if name in phases:
+            ph = phases[name]
+            running = max(running, ph["allocated"], ph["phase_peak"] or 0)
+            ph["peak_allocated"] = max(ph["peak_allocated"], running)
+    return phases, running
+
+
+def _segment_lift(phase: str, sims: list[Sim], ext) -> tuple[int, int]:
+    """What a phase's high (and its non-state high) gains when each segment of its window is extrapolated
+    to full depth on its own rather than the window's high as one (``ext``: simulate_full_depth's linear
+    extrapolation over ``sims``, the shallow simulations).
+
+    A window's high is the highest of several points of the step (the end of a micro-batch's forward,
+    a gradient's allocation in its backward, ...), each linear in depth; their maximum is convex in
+    depth, so a line through its values at two shallow depths lies below it further on wherever the
+    highest point changes: at one or two blocks a fixed temporary can stand highest where, at full depth,
+    the end of the forward does (autocast's cached 16-bit weights under checkpointing grow with every
+    block). The segments (each micro-batch's forward and backward) separate such points; the gain is
+    never negative (the highest segment's own line passes at least as high), and 0 where the segments
+    are missing or do not match across the simulations."""
+    segs = [s.segments.get(phase) for s in sims]
+    if not all(segs) or len({len(x) for x in segs}) != 1:
+        return 0, 0
+    lifts = []
+    for k in (0, 1):  # the peak, the non-state peak
+        each = max(ext(lambda s, i=i, k=k: s.segments[phase][i][k]) for i in range(len(segs[0])))
+        whole = ext(lambda s, k=k: max(x[k] for x in s.segments[phase]))
+        lifts.append(max(0, each - whole))
+    return lifts[0], lifts[1]
 
 
 RESERVED_DEPTHS = (4, 8)  # units of depth per stack in the two traced simulations reserved is estimated from
