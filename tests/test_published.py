@@ -104,3 +104,32 @@ def test_published_rates_faster_than_the_dense_peak_are_kept_out_of_the_time_sta
     s = published.statistics_of(rows)
     assert s["step_time"]["n"] == 1 and s["step_time"]["worst_id"] == "slow"
     assert s["step_time_beyond_peak"] == ["fast"] and s["reserved"]["n"] == 2
+
+
+def test_litgpt_gelu_emulation_is_the_same_function_fused(monkeypatch):
+    """litgpt-gelu swaps transformers' written-out gelu_new for the fused tanh GELU litgpt calls: the same
+    values (it changes what the backward keeps, not the result)."""
+    import torch
+    from transformers import activations
+
+    monkeypatch.setattr(activations.NewGELUActivation, "forward", activations.NewGELUActivation.forward)
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64)
+    written_out = activations.NewGELUActivation()(x)
+    published._litgpt_gelu()
+    fused = activations.NewGELUActivation()(x)
+    assert torch.allclose(fused, written_out, atol=1e-12)
+
+
+def test_keep_gradients_emulation_zeroes_in_place(monkeypatch):
+    """keep_gradients: zero_grad as before PyTorch 2.0 (set_to_none=False), so the gradient tensors stay
+    allocated, zeroed, whatever the caller asks."""
+    import torch
+
+    monkeypatch.setattr(torch.optim.Optimizer, "zero_grad", torch.optim.Optimizer.zero_grad)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    (w * 2).sum().backward()
+    grad = w.grad
+    published._keep_gradients()
+    opt.zero_grad(set_to_none=True)
+    assert w.grad is grad and torch.equal(grad, torch.zeros(3))
