@@ -1351,7 +1351,7 @@ ROWS: list[Row] = [
     ),
     # ---- issue #25: more of litgpt config_hub/finetune/README.md @03ffc551 (A10G 24GB, Alpaca2k max_seq_length
     # 512, bf16-true, torch AdamW betas 0.9/0.95, one device unless named; accumulation = global / micro batch).
-    # Gemma: litgpt's checkpoint conversion gives the head its own copy of the embedding (HF ties the two), and
+    # Gemma: litgpt's GPT holds lm_head and wte as two parameters, never tied (litgpt/model.py; HF ties them), and
     # its bnb.nf4 quantizes that head too; planned with HF's tied head, so the LoRA rows lack ~1 GB (2B) and
     # ~1.8 GB (9B) of bf16 head the source held. ----
     *[
