@@ -826,7 +826,8 @@ def row_from_summary(s: dict, metrics: list[dict]) -> dict:
     row["peak_error_pct"] = error_pct(row["predicted_peak_allocated"], row["measured_peak_allocated"])
     row["reserved_error_pct"] = error_pct(row["predicted_peak_reserved"], row["measured_peak_reserved"])
     row["total_error_pct"] = error_pct(row["predicted_peak_total"], row["measured_device_used"])
-    # calibration inputs for the planner's CUDA assumptions (RESERVED_OVER_ALLOCATED, CUDA_CONTEXT_BYTES)
+    # checks of the planner's CUDA side: the measured reserved/allocated ratio (the plan replays the allocator)
+    # and what the device holds outside the allocator (CUDA_CONTEXT_BYTES, assumed)
     row["measured_reserved_over_allocated"] = ratio(row["measured_peak_reserved"], row["measured_peak_allocated"])
     row["measured_outside_allocator"] = (
         row["measured_device_used"] - row["measured_peak_reserved"]

@@ -1814,9 +1814,6 @@ def compare(row: Row, plan: Optional[dict]) -> dict:
             out["implied_peak_pct"] = 100 * floor / out["published_step_s"]
     if row.metric == "fit":
         out["agree"] = (plan["fits"] is True) == (row.expect == "fit")
-        # The same prediction without the 2 % the plan keeps free (FIT_MARGIN, advice, not physics): does
-        # what the replayed allocator needs, plus the context, fit the card at all?
-        out["agree_without_margin"] = (plan["needed_total"] <= plan["capacity"]) == (row.expect == "fit")
     else:
         got = planned_gib(row, plan)
         out["planned_gib"] = got
@@ -1932,7 +1929,6 @@ def statistics_of(results: list[dict]) -> dict:
         "of": len(fit),
         "disagree": [x["id"] for x in fit if not x["agree"]],
         "tight": [x["id"] for x in fit if x.get("plan_tight")],
-        "agree_without_margin": sum(bool(x.get("agree_without_margin")) for x in fit),
     }
     return out
 
@@ -1960,11 +1956,6 @@ def print_statistics(s: dict) -> None:
         + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else "")
         + (f"; called tight by the plan (~): {', '.join(f['tight'])}" if f.get("tight") else "")
     )
-    if "agree_without_margin" in f:
-        print(
-            "fit/OOM by the need alone (need <= card, without the 2 % the plan keeps free, FIT_MARGIN): "
-            f"{f['agree_without_margin']} of {f['of']}"
-        )
 
 
 def write_json(path: Path, doc: dict) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from bigtune.core.gpus import custom_gpu, find_gpu
 from bigtune.models.configs import resolve_config_name
-from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
+from bigtune.plan.constants import CUDA_CONTEXT_BYTES, GIB
 from bigtune.plan.serving import (
     ASSUMED_DECODE_BW_EFFICIENCY,
     Workload,
@@ -25,6 +25,8 @@ from bigtune.plan.serving import (
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from conftest import ROOT, run_cli
+
+MiB = 2**20
 
 
 def _recipe(model: str, **over):
@@ -60,7 +62,7 @@ def test_cpu_plan_matches_measured_peak(model, task, b, p, n, dtype):
     plan = plan_inference(r, Target("cpu"), w)
     measured = measure_cpu(_config(model), r.model.family, w)
     assert plan.weights == measured["weights"]
-    assert plan.overhead == 0 and plan.peak_total == plan.peak_allocated  # no CUDA terms on a CPU
+    assert plan.overhead == 0 and plan.peak_total == plan.needed_total == plan.peak_allocated  # no CUDA terms
     assert abs(plan.peak_allocated - measured["peak"]) / measured["peak"] < 0.05, (plan.peak_allocated, measured)
 
 
@@ -110,7 +112,7 @@ def test_depth_extrapolation_matches_a_deeper_measurement():
 def test_largest_batch_fits_and_one_more_does_not():
     r = _recipe("tiny-opt")
     w = Workload("generate", 4, 32, 16, torch.float32)
-    cap_gib = (CUDA_CONTEXT_BYTES + 6 * 2**20) / GIB / (1 - FIT_MARGIN)  # 6 MiB above the context
+    cap_gib = (CUDA_CONTEXT_BYTES + 6 * 2**20) / GIB  # 6 MiB above the context
     target = Target("cuda", custom_gpu(cap_gib, find_gpu("a10g")))
     p = plan_inference(r, target, w)
     m = p.max_batch_size
@@ -118,7 +120,76 @@ def test_largest_batch_fits_and_one_more_does_not():
     at = plan_inference(r, target, dataclasses.replace(w, batch_size=m), search_batch=False)
     above = plan_inference(r, target, dataclasses.replace(w, batch_size=m + 1), search_batch=False)
     assert at.fits and not above.fits
-    assert at.peak_total == int(at.peak_allocated * RESERVED_OVER_ALLOCATED) + CUDA_CONTEXT_BYTES
+    # reserved is the caching allocator's: whole 2 MiB segments, at least the allocated peak; what must fit
+    # (its least capacity + context) lies between allocated + context and reserved + context
+    assert at.peak_reserved % (2 * MiB) == 0 and at.peak_reserved >= at.peak_allocated
+    assert at.peak_total == at.peak_reserved + CUDA_CONTEXT_BYTES
+    assert at.peak_allocated + CUDA_CONTEXT_BYTES <= at.needed_total <= at.peak_total
+
+
+def test_cuda_reserved_is_a_caching_allocator_replay_not_a_ratio():
+    """Reserved on a GPU comes from replaying the batch's storages through the caching allocator model; on
+    a CPU nothing is replayed."""
+    from bigtune.plan.allocator import round_size, segment_size
+
+    a10g = Target("cuda", find_gpu("a10g"))
+    # tiny-opt: every storage is at most 1 MiB (the small pool) and at most 0.6 MiB are alive at once, so one
+    # 2 MiB small-pool segment holds the whole batch
+    w = Workload("generate", 4, 16, 8, torch.bfloat16)
+    tiny = simulate(_config("tiny-opt"), "causal-lm", w, cuda=True)
+    assert max(tiny.phases.values()) < 0.6 * MiB and tiny.reserved == tiny.needed == 2 * MiB
+    cpu = simulate(_config("tiny-opt"), "causal-lm", w, cuda=False)
+    assert cpu.reserved == cpu.needed == 0  # nothing replayed on a CPU
+    # OPT-1.3b: its 8 MiB attention weights share 20 MiB segments two by two (the third does not fit the
+    # 4 MiB left), so reserved is well above allocated; nf4 weights are replayed at their packed sizes
+    r, cfg = _recipe("facebook/opt-1.3b"), _config("facebook/opt-1.3b")
+    w = Workload("generate", 1, 16, 2, torch.float16)
+    dense = plan_inference(r, a10g, w, config=cfg, search_batch=False)
+    q = plan_inference(r, a10g, dataclasses.replace(w, quantize="nf4"), config=cfg, search_batch=False)
+    ratios = []
+    for p in (dense, q):
+        assert p.peak_reserved % (2 * MiB) == 0 and p.peak_reserved >= p.peak_allocated
+        assert p.peak_allocated + CUDA_CONTEXT_BYTES <= p.needed_total <= p.peak_total
+        ratios.append(p.peak_reserved / p.peak_allocated)
+    ratios.append(tiny.reserved / max(tiny.phases.values()))
+    assert min(abs(x - y) for i, x in enumerate(ratios) for y in ratios[i + 1 :]) > 0.02, ratios  # no one ratio
+    # the dequantized temporary (fc1/fc2: 2048 × 8192 fp16 = 32 MiB) is allocated and reserved as its own segment
+    sim = simulate_full_depth(cfg, "causal-lm", dataclasses.replace(w, quantize="nf4"), True, "sdpa", (8, 6))
+    temporary = 2048 * 8192 * 2
+    assert q.peak_allocated == max(sim.phases.values()) + temporary
+    assert q.peak_reserved == sim.reserved + segment_size(round_size(temporary)) == sim.reserved + 32 * MiB
+    assert q.needed_total == sim.needed + 32 * MiB + CUDA_CONTEXT_BYTES
+    # the packed weights free at least the bytes they save: the 2 MiB packed attention weights also pack
+    # tighter into the 20 MiB segments than the 8 MiB dense ones did (a fixed ratio would free 1.05 × as much)
+    saved = dense.weights - q.weights
+    assert saved <= dense.peak_reserved - (q.peak_reserved - 32 * MiB) < 1.15 * saved
+
+
+def test_replayed_bytes_extrapolate_over_depth_like_the_training_planner():
+    """The rule (simulate.replayed_over_depth) on made-up replays, then against a deeper model replayed whole."""
+    from bigtune.plan.serving import replayed_at_depth
+
+    def sim(allocated: int, reserved: int, needed: int) -> dict:
+        return {"phase:prefill": allocated * MiB, "phase:decode": 0, "reserved": reserved * MiB, "needed": needed * MiB}
+
+    # the slope between the depths and the deeper ratio agree: 1.2 (reserved) and 1.1 (need) at 1000 MiB
+    assert replayed_at_depth(sim(100, 120, 110), sim(150, 180, 165), sim(1000, 0, 0)) == (1200 * MiB, 1100 * MiB, 0)
+    # a slope below 1 (cached blocks absorbed the deeper layer) counts as 1: 160 + 850 = 1010 by the slope,
+    # 1000 × 160 / 150 = 1066.7 by the ratio; their mean, 1038.3, rounded up to whole 2 MiB
+    assert replayed_at_depth(sim(100, 140, 140), sim(150, 160, 160), sim(1000, 0, 0))[:2] == (1040 * MiB, 1040 * MiB)
+    # never below the full-depth allocated bytes (999 MiB, then whole segments), the need never above reserved
+    assert replayed_at_depth(sim(100, 100, 100), sim(150, 150, 150), sim(999, 0, 0))[:2] == (1000 * MiB, 1000 * MiB)
+    assert replayed_at_depth(sim(100, 120, 130), sim(150, 180, 200), sim(1000, 0, 0))[:2] == (1200 * MiB, 1200 * MiB)
+    # a 7B model's shapes, 12 layers: extrapolated from 4 and 8 layers vs replayed at 12 (within 2 %)
+    cfg = copy.deepcopy(resolve_config_name(load_recipe(str(ROOT / "recipes" / "open-llama-7b-full.yaml")).model))
+    cfg.num_hidden_layers = 12
+    w = Workload("generate", 2, 128, 16, torch.bfloat16)
+    direct = simulate(cfg, "causal-lm", w, cuda=True)
+    extrapolated = simulate_full_depth(cfg, "causal-lm", w, cuda=True)
+    assert extrapolated.phases == direct.phases
+    assert extrapolated.reserved % (2 * MiB) == 0 and extrapolated.needed <= extrapolated.reserved
+    for k in ("reserved", "needed"):
+        assert abs(getattr(extrapolated, k) - getattr(direct, k)) < 0.02 * getattr(direct, k), k
 
 
 def test_decode_estimate_is_bandwidth_bound_and_kv_grows_it():

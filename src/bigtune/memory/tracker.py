@@ -4,6 +4,7 @@ would report, and under fake tensors it records the planner's allocation trace.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -44,6 +45,8 @@ class LiveTensorTracker(TorchDispatchMode):
         # With a list, every registration and death is appended in order, as ("alloc", serial,
         # nbytes) / ("free", serial): the planner replays it through allocator.CachingAllocator.
         self.events = events
+        # > 0 inside untraced(): storages born there are counted but left out of ``events``
+        self._untraced = 0
         self._serial: dict[int, int] = {}
         self.cap_bytes = cap_bytes
         # The planner sets 512 to emulate the CUDA caching allocator, which rounds every block up.
@@ -123,7 +126,7 @@ class LiveTensorTracker(TorchDispatchMode):
             serial = self._serial.pop(key, None)
             if serial is not None:
                 self.events.append(("free", serial))
-            if st.nbytes():
+            if st.nbytes() and not self._untraced:
                 self._serial[key] = len(self.events)
                 self.events.append(("alloc", len(self.events), st.nbytes()))
         self._after_growth()
@@ -138,7 +141,7 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         self._sizes[key] = size
         self.live_bytes += size
-        if self.events is not None and st.nbytes():
+        if self.events is not None and st.nbytes() and not self._untraced:
             self._serial[key] = len(self.events)
             self.events.append(("alloc", len(self.events), st.nbytes()))
 
@@ -152,6 +155,16 @@ class LiveTensorTracker(TorchDispatchMode):
             if id(st) not in self._sizes:
                 self._register(st)
         self._after_growth()
+
+    @contextlib.contextmanager
+    def untraced(self):
+        """Storages born inside stay out of ``events`` (still counted live): on a GPU they would be host
+        memory, such as a CPU-offloaded optimizer's state and the temporaries of its host-side update."""
+        self._untraced += 1
+        try:
+            yield
+        finally:
+            self._untraced -= 1
 
     def hold(self, tensors: Iterable[Any]) -> None:
         """Count these tensors' storages as model states from now on (registering them if new)."""

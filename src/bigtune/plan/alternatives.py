@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from bigtune.models.configs import resolve_config
-from bigtune.plan.constants import CATEGORIES, ZERO_ALTERNATIVE
+from bigtune.plan.constants import CATEGORIES, FIT_UNCERTAINTY, ZERO_ALTERNATIVE
 from bigtune.plan.planner import count_parameters, plan, state_bytes_lower_bound
 from bigtune.plan.sharding import simulation_recipe
-from bigtune.plan.simulate import Sim, sim_key, simulate_full_depth
+from bigtune.plan.simulate import RESERVED_DEPTHS, Sim, estimate_reserved, sim_key, simulate_full_depth
 from bigtune.plan.target import Plan, Target, target_arch
 from bigtune.plan.tensor_parallel import SPLIT_SIZES, rank_config
 from bigtune.recipe import Recipe, RecipeError, load_recipe
@@ -80,6 +80,8 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
         lo.fsdp_upcast,
         lo.fsdp_upcast_optimizer,
         lo.nf4,
+        replay=f"caching-allocator replays at micro batch {m_lo} and {m_hi}, interpolated" if lo.reserved else "",
+        replay_spread=max(lo.replay_spread, hi.replay_spread),
     )
 
 
@@ -99,7 +101,11 @@ def _run_sims(
         grouped = [k for k, (r, _) in jobs.items() if r.peft.method != "none"] if "peft" not in sys.modules else []
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
             group = ex.submit(_sim_group, [(k, *jobs[k]) for k in grouped], config, cuda, arch) if grouped else None
-            futs = {k: ex.submit(_sim_job, r, config, cuda, m, arch) for k, (r, m) in jobs.items() if k not in grouped}
+            # the longest first (a rank's share of the batch), so no long one is left running alone at the end
+            order = sorted(
+                (k for k in jobs if k not in grouped), key=lambda k: -jobs[k][1] / jobs[k][0].tensor_parallel
+            )
+            futs = {k: ex.submit(_sim_job, jobs[k][0], config, cuda, jobs[k][1], arch) for k in order}
             out = {k: f.result() for k, f in futs.items()}
             return {**out, **(group.result() if group is not None else {})}
     return {k: _sim_job(r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
@@ -113,7 +119,27 @@ def _sim_job(recipe: Recipe, config, cuda: bool, micro: int, arch: Optional[tupl
     r = copy.deepcopy(recipe)
     r.train.micro_batch_size = micro
     # A tensor-parallel variant simulates the model one rank of its group computes (its sim_key says so).
-    return simulate_full_depth(r, rank_config(config, r.tensor_parallel), cuda, arch=arch)
+    # On a CUDA target the shallow steps are traced: the variant's reserved and least capacity come from
+    # its own allocator replay (planner._reserved_and_needed), not from a ratio assumed for every model.
+    return simulate_full_depth(r, rank_config(config, r.tensor_parallel), cuda, arch=arch, trace=cuda)
+
+
+def _replayed_deeper(recipe: Recipe, micro: int, sim: Sim, config, arch: Optional[tuple[int, int]]) -> Sim:
+    """``sim`` with reserved and the least capacity from the deeper traced pair the recipe's own plan replays
+    (estimate_reserved), for a one-device variant whose shallow replays' extrapolations disagree by more than
+    the planner's typical error (a reuse jump between 1 and 2 blocks, such as a large vocabulary's loss
+    segments): there the replay is the verdict. Several devices apply a ratio to a sharded peak anyway."""
+    import dataclasses
+
+    r = copy.deepcopy(recipe)
+    r.train.micro_batch_size = micro
+    reserved, needed, _, _ = estimate_reserved(r, rank_config(config, r.tensor_parallel), sim, arch)
+    how = (
+        f"a caching-allocator replay of this step {RESERVED_DEPTHS[0]} and {RESERVED_DEPTHS[1]} blocks deep, "
+        f"extrapolated to full depth (the extrapolations of its replays 1 and 2 blocks deep were "
+        f"{sim.replay_spread:.0%} apart)"
+    )
+    return dataclasses.replace(sim, reserved=reserved, needed=needed, replay=how, replay_spread=0.0)
 
 
 class Alternatives(list):
@@ -199,7 +225,9 @@ def alternatives(
     # a later call for another GPU of that class (plan --compare-gpus) simulates only what is new.
     sims = sims if sims is not None else {}
     sims.update(
-        _run_sims({k: v for k, v in vs.jobs.items() if k not in sims}, config, cuda, workers, target_arch(target))
+        _run_sims(
+            {k: v for k, v in vs.jobs.items() if _missing(k, sims, cuda)}, config, cuda, workers, target_arch(target)
+        )
     )
     plans, oom_several = _plan_variants(vs, target, config, sims)
     # Where several GPUs were not enough though their share of the model states would fit (those were
@@ -209,7 +237,11 @@ def alternatives(
         extra = _checkpointed_variants(vs, oom_several)
         sims.update(
             _run_sims(
-                {k: (r_c, m) for *_, k, r_c, m in extra if k not in sims}, config, cuda, workers, target_arch(target)
+                {k: (r_c, m) for *_, k, r_c, m in extra if _missing(k, sims, cuda)},
+                config,
+                cuda,
+                workers,
+                target_arch(target),
             )
         )
         n_evaluated += len(extra)
@@ -222,6 +254,12 @@ def alternatives(
     plans += [p for p in pipelined if p.fits is None or p.fits]
     plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
     return Alternatives(plans, evaluated=n_evaluated)
+
+
+def _missing(key: str, sims: dict[str, Sim], cuda: bool) -> bool:
+    """Whether ``key`` must be simulated: not yet, or (CUDA) not replayed through the caching allocator (plan()
+    shares its own simulation untraced where its peak alone exceeds the card)."""
+    return key not in sims or (cuda and not sims[key].reserved)
 
 
 def _pipeline_plans(recipe: Recipe, target: Target, config, max_gpus: int, workers: int) -> list[Plan]:
@@ -576,6 +614,9 @@ def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim]) 
     """(plans that fit or cannot tell, (GPUs, strategy) of the multi-GPU variants that ran out of memory)."""
     plans, oom_several = [], []
     for label, over, gpus, strategy, how in vs.todo:
+        for key in how[:2] if isinstance(how, tuple) else (how,):
+            if gpus == 1 and sims[key].replay_spread > FIT_UNCERTAINTY:  # kept: other variants share it
+                sims[key] = _replayed_deeper(*vs.jobs[key], sims[key], config, target_arch(target))
         if isinstance(how, tuple):
             key_lo, key_hi, m = how
             sim = _interpolate(sims[key_lo], sims[key_hi], 1, vs.m0, m)

@@ -21,13 +21,9 @@ CATEGORIES = (
 # --- assumptions for CUDA targets (not seen by simulation; uncalibrated until GPU runs are committed) ---
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # CUDA context + cuBLAS/cuDNN handles outside PyTorch's allocator
 
-RESERVED_OVER_ALLOCATED = 1.05  # caching-allocator fragmentation: reserved ≈ 1.05 × peak allocated
-
 ZERO_ALTERNATIVE = "deepspeed_stage_3_offload"  # the DeepSpeed strategy --alternatives tries on several GPUs
 
 CUBLAS_HANDLES = 2  # cuBLAS workspaces a training step creates (see plan())
-
-FIT_MARGIN = 0.02  # keep 2 % of the card free before calling a plan FITS
 
 # Not a safety margin but a statement of what the planner knows: its median absolute error on published
 # GPU peaks is about 5 % (bench/results/published-cpu-2026-11-23.json, peak allocated 5.2 %). A plan whose

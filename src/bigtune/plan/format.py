@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bigtune.memory.monitor import PHASES
-from bigtune.plan.constants import FIT_MARGIN, FIT_UNCERTAINTY, GIB
+from bigtune.plan.constants import FIT_UNCERTAINTY, GIB
 from bigtune.plan.target import Plan
 
 
@@ -44,8 +44,7 @@ def format_plan(p: Plan) -> str:
         verdict = "FITS" if p.fits else "OOM"
         need = p.needed_total or p.peak_total
         lines.append(
-            f"{verdict}: needs {need / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
-            f"({100 * need / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})"
+            f"{verdict}: needs {need / GIB:.2f} of {p.capacity / GIB:.2f} GiB ({100 * need / p.capacity:.0f}%)"
         )
         if p.tight:
             lines.append(tight_advice(p))

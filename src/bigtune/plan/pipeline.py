@@ -166,7 +166,7 @@ def _stage_sim(args: tuple):
     from bigtune.plan.simulate import simulate_full_depth
 
     recipe, cfg, cuda, arch, stage = args
-    return simulate_full_depth(recipe, cfg, cuda, arch=arch, stage=stage)
+    return simulate_full_depth(recipe, cfg, cuda, arch=arch, stage=stage, trace=cuda)
 
 
 # The monitor's phase highs of what is not a model state (the receive buffers and inputs are among it).

@@ -31,13 +31,14 @@ import torch
 
 from bigtune.core.allocconf import AllocatorConfig
 from bigtune.models.configs import resolve_config
-from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED
+from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, GIB
 from bigtune.plan.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
 from bigtune.plan.quantized import EIGHT_BIT
 from bigtune.plan.sharding import host_state_bytes, shard_states
 from bigtune.plan.simulate import (
     Sim,
     config_family,
+    device_peak,
     estimate_reserved,
     get_depth,
     model_stacks,
@@ -117,9 +118,10 @@ def plan(
         notes.append(_nf4_note(recipe, sim, target, total_blocks(config)))
     if cuda:
         phases, peak, workspaces = _with_cublas_workspaces(phases, peak, target, notes)
-        # Replayed only for the recipe's own simulation, without a CPU-offloaded optimizer, where not a certain OOM.
+        # Replayed deep for the recipe's own simulation where not a certain OOM (a shared or traced one
+        # brings its replay along: sim.reserved).
         cap = target.capacity_bytes
-        replayed = replay and own_sim and not simulated_host and not (cap is not None and peak > cap)
+        replayed = replay and own_sim and not (cap is not None and peak > cap)
         replayed = replayed and stage_peaks is None  # the replay's traced simulations are of the whole model
         reserved, needed, needed_expandable = _reserved_and_needed(
             recipe, sim_recipe, config, sim, target, peak, workspaces, padded, workers, replayed, notes, images
@@ -131,8 +133,15 @@ def plan(
         needed, needed_expandable = peak, 0
     total = (reserved if reserved is not None else peak) + overhead
     cap = target.capacity_bytes
-    fits = None if cap is None else needed + overhead <= cap * (1 - FIT_MARGIN)
-    if fits is False and needed_expandable and needed_expandable + overhead <= cap * (1 - FIT_MARGIN):
+    # FITS by what the allocator must hold at the peak, after its free-and-retry path (least capacity), with
+    # the context; how sure that is is the plan's ``tight`` band (FIT_UNCERTAINTY), not a margin taken off.
+    fits = None if cap is None else needed + overhead <= cap
+    if fits and total > cap:
+        # On a roomy card the step would reserve more; on this one the allocator frees its wholly cached
+        # segments and retries instead (release_cached_blocks), so it never reserves more than there is.
+        reserved, total = cap - overhead, cap
+        notes.append("reserved capped at this card: the step runs on the free-and-retry path (slower steps)")
+    if fits is False and needed_expandable and needed_expandable + overhead <= cap:
         notes.append(
             f"FITS with train.cuda_alloc_conf: expandable_segments:True: replayed with it the allocator needs "
             f"{needed_expandable / GIB:.2f} GiB (one growing segment per pool, nothing pinned in half-used ones)"
@@ -365,34 +374,41 @@ def _reserved_and_needed(
     segments or 0) on a CUDA device, from an allocator replay where ``replayed``, else a fixed ratio to the
     peak; its notes go to ``notes``."""
     conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
+    on_device = max(1, device_peak(sim.phases, sim.peak_allocated))
     if not replayed and sim.reserved:
-        # a variant of --alternatives that shares the recipe's simulation: on one device the same step, on
-        # several its ratios, as below
+        # The variant's own step replayed one and two blocks deep (alternatives, pipeline stages), or a
+        # variant of --alternatives sharing the recipe's replayed simulation: on one device the same step,
+        # on several its ratios, as below.
+        how = sim.replay or "a caching-allocator replay of this step"
         if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
-            notes.append("reserved and least capacity of the recipe's replayed step (same simulation)")
+            notes.append(f"reserved and least capacity from {how}")
             return sim.reserved + workspaces, sim.needed + workspaces, 0
-        ratio, least_ratio = (x / max(1, sim.peak_allocated) for x in (sim.reserved, sim.needed))
-        notes.append(f"reserved/allocated ratio {ratio:.3f} of the recipe's replayed step (same simulation)")
+        ratio, least_ratio = (x / on_device for x in (sim.reserved, sim.needed))
+        notes.append(f"reserved/allocated ratio {ratio:.3f} from {how}")
         return int(peak * ratio), int(peak * least_ratio), 0
-    if not replayed:  # other variants, CPU-offloaded optimizers, certain OOMs: a fixed ratio, assumed
-        reserved = needed = int(peak * RESERVED_OVER_ALLOCATED)
+    if not replayed:  # a certain OOM, or the caller asked for allocated categories only (replay=False)
         unplayed = "" if conf.is_default else f"; PYTORCH_CUDA_ALLOC_CONF={conf} not replayed"
-        notes.append(f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated (assumed, not replayed{unplayed})")
-        return reserved, needed, 0
+        over = target.capacity_bytes is not None and peak > target.capacity_bytes
+        why = "the peak allocated alone exceeds the card" if over else "not asked for"
+        notes.append(
+            f"reserved not predicted (no caching-allocator replay: {why}{unplayed}); FITS/OOM judged by peak "
+            "allocated, the least any allocator needs"
+        )
+        return None, peak, 0
     # The single-device step replayed through the caching allocator; several devices keep its
     # reserved/allocated ratio (their sharded peak is analytic).
     replayed_bytes, least, how, least_expandable = estimate_reserved(
         sim_recipe, config, sim, target_arch(target), padded, workers=workers, images=images
     )
     # kept on the simulation, which plan() may have shared with --alternatives (its ``sims``)
-    sim.reserved, sim.needed = replayed_bytes, least
+    sim.reserved, sim.needed, sim.replay = replayed_bytes, least, "the recipe's replayed step (same simulation)"
     if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
         reserved, needed = replayed_bytes + workspaces, least + workspaces
         expandable = least_expandable + workspaces if least_expandable else 0
     else:
-        ratio = replayed_bytes / max(1, sim.peak_allocated)
-        reserved, needed = int(peak * ratio), int(peak * least / max(1, sim.peak_allocated))
-        expandable = int(peak * least_expandable / max(1, sim.peak_allocated))
+        ratio = replayed_bytes / on_device
+        reserved, needed = int(peak * ratio), int(peak * least / on_device)
+        expandable = int(peak * least_expandable / on_device)
         how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
     notes.extend(how)
     if not conf.is_default:

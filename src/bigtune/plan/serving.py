@@ -16,14 +16,18 @@ vision-language model (Qwen2-VL, LLaVA, LLaVA-NeXT, PaliGemma, SmolVLM) runs tha
 caption`` builds (chatvlm.caption_images: the chat template, each image's tokens, its pixels), the
 vision tower inside the prefill forward; ``predict`` is one
 forward without a cache (a classification head's, or a causal LM's full logits). Only the language
-model's first two and three layers are simulated;
+model's first two and three layers are simulated (four and eight for a CUDA target, see below);
 every byte count is then extrapolated linearly to the real depth, per phase, so a phase that peaks
 only on a deep model is still seen. On a CPU the plan therefore matches a measurement (tests:
 within 5 %); the KV-cache term is also given in closed form, 2·layers·kv_heads·head_dim·tokens·
 batch·bytes, and the two agree exactly.
 
-For a CUDA target the tracker rounds blocks to 512 bytes like the caching allocator; reserved
-memory and the CUDA context are the training planner's assumptions (``planner.py``). Times are
+For a CUDA target the tracker also records every storage's birth and death (the weights first, as
+loaded, then the inputs and every step), and that sequence is replayed through the model of PyTorch's
+CUDA caching allocator (``allocator.py``, PyTorch's default settings): its peak reserved, and the least
+device memory it runs in (the allocator frees its cache and retries when full), which is what FITS is
+judged by. Both are extrapolated over depth like the training planner's (``simulate.replayed_over_depth``).
+The CUDA context is the training planner's assumption (``planner.py``). Times are
 roofline *estimates*, stated with their assumptions: decode is bandwidth bound (each step reads
 every weight and the whole cache once), prefill is compute bound.
 """
@@ -44,7 +48,7 @@ from unittest import mock
 import torch
 
 from bigtune.models.configs import resolve_config_name
-from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_MARGIN, GIB, RESERVED_OVER_ALLOCATED, PlanError
+from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY, GIB, PlanError
 from bigtune.plan.target import Target, target_arch
 from bigtune.recipe import Recipe
 
@@ -164,6 +168,11 @@ class InferSim:
     lm_matmul_numel: int  # language model's nn.Linear weights (FLOPs and bytes per token)
     vision_matmul_numel: int  # vision tower + Q-Former nn.Linear weights
     largest_linear: int  # elements of the largest quantized nn.Linear weight (dequant temporary)
+    # CUDA targets (0 on a CPU): the caching allocator replayed over the batch (allocator.replay): its peak
+    # reserved, and the least device memory the replay survives on (allocator.least_capacity: what must fit)
+    reserved: int = 0
+    needed: int = 0
+    replayed_at: tuple[int, ...] = ()  # the two depths replayed and extrapolated from (() at full depth)
 
     def scalars(self) -> dict[str, int]:
         d = {f"phase:{k}": v for k, v in self.phases.items()}
@@ -174,6 +183,8 @@ class InferSim:
             lm_matmul_numel=self.lm_matmul_numel,
             vision_matmul_numel=self.vision_matmul_numel,
             largest_linear=self.largest_linear,
+            reserved=self.reserved,
+            needed=self.needed,
         )
         return d
 
@@ -188,6 +199,8 @@ class InferSim:
             d["lm_matmul_numel"],
             d["vision_matmul_numel"],
             d["largest_linear"],
+            d.get("reserved", 0),
+            d.get("needed", 0),
         )
 
 
@@ -411,7 +424,9 @@ def simulate(
     arch: Optional[tuple[int, int]] = None,
 ) -> InferSim:
     """Run one batch of ``w`` on fake tensors with ``config`` as given (no depth change); on a CUDA
-    target of compute capability ``arch`` attention takes the math path wherever CUDA would."""
+    target of compute capability ``arch`` attention takes the math path wherever CUDA would, and the
+    storages' births and deaths are replayed through the caching allocator (``InferSim.reserved``,
+    ``InferSim.needed``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bigtune.core.stepmath import storage_bytes
@@ -433,21 +448,63 @@ def simulate(
     with index_math, FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad(), kernels:
         model = build_inference_model(config, family, w.dtype, attn_implementation)
         inputs = make_inputs(config, w)
-        tracker = LiveTensorTracker(round_to=512 if cuda else 1)
+        events: Optional[list] = [] if cuda else None
+        tracker = LiveTensorTracker(round_to=512 if cuda else 1, events=events)
         held = list(model.parameters()) + list(model.buffers())
         weights = storage_bytes(held)
-        tracker.track(held + list(inputs.values()))
+        lm_mm, vis_mm, largest, quant = _linear_stats(model, w.quantize != "none")
+        packed = track_weights(tracker, held, quant if w.quantize != "none" else [], w)
+        tracker.track(list(inputs.values()))
         tracker.reset_peak()
         with tracker:
             cache = run_workload(model, inputs, w, tracker, phases)
+        replayed = replay_batch(loaded_as(events, packed)) if events is not None else (0, 0)
         kv = cache_bytes(cache) if cache is not None else 0
         numel = sum(p.numel() for p in model.parameters())
-        lm_mm, vis_mm, largest, quant = _linear_stats(model, w.quantize != "none")
         if w.quantize != "none":
             delta = quantized_weight_delta(quant, w.quantize, w.double_quant)
             weights += delta
             phases = {k: v + delta for k, v in phases.items()}
-    return InferSim(phases, weights, kv, numel, lm_mm, vis_mm, largest if w.quantize != "none" else 0)
+    return InferSim(phases, weights, kv, numel, lm_mm, vis_mm, largest if w.quantize != "none" else 0, *replayed)
+
+
+def track_weights(tracker, held: list, quantized: list, w: Workload) -> dict[int, tuple[int, int]]:
+    """Register the weights with ``tracker`` one by one, in the order loading moves them to the device
+    (born before anything else, as on a GPU); returns, for each of the ``quantized`` linear weights, its
+    event's index and the bytes bitsandbytes keeps for it instead: (packed data, quantization constants)."""
+    from bigtune.plan.quantized import packed_weight_bytes
+
+    ids = {id(q) for q in quantized}
+    out: dict[int, tuple[int, int]] = {}
+    for t in held:
+        at = len(tracker.events) if tracker.events is not None else 0
+        tracker.track([t])
+        if id(t) in ids and tracker.events is not None and len(tracker.events) > at:
+            data = t.numel() if w.quantize == "int8" else t.numel() // 2
+            out[at] = (data, packed_weight_bytes(t, w.quantize, w.double_quant) - data)
+    return out
+
+
+def loaded_as(events: list, packed: dict[int, tuple[int, int]]) -> list:
+    """``events`` with each quantized weight's birth (index in ``packed``) replaced by the births of its
+    packed data and of its constants (one block, never freed), as the device holds them once loaded."""
+    out = []
+    for i, ev in enumerate(events):
+        if i not in packed:
+            out.append(ev)
+            continue
+        data, constants = packed[i]
+        out += [("alloc", ev[1], data), ("alloc", ("constants", ev[1]), constants)]
+    return out
+
+
+def replay_batch(events: list) -> tuple[int, int]:
+    """(peak reserved, least capacity) of PyTorch's CUDA caching allocator, default settings, over one
+    batch's storage events (``bigtune generate`` and ``caption`` set no PYTORCH_CUDA_ALLOC_CONF;
+    train.cuda_alloc_conf is for training)."""
+    from bigtune.plan.allocator import least_capacity, replay
+
+    return replay(events).stats.peak_reserved, least_capacity(events)
 
 
 def simulate_full_depth(
@@ -464,16 +521,57 @@ def simulate_full_depth(
     identical (T5's first decoder layer holds the relative position bias) and each phase peaks at the
     same point of the last layer (a 1-layer Llama peaks elsewhere in prefill: its increment from 1 to 2
     layers is 17 % larger than every later one). Vision tower and Q-Former run at full depth (once).
+
+    On a CUDA target the caching allocator's replay is extrapolated the same way (replayed_at_depth). It is
+    not linear in depth: where the two extrapolations behind it lie more than the planner's typical error
+    apart (FIT_UNCERTAINTY), a reuse jump between the two depths dominates (the cache's growth by
+    concatenation leaves cached blocks the next step cannot reuse), and the pair is simulated again 4 and
+    8 layers deep (simulate.RESERVED_DEPTHS), as the training planner's own replay: PaliGemma 2-3B
+    captioning at batch 174 replays 51 % above a full-depth replay's reserved from 2 and 3 layers, 2.4 %
+    below from 4 and 8 (Open-LLaMA-7B, 512 + 64 tokens at batch 8 and 24: 4.0 and 8.8 % below from 2 and
+    3 layers, 2.2 % and 4.7 % from 4 and 8; all on fake tensors). Allocated bytes are the same from either.
     """
+    from bigtune.plan.simulate import RESERVED_DEPTHS
+
     n = lm_layers(config)
-    d = 2
-    if n <= d + 1:
-        return simulate(config, family, w, cuda, attn_implementation, arch)
-    a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation, arch).scalars()
-    b = simulate(_with_depth(config, d + 1), family, w, cuda, attn_implementation, arch).scalars()
-    full = {k: int(a[k] + (b[k] - a[k]) * (n - d)) for k in a}
-    full["largest_linear"] = max(a["largest_linear"], b["largest_linear"])
-    return InferSim.from_scalars(full)
+    for d, e in ((2, 3), RESERVED_DEPTHS):
+        if n <= e:
+            return simulate(config, family, w, cuda, attn_implementation, arch)
+        a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation, arch).scalars()
+        b = simulate(_with_depth(config, e), family, w, cuda, attn_implementation, arch).scalars()
+        full = {k: int(a[k] + (b[k] - a[k]) * (n - d) / (e - d)) for k in a}
+        full["largest_linear"] = max(a["largest_linear"], b["largest_linear"])
+        if not a["reserved"]:
+            break
+        full["reserved"], full["needed"], spread = replayed_at_depth(a, b, full)
+        if spread <= FIT_UNCERTAINTY:
+            break
+    out = InferSim.from_scalars(full)
+    out.replayed_at = (d, e) if out.reserved else ()
+    return out
+
+
+def replayed_at_depth(a: dict, b: dict, full: dict) -> tuple[int, int, float]:
+    """(peak reserved, least capacity, how far apart the extrapolations behind them are) at full depth from the replays of two shallow simulations (``a``,
+    ``b``: InferSim.scalars at two depths; ``full``: the allocated bytes already extrapolated).
+
+    Which cached block serves each request depends on the whole sequence, so these are not linear in depth
+    the way allocated bytes are: the training planner's rule (simulate.replayed_over_depth, never below
+    the full-depth peak allocated), then rounded up to whole 2 MiB, as every segment is. The least
+    capacity is never above the reserved peak (the unbounded replay itself survives on that much)."""
+    from bigtune.plan.allocator import ROUND_LARGE
+    from bigtune.plan.simulate import replayed_over_depth
+
+    def peak(x: dict) -> int:
+        return max(v for k, v in x.items() if k.startswith("phase:"))
+
+    def whole(n: int) -> int:
+        return -(-n // ROUND_LARGE) * ROUND_LARGE
+
+    (reserved, spread), (needed, spread_needed) = (
+        replayed_over_depth((a[k], peak(a)), (b[k], peak(b)), peak(full)) for k in ("reserved", "needed")
+    )
+    return whole(reserved), min(whole(needed), whole(reserved)), max(spread, spread_needed)
 
 
 @dataclass
@@ -497,7 +595,8 @@ class InferencePlan:
     peak_allocated: int
     peak_reserved: Optional[int]
     overhead: int
-    peak_total: int
+    peak_total: int  # reserved + context on a GPU; the peak on a CPU
+    needed_total: int  # what must fit: on a GPU the replay's least capacity (+ dequant temporary) + context
     capacity: Optional[int]
     fits: Optional[bool]
     max_batch_size: Optional[int] = None
@@ -524,15 +623,30 @@ def _phase_cache(phase: str, config, w: Workload) -> int:
     return 0
 
 
-def _totals(sim: InferSim, cuda: bool) -> tuple[int, Optional[int], int, int]:
+def _totals(sim: InferSim, cuda: bool) -> tuple[int, Optional[int], int, int, int]:
+    """(peak allocated, peak reserved or None, CUDA context, reserved + context, what must fit) of ``sim``.
+
+    On a GPU bitsandbytes dequantizes one weight to the compute dtype per matmul (assumed 2 bytes): a real
+    allocation at the peak, added to allocated and, as the segment of its own the allocator would reserve
+    for it (allocator.segment_size), to reserved and to what must fit. What must fit is the replay's least
+    capacity plus those and the context; on a CPU, the peak."""
     peak = max(sim.phases.values())
-    if sim.largest_linear and cuda:
-        # bitsandbytes dequantizes one weight to the compute dtype per matmul on a GPU (assumed 2 bytes)
-        peak += sim.largest_linear * 2
-    if cuda:
-        reserved = int(peak * RESERVED_OVER_ALLOCATED)
-        return peak, reserved, CUDA_CONTEXT_BYTES, reserved + CUDA_CONTEXT_BYTES
-    return peak, None, 0, peak
+    if not cuda:
+        return peak, None, 0, peak, peak
+    temporary = sim.largest_linear * 2
+    if temporary:
+        from bigtune.plan.allocator import round_size, segment_size
+
+        peak += temporary
+        temporary = segment_size(round_size(temporary))
+    reserved = sim.reserved + temporary
+    return (
+        peak,
+        reserved,
+        CUDA_CONTEXT_BYTES,
+        reserved + CUDA_CONTEXT_BYTES,
+        sim.needed + temporary + CUDA_CONTEXT_BYTES,
+    )
 
 
 def _time(
@@ -680,21 +794,27 @@ def plan_inference(
         notes += [why] if why else []
     cuda = target.device == "cuda"
     sim = simulate_full_depth(config, family, w, cuda, attn, target_arch(target))
-    peak, reserved, overhead, total = _totals(sim, cuda)
+    peak, reserved, overhead, total, need = _totals(sim, cuda)
     phase = max(sim.phases, key=sim.phases.get)
     kv = kv_cache_bytes(config, w)
     acts = peak - sim.weights - _phase_cache(phase, config, w)
     cap = target.capacity_bytes
-    fits = None if cap is None else total <= cap * (1 - FIT_MARGIN)
+    fits = None if cap is None else need <= cap  # what must fit against the whole card, as for training
     if cuda:
         notes.append(
-            f"reserved ≈ {RESERVED_OVER_ALLOCATED} × peak allocated and CUDA context "
-            f"{CUDA_CONTEXT_BYTES / GIB:.1f} GiB are the training planner's assumptions (uncalibrated)"
+            "reserved: PyTorch's caching allocator (default settings) replayed over the simulated batch"
+            + (
+                f", {sim.replayed_at[0]} and {sim.replayed_at[1]} layers deep, extrapolated to full depth"
+                if sim.replayed_at
+                else ""
+            )
+            + f"; FITS by the least memory that replay runs in + the CUDA context {CUDA_CONTEXT_BYTES / GIB:.1f} "
+            "GiB (the training planner's assumption, uncalibrated)"
         )
     if w.quantize != "none":
         notes.append(
             f"{w.quantize}: linear weights (not the output head, not _keep_in_fp32_modules) at "
-            "bitsandbytes sizes; + one dequantized weight as a temporary on a GPU"
+            "bitsandbytes sizes; + one dequantized weight as a temporary on a GPU (a segment of its own)"
         )
     max_b = largest_batch(config, family, w, target, attn, sim) if (search_batch and cap is not None) else None
     prefill, last, batch_s, tps, tnotes = _time(sim, config, w, target)
@@ -721,6 +841,7 @@ def plan_inference(
         peak_reserved=reserved,
         overhead=overhead,
         peak_total=total,
+        needed_total=need,
         capacity=cap,
         fits=fits,
         max_batch_size=max_b,
@@ -739,46 +860,61 @@ def plan_inference(
 def largest_batch(
     config, family: str, w: Workload, target: Target, attn: str, sim_at_w: InferSim, limit: int = 1 << 16
 ) -> int:
-    """The largest batch size whose planned total fits the target (0: not even one).
+    """The largest batch size whose planned need fits the target (0: not even one).
 
-    Each phase's peak is affine in the batch size (weights are fixed; cache, activations and inputs
-    grow with it), so two simulations give a candidate; it is then confirmed by simulating it, and
-    stepped down until it fits.
+    Each phase's allocated peak is affine in the batch size (weights are fixed; cache, activations and
+    inputs grow with it), and what must fit (the caching allocator's least capacity + context) is never
+    below the allocated bytes, so two simulations bound the answer from above. The replayed need is near
+    affine in the batch too, up to segment rounding: each next candidate is where the line through two
+    simulated needs reaches the card (the first: through batch 1 and the plan's batch), simulated and
+    compared with the card. The need grows in whole segments, so a line through two needs can stall on a
+    step: where the batch after the largest that fits fits too, the next candidate is at least twice it,
+    and once one is found not to fit, every second candidate halves the interval. The search ends at a batch that fits next to
+    one simulated not to, or at the allocated bound.
     """
     cuda = target.device == "cuda"
-    cap = target.capacity_bytes * (1 - FIT_MARGIN)
+    cap = target.capacity_bytes
+    sims = {w.batch_size: sim_at_w}
 
-    def sim_at(b: int) -> InferSim:
-        return (
-            sim_at_w
-            if b == w.batch_size
-            else simulate_full_depth(
-                config, family, dataclasses.replace(w, batch_size=b), cuda, attn, target_arch(target)
-            )
-        )
+    def need(b: int) -> int:
+        if b not in sims:
+            wb = dataclasses.replace(w, batch_size=b)
+            sims[b] = simulate_full_depth(config, family, wb, cuda, attn, target_arch(target))
+        return _totals(sims[b], cuda)[4]
 
-    def fits(s: InferSim) -> bool:
-        return _totals(s, cuda)[3] <= cap
+    def reaches_cap(b: int, c: int) -> int:  # where the line through the needs at b and c reaches the card
+        return c + int((cap - need(c)) * (c - b) / max(1, need(c) - need(b)))
 
     b1, b2 = 1, max(2, w.batch_size)
-    s1, s2 = sim_at(b1), sim_at(b2)
-    if not fits(s1):
+    if need(b1) > cap:
         return 0
-    # total(b) = overhead + R·(peak(b) + dequant), with peak(b) = max over phases of affine lines.
-    r = RESERVED_OVER_ALLOCATED if cuda else 1.0
-    extra = s1.largest_linear * 2 if cuda else 0
-    budget = (cap - (CUDA_CONTEXT_BYTES if cuda else 0)) / r - extra
-    cand = limit
+    lo, hi = (b2, None) if need(b2) <= cap else (b1, b2)  # the largest known to fit, the smallest known not to
+    s1, s2 = sims[b1], sims[b2]
+    # allocated(b) = max over phases of affine lines, + the dequantized temporary: the upper bound
+    budget = cap - (CUDA_CONTEXT_BYTES if cuda else 0) - (s1.largest_linear * 2 if cuda else 0)
+    bound = limit
     for ph in s1.phases:
         slope = (s2.phases[ph] - s1.phases[ph]) / (b2 - b1)
         if slope > 0:
-            cand = min(cand, int(1 + (budget - s1.phases[ph]) / slope))
-    cand = max(1, min(cand, limit))
-    for _ in range(8):  # the affine model is exact up to rounding; confirm and step down if needed
-        if cand <= 1 or fits(sim_at(cand)):
-            return cand
-        cand = max(1, int(cand * 0.98))
-    return cand
+            bound = min(bound, int(1 + (budget - s1.phases[ph]) / slope))
+    cand, stalled = reaches_cap(b1, b2), False
+    for i in range(24):
+        if hi is None and stalled:  # grow geometrically until one does not fit
+            cand = max(cand, 2 * lo)
+        cand = min(max(cand, lo + 1), bound, hi - 1 if hi is not None else bound)
+        if cand <= lo:  # lo is the bound, or lo + 1 does not fit
+            return lo
+        fits = need(cand) <= cap
+        stalled = fits and cand == lo + 1  # the line put the edge here, yet it fits: it is stalling on a step
+        if fits:
+            lo = cand
+        else:
+            hi = cand
+        if hi is not None:
+            cand = reaches_cap(lo, hi) if i % 2 else (lo + hi) // 2
+        else:
+            cand = reaches_cap(b1, lo)
+    return lo
 
 
 def _size(n: Optional[float]) -> str:
@@ -819,8 +955,8 @@ def format_inference_plan(p: InferencePlan) -> str:
     if p.capacity is not None:
         verdict = "FITS" if p.fits else "OOM"
         lines.append(
-            f"{verdict}: {p.peak_total / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
-            f"({100 * p.peak_total / p.capacity:.0f}%, margin {FIT_MARGIN:.0%})"
+            f"{verdict}: needs {p.needed_total / GIB:.2f} of {p.capacity / GIB:.2f} GiB "
+            f"({100 * p.needed_total / p.capacity:.0f}%)"
         )
     if p.max_batch_size is not None:
         lines.append(

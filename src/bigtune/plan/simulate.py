@@ -18,7 +18,7 @@ import torch
 
 from bigtune.core.allocconf import AllocatorConfig
 from bigtune.memory.monitor import PHASES
-from bigtune.plan.constants import CATEGORIES
+from bigtune.plan.constants import CATEGORIES, FIT_UNCERTAINTY
 from bigtune.plan.quantized import (
     EIGHT_BIT,
     NF4Base,
@@ -64,6 +64,10 @@ class Sim:
     # phase -> the (peak, non-state peak) of each segment of its window as simulated (MemoryMonitor's
     # Snapshot.phase_segment_peaks, before _analytic_bytes): simulate_full_depth extrapolates them one by one
     segments: dict = field(default_factory=dict)
+    # how ``reserved`` was replayed, for the plan's note ("" where simulate_full_depth did not trace), and, for
+    # shallow replays, how far apart the extrapolations behind it are (replayed_over_depth)
+    replay: str = ""
+    replay_spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,8 @@ def simulate(
     trace: bool = False,
     images: Optional[tuple] = None,
     stage: Optional[int] = None,
+    expandable: bool = True,
+    splice: bool = True,
 ) -> Sim:
     """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
     to ``depths`` blocks (an int sets every stack). ``stage``: that pipeline stage's step, holding every
@@ -286,7 +292,8 @@ def simulate(
     like the engine's step 1 and later: its peak is the run's peak. On a CUDA target of compute
     capability ``arch`` (default 8.0), attention takes the math path wherever CUDA would
     (cuda_kernels). With ``trace`` (CUDA targets), ``Sim.reserved`` is the caching allocator's peak
-    reserved over the weights and steps 0-2 (allocator.replay). Accumulation windows are
+    reserved over the weights and steps 0-2 (allocator.replay), and with ``expandable`` also replayed with
+    expandable segments (``Sim.needed_expandable``). Accumulation windows are
     simulated with two micro-batches: from the second one on, gradients are held during forward,
     and a third micro-batch repeats the second one's memory exactly. ``images``: a chat vision-language
     model's image grids, one per row in turn (None: the worst case; see chatvlm).
@@ -337,15 +344,24 @@ def simulate(
             from bigtune.plan.pipeline import emulated_runner
 
             pipeline = emulated_runner(r, fabric, wrapped, stage, cfg)
-        snaps, counter, events, step1 = _run_steps(fabric, model, wrapped, r, batches, tokens, cuda, trace, pipeline)
+        try:
+            snaps, counter, events, step1 = _run_steps(
+                fabric, model, wrapped, r, batches, tokens, cuda, trace, pipeline, splice
+            )
+        except _NoSplice:
+            snaps = None
+    if snaps is None:  # run again with a real step 0 (outside the fake mode and patches, which it sets up anew)
+        return simulate(
+            recipe, config, depths, cuda, micro_batch, padded, arch, trace, images, stage, expandable, False
+        )
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
     segments = {s.phase: s.phase_segment_peaks for s in snaps if s.phase_segment_peaks}
     peak = max(s.peak_allocated for s in snaps)
     replayed = (0, 0, 0)  # reserved, needed, needed with expandable segments
     if events is not None:
         conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
-        expandable = _replay_steady(events, step1, EXPANDABLE)[1] if conf.is_default else 0
-        replayed = (*_replay_steady(events, step1, conf), expandable)
+        grow = _replay_steady(events, step1, EXPANDABLE)[1] if conf.is_default and expandable else 0
+        replayed = (*_replay_steady(events, step1, conf), grow)
     peak, (reserved, needed, needed_expandable) = _analytic_bytes(
         steady, peak, replayed, wrapped, recipe, r, quantize, eight_bit, cuda
     )
@@ -607,31 +623,48 @@ def _model_numels(model: torch.nn.Module) -> tuple[int, int, int]:
 
 
 def _run_steps(
-    fabric, model, wrapped, r: Recipe, batches: list, tokens: int, cuda: bool, trace: bool, pipeline=None
+    fabric, model, wrapped, r: Recipe, batches: list, tokens: int, cuda: bool, trace: bool, pipeline=None, splice=True
 ) -> tuple:
     """Step 0 (creates the optimizer state) and the measured step 1 on the fake model: (step 1's
     snapshots, its OpCounter, the storage events traced from the weights on or None, where step 1's begin).
 
     On a CUDA target with ``trace`` every storage's birth and death is recorded from the weights on, through
-    a real step 0 (the optimizer state is then created where a GPU creates it: after a backward), for the
-    caching-allocator replay. Call under FakeTensorMode."""
+    step 0 (the optimizer state is then created where a GPU creates it: after a backward), for the
+    caching-allocator replay. Step 0 is run for real only where the zero-gradient shortcut cannot stand in
+    (image-to-text models, the optimizer step in the backward, pipeline stages); elsewhere its events are
+    spliced from step 1's (_spliced_step0), which saves a forward and backward per traced simulation.
+    Call under FakeTensorMode."""
     from bigtune.engine.loop import LoopState, train_step
     from bigtune.engine.optim import make_optimizer
     from bigtune.memory.tracker import LiveTensorTracker
 
-    opt = fabric.setup_optimizers(make_optimizer(r.optim, wrapped))
+    raw = make_optimizer(r.optim, wrapped)
+    opt = fabric.setup_optimizers(raw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     built = SimpleNamespace(fabric=fabric, model=wrapped, optimizer=opt, scheduler=sched, recipe=r, pipeline=pipeline)
     events: Optional[list] = [] if cuda and trace else None
     trace_mode = LiveTensorTracker(events=events) if events is not None else contextlib.nullcontext()
+    if events is not None and getattr(raw, "offloaded", False):
+        # A CPU-offloaded optimizer updates its host copies in host RAM (its state is born there, in its
+        # first step): none of that is the GPU's caching allocator's, so the replay does not see it.
+        host_step = raw.inner.step
+        raw.inner.step = lambda *a, **k: _untraced_call(trace_mode, host_step, *a, **k)
     if events is not None:
         trace_mode.track(list(wrapped.parameters()) + list(wrapped.buffers()))  # loaded in this order
+    # Where step 0 is not run for real under the trace, its events are made from step 1's (_spliced_step0);
+    # marks: where the zero gradients are born, where each optimizer step begins and ends.
+    splice = events is not None and splice and splices_step0(r, pipeline)
+    marks: list[int] = []
+    if splice:
+        opt_step = raw.step
+        raw.step = lambda *a, **k: (marks.append(len(events)), opt_step(*a, **k), marks.append(len(events)))[1]
     with trace_mode:
-        if r.model.family == "image-to-text" or events is not None:
+        if r.model.family == "image-to-text" or (events is not None and not splice):
             # Some trainable weights get no gradient (BLIP-2 feeds its T5 encoder embeddings, so the
             # encoder's own token table is never used) and so no optimizer state: take a real step 0.
             train_step(built, batches, None, False, LoopState(step=0), tokens)
         else:  # every weight of a decoder LM is used: zero gradients create the same state, faster
+            marks.append(len(events) if events is not None else 0)
             for p in wrapped.parameters():
                 if p.requires_grad:  # frozen (base) weights never get gradients
                     p.grad = torch.zeros_like(p)
@@ -640,7 +673,69 @@ def _run_steps(
                 opt.zero_grad(set_to_none=True)
         step1 = len(events) if events is not None else 0
         snaps, counter = _measured_step(built, model, wrapped, batches, tokens, round_to=512 if cuda else 1)
+    if splice:
+        raw.step = opt_step
+        spliced = _spliced_step0(events, step1, *marks[:4])
+        if spliced is None:
+            raise _NoSplice
+        events, step1 = spliced
     return snaps, counter, events, step1
+
+
+class _NoSplice(Exception):
+    """This trace's step 0 cannot be spliced from its step 1 (_spliced_step0): simulate again, running it."""
+
+
+def splices_step0(r: Recipe, pipeline) -> bool:
+    """Whether a traced simulation takes step 0's events from step 1's (_spliced_step0) instead of running it:
+    where the zero-gradient shortcut creates the optimizer state a real step 0 would (not for image-to-text
+    models, whose unused weights get no state; not with the optimizer step inside the backward; not for a
+    pipeline stage, whose step is scheduled otherwise)."""
+    return r.model.family != "image-to-text" and not r.optim.in_backward and not pipeline
+
+
+def _spliced_step0(
+    events: list, step1: int, zeros: int, opt0: int, opt0_end: int, opt1: int
+) -> Optional[tuple[list, int]]:
+    """(events, where step 1 begins) as a real step 0 would have traced them, from a trace whose step 0 took
+    the zero-gradient shortcut: the weights (``events[:zeros]``), step 1's forward and backward
+    (``events[step1:opt1]``) copied under new keys, the shortcut's optimizer step (``events[opt0:opt0_end]``:
+    the state is born there, after a backward, as on a GPU), the rest of the shortcut's step, then step 1.
+
+    The shortcut's zero gradients (``events[zeros:opt0]``) are not born; the copy's own gradients (born in
+    the copied backward and still alive at its end) stand in for them, paired by size in birth order, wherever
+    the trace frees a zero gradient; None where step 1 allocated not every gradient again. What else the copy leaves alive dies at the end of step 0, as step 1's
+    did in its optimizer step. Frees of storages older than step 1 are not copied (step 0 has none to free).
+    The replay then sees what a traced real step 0 gives, without running its forward and backward."""
+    fwd = events[step1:opt1]
+    new_key = {e[1]: -1 - e[1] for e in fwd if e[0] == "alloc"}  # negative: never a serial, nor a later copy's
+    copy0 = [(e[0], new_key[e[1]], *e[2:]) for e in fwd if e[1] in new_key]  # frees of older storages dropped
+    freed0 = {e[1] for e in copy0 if e[0] == "free"}
+    alive = [e for e in copy0 if e[0] == "alloc" and e[1] not in freed0]  # in birth order
+    zero_grads = [e for e in events[zeros:opt0] if e[0] == "alloc"]
+    by_size: dict[int, list] = {}
+    for e in alive:
+        by_size.setdefault(e[2], []).append(e[1])
+    stand_in = {}
+    for e in zero_grads:
+        if by_size.get(e[2]):
+            stand_in[e[1]] = by_size[e[2]].pop(0)
+    left = [k for keys in by_size.values() for k in keys]
+    if any(e[1] not in stand_in for e in zero_grads):
+        # Step 1 did not allocate every gradient again (zero_grad without set_to_none keeps them, zeroed in
+        # place): where a first backward creates them is not in its trace, so no splice (the caller runs it).
+        return None
+
+    def mapped(evs: list) -> list:  # a zero gradient's free frees its stand-in
+        return [("free", stand_in[e[1]]) if e[1] in stand_in else e for e in evs]
+
+    step0 = copy0 + events[opt0:opt0_end] + [("free", k) for k in left] + mapped(events[opt0_end:step1])
+    return events[:zeros] + step0 + mapped(events[step1:]), zeros + len(step0)
+
+
+def _untraced_call(tracker, fn, *args, **kwargs):
+    with tracker.untraced():
+        return fn(*args, **kwargs)
 
 
 def _measured_step(built, model, wrapped, batches: list, tokens: int, round_to: int) -> tuple:
@@ -713,8 +808,12 @@ def simulate_full_depth(
     arch: Optional[tuple[int, int]] = None,
     images: Optional[tuple] = None,
     stage: Optional[int] = None,
+    trace: bool = False,
 ) -> Sim:
     """The step at the model's real depth, from simulations of shallow copies (``stage``: a pipeline stage's).
+    With ``trace`` (CUDA targets) the shallow steps are also replayed through the caching allocator and
+    ``Sim.reserved`` / ``Sim.needed`` extrapolated from them (replayed_over_depth; ``Sim.replay`` says how):
+    cheaper than estimate_reserved's deeper pair, for plans that do not get their own.
 
     Memory is linear in the depth of each repeated stack (every block adds the same parameters,
     states and saved activations), so one simulation with every stack at one unit of depth plus one
@@ -723,17 +822,20 @@ def simulate_full_depth(
     """
     stacks = model_stacks(config)
     full = {st: get_depth(config, st) for st in stacks}
+    kw = dict(images=images, stage=stage, trace=trace, expandable=False)
     if all(full[st] <= 2 * st.period for st in stacks):
-        return simulate(recipe, config, full, cuda, micro_batch, padded, arch, images=images, stage=stage)
+        sim = simulate(recipe, config, full, cuda, micro_batch, padded, arch, **kw)
+        sim.replay = "a caching-allocator replay of this step at full depth" if sim.reserved else ""
+        return sim
     unit = {st: min(st.period, full[st]) for st in stacks}
     # (Run one after the other on purpose: the first simulation of a process pays the lazy imports and
     # caches that every later one, and every worker forked later, reuses.)
-    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch, images=images, stage=stage)
+    base = simulate(recipe, config, unit, cuda, micro_batch, padded, arch, **kw)
     grown = []
     for st in stacks:
         if full[st] > unit[st]:
             deeper = {**unit, st: unit[st] + st.period}
-            sim = simulate(recipe, config, deeper, cuda, micro_batch, padded, arch, images=images, stage=stage)
+            sim = simulate(recipe, config, deeper, cuda, micro_batch, padded, arch, **kw)
             grown.append((sim, (full[st] - unit[st]) / st.period))
 
     def ext(get) -> int:
@@ -744,10 +846,37 @@ def simulate_full_depth(
 
     phases, running = _full_depth_phases(base, grown, ext)
     peak = max(ext(lambda x: x.peak_allocated), running)
-    # Operator rows are linear in depth too (each block adds the same kernels); counts, FLOPs, bytes.
+    ops = _ops_at_depth(base, grown)
+    upcast = tuple(ext(lambda x, i=i: x.fsdp_upcast[i]) for i in range(len(base.fsdp_upcast)))
+    reserved, needed, spread = _shallow_replays_at_depth(base, grown, device_peak(phases, peak))
+    out = Sim(
+        phases,
+        peak,
+        ext(lambda x: x.numel),
+        ext(lambda x: x.matmul_numel),
+        ext(lambda x: x.block_numel),
+        base.attention,
+        reserved,
+        needed,
+        ops,
+        upcast,
+        base.fsdp_upcast_optimizer,
+        base.nf4,
+    )
+    if reserved:
+        out.replay = "a caching-allocator replay of this step one and two blocks deep, extrapolated to full depth"
+        if spread > FIT_UNCERTAINTY:
+            out.replay += f" (uncertain: two extrapolations {spread:.0%} apart)"
+        out.replay_spread = spread
+    return out
+
+
+def _ops_at_depth(base: Sim, grown: list) -> dict:
+    """simulate_full_depth's operator rows: linear in depth too (each block adds the same kernels); counts,
+    FLOPs, bytes."""
     keys = set(base.ops).union(*(sim.ops for sim, _ in grown))
     zero = (0, 0.0, 0.0)
-    ops = {
+    return {
         k: [
             max(
                 0.0,
@@ -758,21 +887,49 @@ def simulate_full_depth(
         ]
         for k in keys
     }
-    upcast = tuple(ext(lambda x, i=i: x.fsdp_upcast[i]) for i in range(len(base.fsdp_upcast)))
-    return Sim(
-        phases,
-        peak,
-        ext(lambda x: x.numel),
-        ext(lambda x: x.matmul_numel),
-        ext(lambda x: x.block_numel),
-        base.attention,
-        ext(lambda x: x.reserved),
-        ext(lambda x: x.needed),
-        ops,
-        upcast,
-        base.fsdp_upcast_optimizer,
-        base.nf4,
+
+
+def _shallow_replays_at_depth(base: Sim, grown: list, on_device: int) -> tuple[int, int, float]:
+    """(reserved, least capacity, how far apart their extrapolations are) at the depth whose device peak is
+    ``on_device``, from simulate_full_depth's traced ``base`` and ``grown`` simulations ((0, 0, 0.0) where they
+    were not traced): each stack one unit deeper at once, against the base (replayed_over_depth)."""
+    if not base.reserved:
+        return 0, 0, 0.0
+    deeper = [base.reserved + sum(s.reserved - base.reserved for s, _ in grown)]
+    deeper += [base.needed + sum(s.needed - base.needed for s, _ in grown)]
+    allocated = [device_peak(x.phases, x.peak_allocated) for x in [base] + [s for s, _ in grown]]
+    alloc_deeper = allocated[0] + sum(a - allocated[0] for a in allocated[1:])
+    (reserved, spread), (needed, spread_needed) = (
+        replayed_over_depth((r0, allocated[0]), (r1, alloc_deeper), on_device)
+        for r0, r1 in ((base.reserved, deeper[0]), (base.needed, deeper[1]))
     )
+    return reserved, min(needed, reserved), max(spread, spread_needed)
+
+
+def device_peak(phases: dict, peak: int) -> int:
+    """``peak`` less the host-RAM state a CPU-offloaded optimizer keeps (the fake step counts it with the
+    rest; a GPU never holds it): the allocated peak a caching-allocator replay is compared with."""
+    return peak - max((ph.get("optimizer_cpu", 0) for ph in phases.values()), default=0)
+
+
+def replayed_over_depth(shallow: tuple[int, int], deeper: tuple[int, int], allocated: int) -> tuple[int, float]:
+    """(a replayed figure: peak reserved or the least capacity, at the depth whose peak allocated is
+    ``allocated``; how far apart the two extrapolations behind it are, over it), from (replayed,
+    allocated) at a shallow depth and a deeper one.
+
+    Which cached block each request reuses depends on the whole sequence, so the replayed figure is not
+    exactly linear in depth the way allocated bytes are. Two extrapolations that err in opposite ways when
+    reuse jumps between the two depths are averaged: growing with allocated at the rate seen between
+    them (never below 1: cached blocks can absorb a few blocks' growth, not every block's to full depth),
+    and the deeper one's ratio to allocated. Never below ``allocated``. Where they lie far apart, a jump
+    between the two depths (a large fixed tensor's segment reused at one depth and not at the other)
+    dominates, and neither is to be trusted: the caller replays deeper steps (estimate_reserved)."""
+    (r_a, a_a), (r_b, a_b) = shallow, deeper
+    slope = max(1.0, (r_b - r_a) / max(1, a_b - a_a))
+    by_slope = r_b + slope * (allocated - a_b)
+    by_ratio = allocated * r_b / max(1, a_b)
+    value = max(allocated, int((by_slope + by_ratio) / 2))
+    return value, abs(by_slope - by_ratio) / value
 
 
 def _full_depth_phases(base: Sim, grown: list, ext) -> tuple[dict, int]:
@@ -868,14 +1025,8 @@ def estimate_reserved(
         a, b = map(_traced_sim, args)
 
     def extrapolate(get) -> int:
-        # Two extrapolations that err differently when reuse jumps between depths: growing with
-        # allocated at the rate seen between the two depths, and the deeper one's ratio to allocated.
-        # Each added block adds its own bytes; cached blocks can absorb a few blocks' growth between
-        # the two traced depths (a slope below 1), never the growth of every block to full depth.
-        slope = max(1.0, (get(b) - get(a)) / max(1, b.peak_allocated - a.peak_allocated))
-        by_slope = get(b) + slope * (sim.peak_allocated - b.peak_allocated)
-        by_ratio = sim.peak_allocated * get(b) / max(1, b.peak_allocated)
-        return max(sim.peak_allocated, int((by_slope + by_ratio) / 2))
+        on_device = [device_peak(x.phases, x.peak_allocated) for x in (a, b, sim)]
+        return replayed_over_depth((get(a), on_device[0]), (get(b), on_device[1]), on_device[2])[0]
 
     reserved, needed = extrapolate(lambda x: x.reserved), extrapolate(lambda x: x.needed)
     expandable = min(extrapolate(lambda x: x.needed_expandable), reserved) if b.needed_expandable else 0

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from bigtune.plan.constants import FIT_MARGIN, FIT_UNCERTAINTY, GIB
+from bigtune.plan.constants import FIT_UNCERTAINTY, GIB
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Plan:
         if self.capacity is None:
             return False
         need = self.needed_total or self.peak_total
-        return abs(need - self.capacity * (1 - FIT_MARGIN)) <= FIT_UNCERTAINTY * self.capacity
+        return abs(need - self.capacity) <= FIT_UNCERTAINTY * self.capacity
 
     @property
     def model_states(self) -> dict[str, int]:
