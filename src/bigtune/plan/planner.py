@@ -75,12 +75,12 @@ def plan(
 ) -> Plan:
     """Predict one recipe on one target, for full-length micro-batches of max_seq_length tokens.
 
-    ``sim`` reuses a simulation of the same single-device step (reserved then comes from a fixed
-    ratio instead of an allocator replay); ``padded`` plans batches that hold padding (the attention
+    ``sim`` reuses a simulation of the same single-device step (reserved then comes from the replay it
+    carries: the recipe's own, or its shallow traced one; none where it has none); ``padded`` plans batches that hold padding (the attention
     then gets an explicit mask, which can cost more on some kernels). ``workers`` > 1 runs the
     replay's two simulations in forked processes (never after CUDA is initialised); ``replay=False``
-    skips the allocator replay (reserved then from the fixed ratio: for callers that need only the
-    allocated categories). ``sims``: the simulation made here is added under its sim_key, for
+    skips the allocator replay (no reserved figure, FITS by peak allocated: for callers that need only
+    the allocated categories). ``sims``: the simulation made here is added under its sim_key, for
     alternatives() of the same recipe and target to reuse. ``images``: a chat vision-language model's
     image grids ((t, h, w) tiles), one per row in turn; None plans every image at the processor's
     max_pixels, the worst case (chatvlm). Under tensor parallelism (the recipe's, where the target runs it) the
@@ -369,10 +369,10 @@ def _reserved_and_needed(
     replayed: bool,
     notes: list[str],
     images: Optional[tuple] = None,
-) -> tuple[int, int, int]:
+) -> tuple[Optional[int], int, int]:
     """(peak reserved, least capacity the replay survives on: what must fit, that capacity with expandable
-    segments or 0) on a CUDA device, from an allocator replay where ``replayed``, else a fixed ratio to the
-    peak; its notes go to ``notes``."""
+    segments or 0) on a CUDA device, from an allocator replay where ``replayed``, else from the replay the
+    simulation carries, else (None, the peak allocated, 0); its notes go to ``notes``."""
     conf = AllocatorConfig.parse(recipe.train.cuda_alloc_conf)
     on_device = max(1, device_peak(sim.phases, sim.peak_allocated))
     if not replayed and sim.reserved:
