@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -77,8 +78,8 @@ LITGPT = (
 )
 LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full logits are never held)"
 LITGPT_QLORA = LITGPT_LORA + (
-    "; bnb.nf4 through Fabric replaces every Linear, the output head too (bigtune, like "
-    "HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
+    "; bnb.nf4 through Fabric replaces every Linear, the output head too (planned so: litgpt-nf4-head; "
+    "bigtune, like HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
     "4-bit layer's input (planned so: legacy_bnb)"
 )
 # torchtune's CEWithChunkedOutputLoss: the output projection and the loss in 8 chunks of the 2 × 2048 tokens;
@@ -133,6 +134,14 @@ LITGPT_ATTENTION_NOTE = (
 LITGPT_FULL_LOSS_NOTE = (
     "planned with litgpt's full fine-tune loss: a copy of the sliced logits, cross-entropy per 128 rows"
 )
+# - output head: litgpt's GPT builds lm_head as its own nn.Linear beside transformer.wte and never ties the two
+#   (litgpt/model.py); its checkpoint conversion fills the head from the embeddings where a checkpoint has none
+#   (Gemma). So a Gemma model holds the vocabulary × hidden matrix twice, trains both in a full fine-tune, and
+#   under bnb.nf4 Fabric's BitsandbytesPrecision swaps every nn.Linear, the head too, for a 4-bit layer.
+LITGPT_UNTIED_HEAD_NOTE = (
+    "planned with litgpt's output head, its own weight beside the embeddings (transformers ties the two for Gemma)"
+)
+LITGPT_NF4_HEAD_NOTE = "planned with the output head in 4 bits, as Fabric's bnb.nf4 quantizes every Linear"
 LEGACY_SOFTMAX_NOTE = (
     "planned with PyTorch < 1.11's softmax, which saved its 16 MiB fp32 input per layer and sample "
     "(0.375 GiB per sample over 24 layers); today's PyTorch does not"
@@ -256,11 +265,17 @@ class Row:
     def litgpt_emulations(self) -> list[str]:
         """What of litgpt's own code the row is planned with (rows whose impl is litgpt's model), bench-only
         emulations like legacy_softmax: its attention (LITGPT_ATTENTION_NOTE) and its fused GELU
-        (LITGPT_GELU_NOTE) on every litgpt row, and its full fine-tune loss (LITGPT_FULL_LOSS_NOTE) where no
-        adapter is trained."""
+        (LITGPT_GELU_NOTE) on every litgpt row, its full fine-tune loss (LITGPT_FULL_LOSS_NOTE) where no
+        adapter is trained, its own output head where transformers ties it to the embeddings
+        (LITGPT_UNTIED_HEAD_NOTE), and that head in 4 bits where the base is (LITGPT_NF4_HEAD_NOTE)."""
         if not self.impl.startswith(LITGPT):
             return []
-        return ["litgpt-attention", "litgpt-gelu"] + ([] if "peft.method" in self.over else ["litgpt-full-loss"])
+        out = ["litgpt-attention", "litgpt-gelu"] + ([] if "peft.method" in self.over else ["litgpt-full-loss"])
+        if _ties_head(self.over["model.name"]):
+            out.append("litgpt-untied-head")
+        if self.over.get("model.quantize", "none") != "none":
+            out.append("litgpt-nf4-head")
+        return out
 
     def value_gib(self) -> Optional[float]:
         if self.value is None:
@@ -1593,7 +1608,9 @@ def row_recipe(row: Row, check: bool = True):
 
 
 def _keep_4bit_inputs() -> None:
-    """Make the planner's 4-bit matmul also save its input, as bitsandbytes < 0.43.2 did (Row.legacy_bnb)."""
+    """Make the planner's 4-bit matmul also save its input, as bitsandbytes < 0.43.2 did (Row.legacy_bnb),
+    and dequantize the weight into a temporary in every forward, as its MatMul4Bit did whatever the shape
+    (``F.linear(A, dequantize_4bit(B, state).to(A.dtype).t(), bias)``; no fused 4-bit training kernel)."""
     import torch
 
     from bigtune.plan import quantized
@@ -1602,7 +1619,7 @@ def _keep_4bit_inputs() -> None:
         @staticmethod
         def forward(ctx, x, weight, bias):
             ctx.save_for_backward(weight, x)
-            return torch.nn.functional.linear(x, weight, bias)
+            return torch.nn.functional.linear(x, weight.clone(), bias)
 
         @staticmethod
         def backward(ctx, grad):
@@ -1668,6 +1685,40 @@ def _litgpt_gelu() -> None:
     activations.NewGELUActivation.forward = lambda self, x: torch.nn.functional.gelu(x, approximate="tanh")
 
 
+@functools.lru_cache(maxsize=None)
+def _ties_head(model_name: str) -> bool:
+    """Whether transformers ties the model's output head to its input embeddings (one weight for both)."""
+    from types import SimpleNamespace
+
+    from bigtune.models.configs import resolve_config_name
+
+    config = resolve_config_name(SimpleNamespace(name=model_name, family="causal-lm", trust_remote_code=False))
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _litgpt_untied_head() -> None:
+    """Make every model config untie the output head from the embeddings (Row.litgpt_emulations): the
+    head becomes a weight of its own, as litgpt's GPT holds it."""
+    from bigtune.models import configs
+
+    plain = configs.text_model_of
+
+    def text_model_of(config, family):
+        built, mapping = plain(config, family)
+        built.tie_word_embeddings = False
+        return built, mapping
+
+    configs.text_model_of = text_model_of
+
+
+def _litgpt_nf4_head() -> None:
+    """Make the 4-bit stand-in quantize the output head too (Row.litgpt_emulations), as Fabric's
+    BitsandbytesPrecision replaces every nn.Linear; bitsandbytes loading in transformers keeps it 16-bit."""
+    from bigtune.plan import quantized
+
+    quantized.OUTPUT_HEADS = tuple(h for h in quantized.OUTPUT_HEADS if h != "lm_head")
+
+
 def _litgpt_attention() -> None:
     """Make transformers repeat k and v to every query head before SDPA, as litgpt's attention does in
     training (Row.litgpt_emulations): its repeat_kv path, taken when grouped SDPA is not used."""
@@ -1716,6 +1767,10 @@ def plan_row(row: Row) -> dict:
         _litgpt_gelu()
     if "litgpt-full-loss" in row.litgpt_emulations():
         _litgpt_full_loss()
+    if "litgpt-untied-head" in row.litgpt_emulations():
+        _litgpt_untied_head()
+    if "litgpt-nf4-head" in row.litgpt_emulations():
+        _litgpt_nf4_head()
     if row.fsdp1_units:
         from bigtune.plan import sharding
 
@@ -1867,6 +1922,13 @@ def print_table(results: list[dict]) -> None:
             f"litgpt ({len(lit)} rows): {LITGPT_ATTENTION_NOTE}, {LITGPT_GELU_NOTE}; "
             f"{', '.join(full)} also {LITGPT_FULL_LOSS_NOTE}"
         )
+        for emulation, note in (
+            ("litgpt-untied-head", LITGPT_UNTIED_HEAD_NOTE),
+            ("litgpt-nf4-head", LITGPT_NF4_HEAD_NOTE),
+        ):
+            ids = [i for i in lit if emulation in next(x["litgpt"] for x in results if x["id"] == i)]
+            if ids:
+                print(f"{', '.join(ids)}: {note}")
 
 
 def print_time_table(results: list[dict]) -> None:

@@ -765,3 +765,27 @@ def test_depth_extrapolation_follows_a_phase_high_that_moves_with_depth():
     assert planned.peak_allocated == direct.peak_allocated
     forward_high = direct.phases["after_forward"]["phase_peak_activations"]
     assert as_one.phases["after_forward"]["phase_peak_activations"] < 0.6 * forward_high
+
+
+@pytest.mark.parametrize("tokens, temporary", [(1536, False), (1537, True)])
+def test_a_4bit_forward_past_1536_tokens_holds_a_dequantized_weight(tokens, temporary):
+    """bitsandbytes' CUDA gemm_4bit dequantizes the weight into a compute-dtype temporary and calls F.linear
+    for more than 1536 rows (quantized.DEQUANTIZED_ABOVE_ROWS); the 4-bit stand-in's forward peaks one weight
+    above its output there, and not below it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bigtune.memory.tracker import LiveTensorTracker
+    from bigtune.plan.quantized import emulate_4bit
+
+    weight = 256 * 64 * 2
+    with FakeTensorMode(), LiveTensorTracker() as t:  # as the simulation runs: no CPU kernel's scratch copies
+        layer = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False, dtype=torch.bfloat16))
+        emulate_4bit(layer, torch.bfloat16, upcast=False)
+        x = torch.zeros(tokens, 64, dtype=torch.bfloat16, requires_grad=True)
+        before = t.live_bytes
+        t.reset_peak()
+        out = layer(x)
+        peak = t.peak_bytes - before
+    assert out.shape == (tokens, 256)
+    assert peak == tokens * 256 * 2 + (weight if temporary else 0)

@@ -53,15 +53,22 @@ def block_quant_constants(model: torch.nn.Module, quantize: str, double_quant: b
     return constants, sum(w.numel() for w in weights)
 
 
+# bitsandbytes' CUDA gemm_4bit (backends/cuda/ops.py, 0.50): for more than 1536 rows (tokens) it dequantizes the
+# weight into a compute-dtype temporary and calls F.linear; for fewer, a per-architecture heuristic may pick a
+# fused kernel that reads the packed weight (its fallback dequantizes too: at most one weight's bytes more).
+DEQUANTIZED_ABOVE_ROWS = 1536
+
+
 class _Fake4bitMatmul(torch.autograd.Function):
     """bitsandbytes' 4-bit matmul as memory sees it: the forward saves nothing but the (packed)
-    weight, and the backward dequantizes the weight into a compute-dtype temporary for the input
-    gradient."""
+    weight and, past DEQUANTIZED_ABOVE_ROWS tokens, multiplies by a dequantized compute-dtype temporary;
+    the backward dequantizes the weight into such a temporary for the input gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
-        return torch.nn.functional.linear(x, weight, bias)
+        rows = x.numel() // max(1, x.shape[-1])
+        return torch.nn.functional.linear(x, weight.clone() if rows > DEQUANTIZED_ABOVE_ROWS else weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
