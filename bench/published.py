@@ -80,7 +80,9 @@ LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full log
 LITGPT_QLORA = LITGPT_LORA + (
     "; bnb.nf4 through Fabric replaces every Linear, the output head too (planned so: litgpt-nf4-head; "
     "bigtune, like HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
-    "4-bit layer's input (planned so: legacy_bnb)"
+    "4-bit layer's input (planned so: legacy_bnb); bnb's PagedAdamW (finetune/lora.py under bnb precision) "
+    "keeps the adapters' moments in CUDA managed memory, outside the allocator's counter (planned as torch "
+    "AdamW: the plan holds them)"
 )
 # torchtune's CEWithChunkedOutputLoss: the output projection and the loss in 8 chunks of the 2 × 2048 tokens;
 # bigtune's nearest setting (its chunks are also checkpointed, so even their logits are not kept).
@@ -1685,6 +1687,18 @@ def _litgpt_gelu() -> None:
     activations.NewGELUActivation.forward = lambda self, x: torch.nn.functional.gelu(x, approximate="tanh")
 
 
+def _fsdp1_flat_streams() -> None:
+    """Plan FSDP1's side-stream pools for one flat unit (rows with LAB_FSDP_IMPL): FSDP1 all-gathers into the
+    padded unsharded flat parameter itself (FlatParamHandle.unshard, in its unshard stream), in use from the
+    forward through the backward, so no all-gather buffer is left cached beside the peak as FSDP2's is; its
+    sharded gradients are allocated in its post-backward stream as FSDP2's in its reduce-scatter stream."""
+    import functools as ft
+
+    from bigtune.plan import planner, sharding
+
+    planner.side_stream_cache = ft.partial(sharding.side_stream_cache, gather_buffers=False)
+
+
 @functools.lru_cache(maxsize=None)
 def _ties_head(model_name: str) -> bool:
     """Whether transformers ties the model's output head to its input embeddings (one weight for both)."""
@@ -1771,6 +1785,8 @@ def plan_row(row: Row) -> dict:
         _litgpt_untied_head()
     if "litgpt-nf4-head" in row.litgpt_emulations():
         _litgpt_nf4_head()
+    if LAB_FSDP_IMPL in row.impl:
+        _fsdp1_flat_streams()
     if row.fsdp1_units:
         from bigtune.plan import sharding
 

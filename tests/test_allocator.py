@@ -600,3 +600,71 @@ def test_a_spliced_step0_replays_like_a_real_one(monkeypatch, over):
     assert spliced.phases == real.phases and spliced.reserved == real.reserved
     assert abs(spliced.needed - real.needed) <= 0.01 * real.needed
     assert abs(spliced.needed_expandable - real.needed_expandable) <= 0.01 * real.needed_expandable
+
+
+def _fsdp_sim(zero_grad: str):
+    from bigtune.models.configs import resolve_config
+    from bigtune.plan.sharding import simulation_recipe
+    from bigtune.plan.simulate import simulate_full_depth, total_blocks
+
+    r = load_recipe(
+        ROOT / "recipes" / "tinyllama-full.yaml",
+        {
+            "precision": "bf16-true",
+            "strategy": "fsdp",
+            "devices": 4,
+            "train.micro_batch_size": 8,
+            "train.global_batch_size": 32,
+            "data.max_seq_length": 512,
+            "optim.zero_grad": zero_grad,
+        },
+    )
+    config = resolve_config(r)
+    return r, config, simulate_full_depth(simulation_recipe(r, "fsdp"), config, True), total_blocks(config)
+
+
+def test_fsdp2_side_stream_pools_add_to_reserved_and_not_to_what_must_fit(monkeypatch):
+    """FSDP2 allocates all-gather buffers in its copy-in stream and gradient shards in its reduce-scatter
+    stream; the caching allocator serves a stream only from its own pool (CUDACachingAllocator.cpp:
+    get_free_block), so what those pools hold cached, free, at the step's peak is reserved beside the
+    default stream's replayed pool, while the retry path (release_cached_blocks) would free it: the plan's
+    reserved grows by it, its need does not."""
+    import copy
+
+    from bigtune.core.gpus import find_gpu
+    from bigtune.plan import planner
+    from bigtune.plan.planner import plan
+    from bigtune.plan.sharding import side_stream_cache
+    from bigtune.plan.target import Target
+
+    four = Target("cuda", find_gpu("a100-80gb"), 4, "fsdp")
+    r, config, sim, n = _fsdp_sim("after_step")
+    assert side_stream_cache(sim, r, Target("cuda", find_gpu("a100-80gb"), 4, "ddp"), n)[0] == 0
+    assert side_stream_cache(sim, r, Target("cuda", find_gpu("a100-80gb"), 1, "fsdp"), n)[0] == 0
+
+    # One unit (fsdp_wrap=none): the whole model's all-gather output and this rank's input stay cached in the
+    # copy-in stream's pool once copied out into the unsharded weights.
+    flat = copy.deepcopy(r)
+    flat.fsdp_wrap = "none"
+    model = sim.numel * 2  # bf16
+    with_buffers, note = side_stream_cache(sim, flat, four, n)
+    assert with_buffers - side_stream_cache(sim, flat, four, n, gather_buffers=False)[0] == int(model * 1.25)
+    assert "side streams" in note
+    # Gradient shards freed by zero_grad after the step stay cached in the reduce-scatter stream's pool
+    # through the forward; zeroed before the backward, they are still in use at the forward's high.
+    rb, _, sim_b, _ = _fsdp_sim("before_backward")
+    flat_b = copy.deepcopy(rb)
+    flat_b.fsdp_wrap = "none"
+    shards = -(-sim.phases["after_backward"]["gradients"] // 4)
+    assert with_buffers - side_stream_cache(sim_b, flat_b, four, n)[0] == pytest.approx(shards, rel=0.01)
+
+    # In the plan: reserved = the default stream's replayed ratio × the peak + the side pools; the need
+    # (least capacity) is unchanged. (A replay stood in for: 10 % over the unsharded peak, needing it all.)
+    sim.reserved, sim.needed = sim.peak_allocated * 11 // 10, sim.peak_allocated
+    p = plan(r, four, config=config, sim=sim)
+    monkeypatch.setattr(planner, "side_stream_cache", lambda *a, **k: (0, ""))
+    q = plan(r, four, config=config, sim=sim)
+    extra = side_stream_cache(sim, r, four, n)[0]
+    assert extra > 0.5 * shards  # blocks: the last step's shards, mostly not yet replaced at the backward's high
+    assert p.peak_reserved - q.peak_reserved == extra
+    assert p.needed_total == q.needed_total

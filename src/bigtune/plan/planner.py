@@ -34,7 +34,7 @@ from bigtune.models.configs import resolve_config
 from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, GIB
 from bigtune.plan.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
 from bigtune.plan.quantized import EIGHT_BIT
-from bigtune.plan.sharding import host_state_bytes, shard_states
+from bigtune.plan.sharding import host_state_bytes, shard_states, side_stream_cache
 from bigtune.plan.simulate import (
     Sim,
     config_family,
@@ -385,7 +385,9 @@ def _reserved_and_needed(
             return sim.reserved + workspaces, sim.needed + workspaces, 0
         ratio, least_ratio = (x / on_device for x in (sim.reserved, sim.needed))
         notes.append(f"reserved/allocated ratio {ratio:.3f} from {how}")
-        return int(peak * ratio), int(peak * least_ratio), 0
+        side, side_note = side_stream_cache(sim, recipe, target, total_blocks(config))
+        notes.extend([side_note] if side else [])
+        return int(peak * ratio) + side, int(peak * least_ratio), 0
     if not replayed:  # a certain OOM, or the caller asked for allocated categories only (replay=False)
         unplayed = "" if conf.is_default else f"; PYTORCH_CUDA_ALLOC_CONF={conf} not replayed"
         over = target.capacity_bytes is not None and peak > target.capacity_bytes
@@ -407,9 +409,13 @@ def _reserved_and_needed(
         expandable = least_expandable + workspaces if least_expandable else 0
     else:
         ratio = replayed_bytes / on_device
-        reserved, needed = int(peak * ratio), int(peak * least / on_device)
+        # several devices: the default stream's pool keeps the unsharded step's ratio; FSDP2's side streams
+        # keep their own pools beside it (what they hold cached, free, at the peak is reserved on top)
+        side, side_note = side_stream_cache(sim, recipe, target, total_blocks(config))
+        reserved, needed = int(peak * ratio) + side, int(peak * least / on_device)
         expandable = int(peak * least_expandable / on_device)
         how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
+        how += [side_note] if side else []
     notes.extend(how)
     if not conf.is_default:
         notes.append(f"caching allocator replayed with PYTORCH_CUDA_ALLOC_CONF={conf} (train.cuda_alloc_conf)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from bigtune.core.stepmath import human_bytes
 from bigtune.plan.constants import GIB
 from bigtune.plan.simulate import Sim, step_kind, zero_masters
 from bigtune.plan.target import Target
@@ -356,6 +357,16 @@ def _gathered(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
     return gather, int((root + (n_layers * per_block if recipe.fsdp_sharding == "grad_op" else 0)) * es)
 
 
+def _unit_bytes(s: _Sharding, n_layers: int) -> tuple[int, int]:
+    """(the root unit's, one block's) unsharded bytes as they are all-gathered (as _gathered counts them)."""
+    sim = s.sim
+    if s.nf4_full:
+        return sim.nf4.root_bytes, s.nf4_full // max(1, n_layers) + sim.nf4.block_other_bytes
+    per_block = sim.block_numel / max(1, n_layers) if sim.block_numel else sim.numel / max(1, n_layers)
+    root = max(0, sim.numel - sim.block_numel) if sim.block_numel else per_block
+    return int(root * s.es), int(per_block * s.es)
+
+
 def _gathered_nf4(s: _Sharding, recipe: Recipe, n_layers: int) -> tuple[int, int]:
     """_gathered for a torchao NF4 base, in bytes as they are: a block gathers its NF4 weights' packed 4-bit
     data and constants (NF4Tensor's all-gather extension; not 16-bit weights) and its other parameters (norms,
@@ -433,6 +444,63 @@ def _backward_high(s: _Sharding, recipe: Recipe, fwd_grads: int) -> int:
         shards = s.on_device(s.full_states(b_), "gradients") if s.window_grads else 0
         bwd = s.device_states(b_) - shards + s.window_grads + late + s.gather + s.bucket + s.persistent_bucket
     return max(bwd_start, bwd)
+
+
+def side_stream_cache(
+    sim: Sim, recipe: Recipe, target: Target, n_layers: int, gather_buffers: bool = True
+) -> tuple[int, str]:
+    """(bytes, note): what FSDP2's side-stream pools keep cached, free, beyond what they hold at the step's
+    peak, on a CUDA device; reserved holds them on top of the default stream's own replayed pool.
+
+    PyTorch's caching allocator gives a freed block back to the pool of the stream it was allocated on
+    and serves a request only from its own stream's blocks (CUDACachingAllocator.cpp: BlockComparator
+    orders by stream first, get_free_block searches the request's stream). FSDP2
+    (_fully_shard/_fsdp_collectives.py) allocates each unit's all-gather input and output in its
+    all-gather copy-in stream (foreach_all_gather) and every gradient shard as a view of a reduce-scatter
+    output allocated in its reduce-scatter stream (foreach_reduce). So the gradient shards, once freed by
+    zero_grad, stay cached in that stream's pool through the next forward, where the default stream's
+    activations cannot reuse them; and the all-gather buffers (the largest unit's, or two blocks' in flight
+    with backward prefetch) stay cached beside the forward's end. Neither counts towards what must fit:
+    the free-and-retry path releases wholly cached segments of every stream before an out-of-memory.
+    ``gather_buffers=False`` leaves the all-gather buffers out (FSDP1 gathers into the flat parameter itself)."""
+    split, moved = shard_layout(target.strategy, recipe.fsdp_cpu_offload)
+    if target.strategy != "fsdp" or target.device != "cuda" or target.data_parallel <= 1 or "parameters" not in split:
+        return 0, ""
+    s = _sharding(sim, recipe, target, n_layers, split, moved, False)
+    f, b_ = sim.phases["after_forward"], sim.phases["after_backward"]
+    fwd_grads = s.window_grads - s.on_device(s.full_states(f), "gradients") if s.window_grads else 0
+    highs = {"forward": _forward_high(s, target, fwd_grads), "optimizer": _optimizer_high(s)}
+    highs["backward"] = _backward_high(s, recipe, fwd_grads)
+    at = max(highs, key=highs.get)
+    # gradient shards: all of them after the backward; at a forward's end those the phase kept
+    shards = s.on_device(s.full_states(b_), "gradients")
+    shards_at = {"forward": s.on_device(s.full_states(f), "gradients"), "backward": shards, "optimizer": shards}[at]
+    if s.window_grads:
+        shards_at = shards if at == "optimizer" else 0  # the window's gradients are unsharded ones
+    if at == "backward":
+        # one unit: its single reduce-scatter comes after the backward's high. Blocks: the high is at the
+        # backward's start or past its first reduce-scatter, counted as the latter (fewer shards cached
+        # free there than at the start, so this is the smaller figure)
+        shards_at = 0 if s.flat else max(0, shards - (b_.get("phase_gradients_pending_late") or 0) // s.n)
+    # all-gather buffers (output + this rank's input): the whole model in one unit, else the larger of the
+    # root's and two blocks' in flight; in use at the backward's high of per-block units
+    per_unit = 1 + 1 / s.n
+    if not gather_buffers:
+        buffers = buffers_at = 0
+    elif s.flat:
+        buffers, buffers_at = int(s.gather * per_unit), 0
+    else:
+        root, block = _unit_bytes(s, n_layers)
+        buffers = int(max(root, 2 * block) * per_unit)
+        buffers_at = int(2 * block * per_unit) if at == "backward" else 0
+    extra = max(0, shards - shards_at) + max(0, buffers - buffers_at)
+    if not extra:
+        return 0, ""
+    return extra, (
+        f"fsdp side streams: + {human_bytes(extra)} reserved, cached free in FSDP2's all-gather and reduce-scatter "
+        "streams' own pools (gradient shards after zero_grad, all-gather buffers), which the default stream "
+        "cannot reuse; not part of what must fit (an out-of-memory retry releases them)"
+    )
 
 
 def _optimizer_high(s: _Sharding) -> int:
