@@ -389,3 +389,175 @@ def _smolvlm_tokens(rows: int, cols: int) -> int:
     r = _recipe("tiny-smolvlm", **{"model.family": "image-to-text"})
     layout = ChatImageLayout.for_model(load_processor(r.model), resolve_config_name(r.model), r.data.prompt)
     return len(layout.split.ids(rows, cols))
+
+
+# --- the shortcuts that keep plans fast, each against the slow path it replaces ---
+REPEAT_CASES = [
+    # decoder-only (Llama: GQA, RoPE), OPT in bf16, BLIP-2 T5 (an encoder-decoder: self- and cross-attention caches),
+    # a chat VLM (Qwen2-VL: M-RoPE positions from rope_deltas)
+    ("tiny-llama", "generate", 3, 12, 20, torch.float32),
+    ("tiny-opt", "generate", 5, 8, 16, torch.bfloat16),
+    ("tiny-blip2-t5", "caption", 2, 0, 14, torch.float32),
+    ("tiny-qwen2-vl", "caption", 2, 0, 14, torch.float32),
+]
+
+
+@pytest.mark.parametrize("model, task, b, p, n, dtype", REPEAT_CASES)
+def test_decode_steps_that_repeat_are_written_not_run(model, task, b, p, n, dtype):
+    """DecodeRepeat: once three decode steps repeat, the loop stops and the rest are written from the last one.
+    Phase peaks, the cache at the end and the caching allocator's replay (reserved, least capacity) equal a
+    simulation that runs every step, on a GPU target and on a CPU."""
+    from unittest import mock
+
+    from bigtune.plan.serving import DecodeRepeat, caption_workload
+
+    r = _recipe(model, **({"model.family": "image-to-text"} if model.startswith("tiny-qwen") else {}))
+    cfg = resolve_config_name(r.model)
+    w = Workload(task, b, p, n, dtype, image_size=(32, 32) if model.startswith("tiny-qwen") else None)
+    w = caption_workload(r, cfg, w) if task == "caption" else w
+    for cuda in (True, False):
+        with mock.patch.object(DecodeRepeat, "complete", autospec=True, side_effect=DecodeRepeat.complete) as spy:
+            fast = simulate(cfg, r.model.family, w, cuda)
+        slow = simulate(cfg, r.model.family, w, cuda, repeat=False)
+        assert spy.call_count == 1 and spy.call_args.args[0].cut <= 6 < n - 1  # six forwards at most ran
+        assert fast.scalars() == slow.scalars(), (cuda, fast.scalars(), slow.scalars())
+        assert fast.cache == kv_cache_bytes(cfg, w)
+
+
+def test_decode_steps_past_a_sliding_window_are_run():
+    """Gemma-2's sliding window (16 tokens on alternate layers) stops its cache from growing mid-decode: the steps
+    compared before it do not predict those after it, so they run until past it (and written blindly they would
+    be wrong)."""
+    from unittest import mock
+
+    cfg = _config("tiny-gemma2")
+    w = Workload("generate", 2, 6, 24, torch.float32)
+    slow = simulate(cfg, "causal-lm", w, True, "eager", repeat=False)
+    assert simulate(cfg, "causal-lm", w, True, "eager").scalars() == slow.scalars()
+    with mock.patch("bigtune.plan.serving.length_thresholds", return_value=set()):
+        blind = simulate(cfg, "causal-lm", w, True, "eager")
+    assert blind.cache > slow.cache  # written blindly, the windowed layers would keep growing
+
+
+def test_fake_model_kept_between_simulations_changes_nothing():
+    """simulate keeps each fake model for the next simulation: after one at another batch size, the same
+    simulation as on a freshly built model (BLIP-2; Qwen2-VL, which keeps its M-RoPE offsets on the model)."""
+    from bigtune.plan import serving
+    from bigtune.plan.serving import caption_workload
+
+    for model in ("tiny-blip2-opt", "tiny-qwen2-vl"):
+        r = _recipe(model, **{"model.family": "image-to-text"})
+        cfg = resolve_config_name(r.model)
+
+        def at(b: int) -> Workload:
+            size = (32, 32) if model == "tiny-qwen2-vl" else None
+            return caption_workload(r, cfg, Workload("caption", b, 0, 6, torch.float32, image_size=size))
+
+        serving.FAKE_MODELS.clear()
+        fresh = simulate(cfg, "image-to-text", at(5), True)
+        serving.FAKE_MODELS.clear()
+        simulate(cfg, "image-to-text", at(2), True)
+        assert len(serving.FAKE_MODELS) == 1
+        assert simulate(cfg, "image-to-text", at(5), True).scalars() == fresh.scalars(), model
+
+
+WRITTEN_CASES = [
+    # a decoder-only LM (GQA), BLIP-2 OPT captioning (vision tower, Q-Former), a classifier-style forward, nf4 weights
+    ("tiny-llama", "generate", 16, 12, torch.float32, "none"),
+    ("tiny-blip2-opt", "caption", 0, 8, torch.bfloat16, "none"),
+    ("tiny-opt", "predict", 24, 0, torch.float32, "none"),
+    ("tiny-llama", "generate", 8, 10, torch.bfloat16, "nf4"),
+]
+
+
+@pytest.mark.parametrize("model, task, p, n, dtype, quantize", WRITTEN_CASES)
+def test_batch_written_from_two_traces_is_the_simulated_batch(model, task, p, n, dtype, quantize):
+    """written_at: batch 11's trace written from those of batches 1 and 6 (every storage's size moved along
+    the batch) against simulating batch 11: the same phase peaks, cache and caching-allocator replay. Each
+    trace's own phase peaks, rebuilt from its events, are the tracker's."""
+    from bigtune.plan.serving import phase_peaks, written_at
+
+    r = _recipe(model)
+    cfg = resolve_config_name(r.model)
+    sims = {b: simulate(cfg, r.model.family, Workload(task, b, p, n, dtype, quantize), True) for b in (1, 6, 11)}
+    for sim in sims.values():
+        trace = sim.traces[2]
+        assert [v + trace.delta for v in phase_peaks(trace.events, trace.resets, trace.round_to)] == list(
+            sim.phases.values()
+        )
+    written = written_at(sims[1].traces[2], sims[6].traces[2], 11)
+    assert written is not None and written.scalars() == sims[11].scalars()
+
+
+def test_batch_traces_that_do_not_scale_are_not_written():
+    """Qwen2-VL works out positions per image from its inputs' values: another batch size runs other
+    operators, so its traces are not written (and the search simulates every batch size it tries)."""
+    from bigtune.plan.serving import caption_workload, written_at
+
+    r = _recipe("tiny-qwen2-vl", **{"model.family": "image-to-text"})
+    cfg = resolve_config_name(r.model)
+    traces = [
+        simulate(
+            cfg, "image-to-text", caption_workload(r, cfg, Workload("caption", b, 0, 4, torch.float32)), True
+        ).traces[2]
+        for b in (1, 3)
+    ]
+    assert written_at(*traces, 5) is None
+
+
+def test_largest_batch_search_finds_the_edge_a_scan_finds():
+    """The search against the slow path: every batch size from 1 up simulated until one does not fit. tiny-opt's
+    need grows in whole 2 MiB segments (2 MiB up to batch 8, 4 MiB to 21, then 6): with 4 MiB above the context
+    the scan stops at 22; the search, on needs written from batches 2 (the plan's) and 1 first, simulates 21
+    and 22 only."""
+    from unittest import mock
+
+    from bigtune.plan import serving
+
+    r, cfg = _recipe("tiny-opt"), _config("tiny-opt")
+    w = Workload("generate", 2, 32, 16, torch.float32)
+    target = Target("cuda", custom_gpu((CUDA_CONTEXT_BYTES + 4 * MiB) / GIB, find_gpu("a10g")))
+    simulated = []
+    real = serving.simulate_full_depth
+
+    def counted(*args, **kwargs):
+        simulated.append(args[2].batch_size)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(serving, "simulate_full_depth", side_effect=counted):
+        found = plan_inference(r, target, w, config=cfg).max_batch_size
+    scan = 1
+    while plan_inference(r, target, dataclasses.replace(w, batch_size=scan), config=cfg, search_batch=False).fits:
+        scan += 1
+    assert found == scan - 1 and sorted(set(simulated)) == [1, 2, 21, 22], (found, scan, simulated)
+
+
+def test_largest_batch_search_proves_a_noisy_edge_in_few_simulations():
+    """On needs shaped like BLIP-2 OPT-2.7B's (an affine line with segment noise of about one row, BLIP-2's
+    52 MiB a row), the secant through the needs nearest the card proves the edge with one simulation each side
+    once near it; the answer is an edge: it fits and one more does not."""
+    from unittest import mock
+
+    from bigtune.plan import serving
+
+    def need(b: int) -> int:  # bytes the replay needs, + context
+        return 16_000 * MiB + 52 * MiB * b + (37 * b % 61 - 30) * MiB
+
+    def sim(b: int):  # allocated bytes affine in the batch, as simulated
+        return serving.InferSim({"decode": 15_000 * MiB + 44 * MiB * b}, 0, 0, 0, 0, 0, 0, 0, need(b))
+
+    asked = []
+
+    def simulate_at(config, family, wb, *args):
+        asked.append(wb.batch_size)
+        return sim(wb.batch_size)
+
+    target = Target("cuda", custom_gpu((need(146) + CUDA_CONTEXT_BYTES + 10 * MiB) / GIB, find_gpu("a10g")))
+    cap = target.capacity_bytes
+    for b2 in (1, 8, 64, 160):
+        asked.clear()
+        w = Workload("generate", b2, 16, 8, torch.float32)
+        with mock.patch.object(serving, "simulate_full_depth", side_effect=simulate_at):
+            m = serving.largest_batch(None, "causal-lm", w, target, "sdpa", sim(b2))
+        assert need(m) + CUDA_CONTEXT_BYTES <= cap < need(m + 1) + CUDA_CONTEXT_BYTES, (b2, m)
+        assert len(asked) <= 5, (b2, asked)

@@ -8,7 +8,8 @@ CPU runs, inside a greedy decoding loop that mirrors transformers' ``generate`` 
   logits are computed, ``logits_to_keep=1``, where the model supports it), then the float32 copy of
   those logits that ``generate`` takes before picking the token;
 * decode: one token per step through the growing cache (each layer's cache grows by ``torch.cat``,
-  so the old and the new copy of one layer's cache briefly coexist), ``max_new_tokens - 1`` steps.
+  so the old and the new copy of one layer's cache briefly coexist), ``max_new_tokens - 1`` steps; once
+  three steps repeat event for event, the rest are written from them, not run (DecodeRepeat).
 
 ``caption`` runs BLIP-2's own ``generate`` (vision tower, Q-Former, projection, the image tokens
 put in the prompt) with the language model's ``generate`` replaced by that loop; a chat
@@ -173,6 +174,9 @@ class InferSim:
     reserved: int = 0
     needed: int = 0
     replayed_at: tuple[int, ...] = ()  # the two depths replayed and extrapolated from (() at full depth)
+    # CUDA targets: the simulated batch's trace at each language-model depth simulated (largest_batch writes
+    # other batch sizes from two of them: written_at)
+    traces: dict[int, "Trace"] = field(default_factory=dict, repr=False, compare=False)
 
     def scalars(self) -> dict[str, int]:
         d = {f"phase:{k}": v for k, v in self.phases.items()}
@@ -248,7 +252,15 @@ def greedy_config(new_tokens: int, pad_id: int):
 
 
 def decode_loop(
-    lm, input_ids, attention_mask, new_tokens: int, tracker, phases: dict, inputs_embeds=None, extra=None
+    lm,
+    input_ids,
+    attention_mask,
+    new_tokens: int,
+    tracker,
+    phases: dict,
+    inputs_embeds=None,
+    extra=None,
+    repeat: Optional["DecodeRepeat"] = None,
 ) -> Any:
     """Greedy decoding as ``transformers.GenerationMixin._sample`` does it, on any tensors.
 
@@ -256,7 +268,9 @@ def decode_loop(
     forward returns, the float32 copy of the last position's logits, the argmax and the growing
     ``input_ids``. Phase peaks are written to ``phases`` (prefill, decode). ``extra``: further model
     inputs (a chat vision-language model's pixels, image grids, token types), which the model's own
-    prepare_inputs_for_generation passes to the prefill only. Returns the cache.
+    prepare_inputs_for_generation passes to the prefill only. ``repeat``: asked at the start of every
+    decode step whether the steps left repeat the last ones (then the loop stops there and
+    ``DecodeRepeat.complete`` writes them). Returns the cache.
     """
     from transformers import DynamicCache, EncoderDecoderCache
 
@@ -291,6 +305,8 @@ def decode_loop(
         if step == 1:  # the prefill forward and its token are done
             phases["prefill"] = tracker.peak_bytes
             tracker.reset_peak()
+        if step and repeat is not None and repeat.stop(step, kw["cache"], lm.config):
+            break
         if step:
             inputs = lm.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **kw)
             out = lm(**inputs, return_dict=True)
@@ -303,6 +319,123 @@ def decode_loop(
     else:
         phases["decode"] = tracker.peak_bytes
     return kw["cache"]
+
+
+REPEAT_STEPS = 3  # consecutive decode steps that must repeat exactly before the rest are written from them
+
+
+class DecodeRepeat:
+    """Decode steps written from the ones simulated, once they repeat.
+
+    From the second decode step on, every step runs the same operators in the same order on one more
+    cached token: the same storages are born and die, each one's size grows by a fixed number of bytes
+    per step (the cache's and the attention mask's ``torch.cat``: the KV cache grows by 2·layers·
+    kv_heads·head_dim·batch·bytes a step, in closed form in ``kv_cache_bytes``), and each free hits the
+    storage born the same number of steps earlier at the same place. So once ``REPEAT_STEPS``
+    consecutive steps show exactly that (the same event kinds, the same frees, sizes growing by the same
+    bytes), the events of the steps left are those of the last one with the sizes grown, and the loop
+    stops: the allocator replay, the decode peak and the cache at the end come out as a full run's
+    (tests: equal to the byte on the tiny presets; the prefill and 5 decode steps instead of 63 for the
+    7B example). Not where a length the model changes behaviour at (a sliding window, an attention chunk,
+    the positions RoPE was trained on) lies between the steps compared and the last one: those run.
+    """
+
+    def __init__(self, tracker, new_tokens: int):
+        self.tracker = tracker
+        self.new_tokens = new_tokens
+        self.starts: list[int] = []  # event index where decode step 1, 2, ... starts
+        self.live: list[int] = []  # tracker.live_bytes there
+        self.cache: list[int] = []  # bytes of the KV cache there
+        self.cut = 0  # the decode step the loop stopped before (0: it ran to the end)
+
+    def stop(self, step: int, cache, config) -> bool:
+        """At the start of decode step ``step``: record it; whether the steps left are written instead of run."""
+        events = self.tracker.events
+        if events is None:  # an untraced run: nothing to write the steps from
+            return False
+        self.starts.append(len(events))
+        self.live.append(self.tracker.live_bytes)
+        self.cache.append(cache_bytes(cache))
+        first = step - REPEAT_STEPS  # the steps compared: first .. step - 1 (from step 2 on)
+        if first < 2 or step >= self.new_tokens - 1:
+            return False
+        growth = {self.cache[i] - self.cache[i - 1] for i in range(first, step)}
+        length = int(cache.get_seq_length())
+        final = length + self.new_tokens - step
+        if len(growth) > 1 or any(length - REPEAT_STEPS - 1 <= t <= final + 1 for t in length_thresholds(config)):
+            return False
+        shapes = [self._step(events, s) for s in range(first, step)]
+        if any(s is None for s in shapes) or any(s[0] != shapes[0][0] for s in shapes):
+            return False
+        sizes = [s[1] for s in shapes]
+        deltas = [[b - a for a, b in zip(x, y)] for x, y in zip(sizes, sizes[1:])]
+        if any(d != deltas[0] for d in deltas):
+            return False
+        self.cut = step
+        return True
+
+    def _step(self, events: list, s: int) -> Optional[tuple[list, list[int]]]:
+        """Decode step ``s``'s events as (kinds and frees, alloc sizes): a free as (steps back, place), the place
+        counted from the step's start (its own step) or from the end of an earlier one (where the first decode
+        steps free what the prefill left, they are a few events shorter); None where one frees a storage
+        born before decoding (that cannot recur)."""
+        import bisect
+
+        lo, hi = self.starts[s - 1], self.starts[s]
+        shape, sizes = [], []
+        for ev in events[lo:hi]:
+            if ev[0] == "alloc":
+                shape.append("alloc")
+                sizes.append(ev[2])
+                continue
+            born = bisect.bisect_right(self.starts, ev[1])  # the step the freed storage was born in
+            if born < 1 or s - born > 2:
+                return None
+            shape.append((0, ev[1] - lo) if born == s else (s - born, self.starts[born] - ev[1]))
+        return shape, sizes
+
+    def complete(self, events: list, round_to: int) -> Optional[tuple[list, int, int]]:
+        """(the events of all ``new_tokens`` steps, the decode phase's peak bytes, the KV cache at the end)
+        from a loop cut at step ``cut``; None where a storage is born after the loop (nothing is written)."""
+        cut, starts = self.cut, self.starts[: self.cut - 1]  # the steps run before the last one compared
+        tail = events[self.starts[cut - 1] :]
+        if any(ev[0] == "alloc" for ev in tail):
+            return None
+        out = events[: self.starts[cut - 1]]  # the loop's locals' frees after it are left out: nothing follows
+        shape, last = self._step(events, cut - 1)
+        prev = self._step(events, cut - 2)[1]
+        growth = [b - a for a, b in zip(prev, last)]
+        for t in range(cut, self.new_tokens):
+            starts.append(len(out))
+            sizes = iter(x + g * (t - cut + 1) for x, g in zip(last, growth))
+            for kind in shape:
+                if kind == "alloc":
+                    out.append(("alloc", len(out), next(sizes)))
+                else:
+                    back, at = kind  # starts[t - 1]: where step t starts; starts[t - back]: where step t - back ends
+                    out.append(("free", starts[t - 1] + at if back == 0 else starts[t - back] - at))
+        size = {ev[1]: -(-ev[2] // round_to) * round_to for ev in out if ev[0] == "alloc"}
+        live = peak = self.live[0]  # the decode phase's peak starts where step 1 starts
+        for ev in out[starts[0] :]:
+            live += size[ev[1]] if ev[0] == "alloc" else -size.get(ev[1], 0)
+            peak = max(peak, live)
+        kv = self.cache[-1] + (self.cache[-1] - self.cache[-2]) * (self.new_tokens - cut)
+        return out, peak, kv
+
+
+def length_thresholds(config) -> set[int]:
+    """Cache lengths at which a model's decode steps can change: sliding windows, attention chunks, the
+    positions its RoPE covers (dynamic and long RoPE switch there)."""
+    found: set[int] = set()
+    for c in {id(x): x for x in (config, _text_config(config))}.values():
+        for key in ("sliding_window", "attention_chunk_size", "max_position_embeddings"):
+            if isinstance(getattr(c, key, None), int):
+                found.add(int(getattr(c, key)))
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        for params in [rope, *(v for v in rope.values() if isinstance(v, dict))] if isinstance(rope, dict) else []:
+            if isinstance(params.get("original_max_position_embeddings"), int):
+                found.add(int(params["original_max_position_embeddings"]))
+    return found
 
 
 def cache_bytes(cache) -> int:
@@ -352,8 +485,9 @@ def make_inputs(config, w: Workload):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict):
-    """Run the workload on ``model`` (real or fake tensors) under ``tracker``; returns the KV cache (or None)."""
+def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict, repeat: Optional[DecodeRepeat] = None):
+    """Run the workload on ``model`` (real or fake tensors) under ``tracker``; returns the KV cache (or None).
+    ``repeat``: see decode_loop."""
     if w.task == "predict":
         out = model(**inputs, use_cache=False, return_dict=True)
         phases["forward"] = tracker.peak_bytes
@@ -362,7 +496,14 @@ def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict):
     if w.task == "caption" and w.images is not None:  # the vision tower runs inside the prefill forward
         rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
         return decode_loop(
-            model, inputs["input_ids"], inputs["attention_mask"], w.new_tokens, tracker, phases, extra=rest
+            model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            w.new_tokens,
+            tracker,
+            phases,
+            extra=rest,
+            repeat=repeat,
         )
     if w.task == "caption":
         holder: dict[str, Any] = {}
@@ -378,13 +519,16 @@ def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict):
                 tracker,
                 phases,
                 inputs_embeds=inputs_embeds,
+                repeat=repeat,
             )
             return None
 
         with mock.patch.object(model.language_model, "generate", lm_generate, create=True):
             model.generate(**inputs, max_new_tokens=w.new_tokens)
         return holder["cache"]
-    return decode_loop(model, inputs["input_ids"], inputs["attention_mask"], w.new_tokens, tracker, phases)
+    return decode_loop(
+        model, inputs["input_ids"], inputs["attention_mask"], w.new_tokens, tracker, phases, repeat=repeat
+    )
 
 
 def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
@@ -422,11 +566,13 @@ def simulate(
     cuda: bool,
     attn_implementation: str = "sdpa",
     arch: Optional[tuple[int, int]] = None,
+    repeat: bool = True,
 ) -> InferSim:
     """Run one batch of ``w`` on fake tensors with ``config`` as given (no depth change); on a CUDA
     target of compute capability ``arch`` attention takes the math path wherever CUDA would, and the
     storages' births and deaths are replayed through the caching allocator (``InferSim.reserved``,
-    ``InferSim.needed``)."""
+    ``InferSim.needed``). ``repeat``: write the decode steps that repeat instead of running them
+    (DecodeRepeat); False runs every step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bigtune.core.stepmath import storage_bytes
@@ -445,11 +591,17 @@ def simulate(
     kernels = cuda_attention(arch if arch is not None else ((8, 0) if cuda else None))
     # a chat vision-language model places its image tokens and positions from its integer inputs' values
     index_math = real_index_math() if w.images is not None else contextlib.nullcontext()
-    with index_math, FakeTensorMode(allow_non_fake_inputs=True), no_packing, no_trunc_init, torch.no_grad(), kernels:
-        model = build_inference_model(config, family, w.dtype, attn_implementation)
+    # the same fake model for every batch size (_keep_model)
+    key = (config.to_json_string(), family, w.dtype, attn_implementation, w.images is not None)
+    mode, model = FAKE_MODELS.get(key) or (FakeTensorMode(allow_non_fake_inputs=True), None)
+    with index_math, mode, no_packing, no_trunc_init, torch.no_grad(), kernels:
+        model = model or build_inference_model(config, family, w.dtype, attn_implementation)
         inputs = make_inputs(config, w)
-        events: Optional[list] = [] if cuda else None
+        repeat = repeat and w.task != "predict"  # the decode steps are written from the events
+        events: Optional[list] = [] if (cuda or repeat) else None
         tracker = LiveTensorTracker(round_to=512 if cuda else 1, events=events)
+        resets = _marking_resets(tracker)
+        steps = DecodeRepeat(tracker, w.new_tokens) if repeat else None
         held = list(model.parameters()) + list(model.buffers())
         weights = storage_bytes(held)
         lm_mm, vis_mm, largest, quant = _linear_stats(model, w.quantize != "none")
@@ -457,15 +609,127 @@ def simulate(
         tracker.track(list(inputs.values()))
         tracker.reset_peak()
         with tracker:
-            cache = run_workload(model, inputs, w, tracker, phases)
-        replayed = replay_batch(loaded_as(events, packed)) if events is not None else (0, 0)
+            cache = run_workload(model, inputs, w, tracker, phases, steps)
         kv = cache_bytes(cache) if cache is not None else 0
         numel = sum(p.numel() for p in model.parameters())
-        if w.quantize != "none":
-            delta = quantized_weight_delta(quant, w.quantize, w.double_quant)
-            weights += delta
-            phases = {k: v + delta for k, v in phases.items()}
-    return InferSim(phases, weights, kv, numel, lm_mm, vis_mm, largest if w.quantize != "none" else 0, *replayed)
+        delta = quantized_weight_delta(quant, w.quantize, w.double_quant) if w.quantize != "none" else 0
+        _keep_model(key, mode, model, held)
+    if steps is not None and steps.cut:
+        done = steps.complete(events, tracker.round_to)
+        if done is None:  # a storage born after the loop: run every step
+            return simulate(config, family, w, cuda, attn_implementation, arch, repeat=False)
+        events, phases["decode"], kv = done
+    replayed = replay_batch(loaded_as(events, packed)) if cuda else (0, 0)
+    weights += delta
+    phases = {k: v + delta for k, v in phases.items()}
+    out = InferSim(phases, weights, kv, numel, lm_mm, vis_mm, largest if w.quantize != "none" else 0, *replayed)
+    if cuda:
+        out.traces = {lm_layers(config): Trace(events, resets, tracker.round_to, packed, delta, w.batch_size, out)}
+    return out
+
+
+def _marking_resets(tracker) -> list[int]:
+    """The event index at each ``reset_peak`` of ``tracker`` from now on: where each phase starts."""
+    marks: list[int] = []
+    reset = tracker.reset_peak
+
+    def reset_and_mark() -> None:
+        marks.append(len(tracker.events) if tracker.events is not None else 0)
+        reset()
+
+    tracker.reset_peak = reset_and_mark
+    return marks
+
+
+@dataclass
+class Trace:
+    """One simulated batch as the tracker recorded it (every decode step written in): its storages' births
+    and deaths, where each phase starts (a reset_peak, in InferSim.phases' order), the quantized weights'
+    events (track_weights) and the bytes bitsandbytes saves on them, the batch size and its simulation."""
+
+    events: list
+    resets: list[int]
+    round_to: int
+    packed: dict[int, tuple[int, int]]
+    delta: int
+    batch: int
+    sim: InferSim
+
+
+def phase_peaks(events: list, resets: list[int], round_to: int) -> list[int]:
+    """Each phase's peak live bytes from a trace's events, as the tracker counts them (sizes rounded up to
+    ``round_to``; a phase's peak starts at what is live where it starts)."""
+    size: dict = {}
+    live, peaks, k = 0, [], 0
+    for i, ev in enumerate(events):
+        while k < len(resets) and resets[k] == i:
+            peaks.append(live)
+            k += 1
+        if ev[0] == "alloc":
+            size[ev[1]] = -(-ev[2] // round_to) * round_to
+            live += size[ev[1]]
+            if peaks:
+                peaks[-1] = max(peaks[-1], live)
+        else:
+            live -= size.pop(ev[1], 0)
+    return peaks + [live] * (len(resets) - len(peaks))
+
+
+def written_at(t1: Trace, t2: Trace, b: int) -> Optional[InferSim]:
+    """The simulation of batch ``b`` written from the traces of two other batch sizes at one depth.
+
+    The same operators run at every batch size: the same storages are born and die in the same order, and
+    each one's size is affine in the batch (a batch dimension, or none: weights, RoPE tables), so where two
+    traces agree event for event and every size grows by whole bytes per row, batch ``b``'s events are
+    theirs with the sizes moved along that line, and its phase peaks and caching-allocator replay follow
+    (tests: equal to a simulation of that batch on the tiny presets; Open-LLaMA-7B and BLIP-2 OPT-2.7B
+    scale so from batch 1 up). None where the traces do not scale so."""
+    rows = t2.batch - t1.batch
+    if len(t1.events) != len(t2.events) or t1.resets != t2.resets or rows == 0:
+        return None
+    events = []
+    for e1, e2 in zip(t1.events, t2.events):
+        if e1[:2] != e2[:2]:
+            return None
+        if e1[0] == "alloc":
+            per_row, rest = divmod(e2[2] - e1[2], rows)
+            if rest:
+                return None
+            e1 = ("alloc", e1[1], e1[2] + per_row * (b - t1.batch))
+        events.append(e1)
+    kv, rest = divmod((t2.sim.cache - t1.sim.cache) * (b - t1.batch), rows)
+    if rest:
+        return None
+    peaks = phase_peaks(events, t1.resets, t1.round_to)
+    phases = {k: v + t1.delta for k, v in zip(t1.sim.phases, peaks)}
+    s = t1.sim
+    replayed = replay_batch(loaded_as(events, t1.packed))
+    return InferSim(
+        phases, s.weights, s.cache + kv, s.numel, s.lm_matmul_numel, s.vision_matmul_numel, s.largest_linear, *replayed
+    )
+
+
+FAKE_MODELS: dict[tuple, tuple] = {}  # (config JSON, family, dtype, attention, chat VLM) -> (its fake mode, the model)
+
+FAKE_MODELS_KEPT = 4  # a plan's simulations use two depths, or four (simulate_full_depth)
+
+
+def _keep_model(key: Optional[tuple], mode, model, held: list) -> None:
+    """Keep a fake model for the next simulation of the same config (a largest-batch search simulates the
+    same few depths at every batch size; building BLIP-2's vision tower and Q-Former on fake tensors took
+    a third of each simulation). A run leaves nothing on the model that the next one reads before it
+    writes it (Qwen2-VL's M-RoPE offsets are recomputed on an empty cache; tests: the same simulation as
+    on a fresh model); not where the run changed its parameters or buffers (RoPE that grows its
+    frequencies past the trained length re-registers them): the next run must start from a fresh model."""
+    if key is None:
+        return
+    if [id(t) for t in list(model.parameters()) + list(model.buffers())] != [id(t) for t in held]:
+        FAKE_MODELS.pop(key, None)
+        return
+    FAKE_MODELS.pop(key, None)
+    FAKE_MODELS[key] = (mode, model)
+    while len(FAKE_MODELS) > FAKE_MODELS_KEPT:
+        FAKE_MODELS.pop(next(iter(FAKE_MODELS)))
 
 
 def track_weights(tracker, held: list, quantized: list, w: Workload) -> dict[int, tuple[int, int]]:
@@ -534,21 +798,57 @@ def simulate_full_depth(
     from bigtune.plan.simulate import RESERVED_DEPTHS
 
     n = lm_layers(config)
+    traces: dict[int, Trace] = {}
     for d, e in ((2, 3), RESERVED_DEPTHS):
         if n <= e:
-            return simulate(config, family, w, cuda, attn_implementation, arch)
-        a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation, arch).scalars()
-        b = simulate(_with_depth(config, e), family, w, cuda, attn_implementation, arch).scalars()
-        full = {k: int(a[k] + (b[k] - a[k]) * (n - d) / (e - d)) for k in a}
-        full["largest_linear"] = max(a["largest_linear"], b["largest_linear"])
-        if not a["reserved"]:
-            break
-        full["reserved"], full["needed"], spread = replayed_at_depth(a, b, full)
+            out = simulate(config, family, w, cuda, attn_implementation, arch)
+            out.traces = {**traces, **out.traces}
+            return out
+        a = simulate(_with_depth(config, d), family, w, cuda, attn_implementation, arch)
+        b = simulate(_with_depth(config, e), family, w, cuda, attn_implementation, arch)
+        traces.update({**a.traces, **b.traces})
+        full, spread = over_depth(a.scalars(), b.scalars(), d, e, n)
         if spread <= FIT_UNCERTAINTY:
             break
     out = InferSim.from_scalars(full)
     out.replayed_at = (d, e) if out.reserved else ()
+    out.traces = traces
     return out
+
+
+def over_depth(a: dict, b: dict, d: int, e: int, n: int) -> tuple[dict, float]:
+    """(InferSim.scalars at depth ``n``, how far apart the replay's extrapolations are: 0 without one) from
+    the scalars of simulations ``d`` and ``e`` layers deep (simulate_full_depth)."""
+    full = {k: int(a[k] + (b[k] - a[k]) * (n - d) / (e - d)) for k in a}
+    full["largest_linear"] = max(a["largest_linear"], b["largest_linear"])
+    if not a["reserved"]:
+        return full, 0.0
+    full["reserved"], full["needed"], spread = replayed_at_depth(a, b, full)
+    return full, spread
+
+
+def written_need(t1: dict[int, Trace], t2: dict[int, Trace], b: int, n: int) -> Optional[int]:
+    """What must fit at batch ``b`` on a GPU, written from the traces (depth -> Trace) of two other batch sizes
+    and carried to depth ``n`` as simulate_full_depth carries simulations, as far as their depths allow (a
+    pair both lack stops it there); None where the traces do not scale with the batch (written_at)."""
+    from bigtune.plan.simulate import RESERVED_DEPTHS
+
+    def at(d: int) -> Optional[InferSim]:
+        return written_at(t1[d], t2[d], b) if d in t1 and d in t2 else None
+
+    full = None
+    for d, e in ((2, 3), RESERVED_DEPTHS):
+        if n <= e:
+            direct = at(n)
+            full = direct.scalars() if direct is not None else full
+            break
+        a, c = at(d), at(e)
+        if a is None or c is None:
+            break
+        full, spread = over_depth(a.scalars(), c.scalars(), d, e, n)
+        if spread <= FIT_UNCERTAINTY:
+            break
+    return None if full is None else _totals(InferSim.from_scalars(full), True)[4]
 
 
 def replayed_at_depth(a: dict, b: dict, full: dict) -> tuple[int, int, float]:
@@ -864,27 +1164,27 @@ def largest_batch(
 
     Each phase's allocated peak is affine in the batch size (weights are fixed; cache, activations and
     inputs grow with it), and what must fit (the caching allocator's least capacity + context) is never
-    below the allocated bytes, so two simulations bound the answer from above. The replayed need is near
-    affine in the batch too, up to segment rounding: each next candidate is where the line through two
-    simulated needs reaches the card (the first: through batch 1 and the plan's batch), simulated and
-    compared with the card. The need grows in whole segments, so a line through two needs can stall on a
-    step: where the batch after the largest that fits fits too, the next candidate is at least twice it,
-    and once one is found not to fit, every second candidate halves the interval. The search ends at a batch that fits next to
-    one simulated not to, or at the allocated bound.
+    below the allocated bytes, so two simulations (batch 1 and the plan's) bound the answer from above.
+    Those two also give every other batch size's trace where it scales with the batch (written_at: the
+    storages' sizes affine in it), and so what must fit there, at the cost of replays: the search first
+    runs on those written needs, and the edge it finds there is the first batch simulated. Where the
+    written needs carry the same depths as the rule (simulate_full_depth) they are the simulated ones, and
+    the edge is proven by simulating it and the batch after it (BLIP-2 OPT-2.7B on an A10G: 146 fits, 147
+    does not, four simulations where the search on simulations alone took eight batch sizes); where the
+    rule goes deeper at that batch (Open-LLaMA-7B: 4 and 8 layers from batch 9 on, written from 2 and 3)
+    they are only near, and the search goes on from the simulations (see edge_search).
     """
     cuda = target.device == "cuda"
     cap = target.capacity_bytes
     sims = {w.batch_size: sim_at_w}
 
-    def need(b: int) -> int:
+    def simulated(b: int) -> int:
         if b not in sims:
             wb = dataclasses.replace(w, batch_size=b)
             sims[b] = simulate_full_depth(config, family, wb, cuda, attn, target_arch(target))
         return _totals(sims[b], cuda)[4]
 
-    def reaches_cap(b: int, c: int) -> int:  # where the line through the needs at b and c reaches the card
-        return c + int((cap - need(c)) * (c - b) / max(1, need(c) - need(b)))
-
+    need = Needs(simulated)
     b1, b2 = 1, max(2, w.batch_size)
     if need(b1) > cap:
         return 0
@@ -897,24 +1197,75 @@ def largest_batch(
         slope = (s2.phases[ph] - s1.phases[ph]) / (b2 - b1)
         if slope > 0:
             bound = min(bound, int(1 + (budget - s1.phases[ph]) / slope))
-    cand, stalled = reaches_cap(b1, b2), False
-    for i in range(24):
-        if hi is None and stalled:  # grow geometrically until one does not fit
-            cand = max(cand, 2 * lo)
-        cand = min(max(cand, lo + 1), bound, hi - 1 if hi is not None else bound)
-        if cand <= lo:  # lo is the bound, or lo + 1 does not fit
+    first = None
+    n = lm_layers(config) if s1.traces and s2.traces else 0  # traces: a GPU target's simulations
+    if n and written_need(s1.traces, s2.traces, b2, n) is not None:  # they scale with the batch
+        written = Needs(lambda b: written_need(s1.traces, s2.traces, b, n))
+        written.update({b1: need(b1), b2: need(b2)})
+        first = edge_search(written, cap, lo, hi, bound)
+    return edge_search(need, cap, lo, hi, bound, first)
+
+
+class Needs(dict):
+    """What must fit, by batch size: ``fn(b)`` the first time ``self(b)`` is asked, then kept."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def __call__(self, b: int) -> int:
+        if b not in self:
+            self[b] = self.fn(b)
+        return self[b]
+
+
+def edge_search(need: Needs, cap: int, lo: int, hi: Optional[int], bound: int, first: Optional[int] = None) -> int:
+    """The largest batch that fits next to one that does not (or ``bound``), from ``lo`` known to fit and
+    ``hi`` known not to (None: none yet); ``first``: the first candidate.
+
+    What must fit is near affine in the batch, up to segment rounding (tens of MiB: up to a batch row of
+    BLIP-2 OPT-2.7B, 52 MiB; a tenth of Open-LLaMA-7B's): each next candidate is where the line through the
+    two known needs nearest the card reaches it. Near the edge those two lie on either side of it, a row
+    or two apart, so once the line has put a candidate next to the edge the next one lands across it: the
+    edge is usually proven with one candidate per side (BLIP-2 on simulations alone: 181, 149, then 146
+    fits and 147 does not, where a line through far-apart needs alternating with halving took seven
+    candidates). The need grows in whole segments, so a line can stall on a step: where the batch after
+    the largest that fits fits too twice in a row, the next candidate is twice it; where a candidate moved an
+    end of the interval by one only, or left it more than half as wide as two candidates before, the next
+    one halves it.
+    """
+    widths: list[int] = []  # the interval's width before each candidate inside it
+    stalls = 0  # candidates in a row that the line put right after the largest fitting, and that fit
+    crept = False  # the last candidate moved an end of the interval by one
+    for _ in range(100):
+        if hi is not None and hi - lo <= 1:
             return lo
+        cand, first = (first, None) if first is not None else (_edge_on_line(need, cap), None)
+        if hi is None:
+            if cand is None or (stalls > 1 and cand <= lo):  # grow geometrically until one does not fit
+                cand = 2 * lo
+            cand = min(max(cand, lo + 1), bound)
+            if cand <= lo:  # lo is the bound
+                return lo
+        else:
+            if cand is None or (hi - lo > 3 and (crept or (len(widths) > 1 and 2 * (hi - lo) > widths[-2]))):
+                cand = (lo + hi) // 2
+            widths.append(hi - lo)
+            cand = min(max(cand, lo + 1), hi - 1)
         fits = need(cand) <= cap
-        stalled = fits and cand == lo + 1  # the line put the edge here, yet it fits: it is stalling on a step
-        if fits:
-            lo = cand
-        else:
-            hi = cand
-        if hi is not None:
-            cand = reaches_cap(lo, hi) if i % 2 else (lo + hi) // 2
-        else:
-            cand = reaches_cap(b1, lo)
+        stalls = stalls + 1 if fits and cand == lo + 1 else 0  # twice: the line is stalling on a step
+        crept = hi is not None and cand == (lo + 1 if fits else hi - 1)
+        lo, hi = (cand, hi) if fits else (lo, cand)
     return lo
+
+
+def _edge_on_line(needs: dict[int, int], cap: int) -> Optional[int]:
+    """The largest batch at or under ``cap`` on the line through the two simulated needs nearest it (None
+    where that line does not rise)."""
+    b, c = sorted(sorted(needs, key=lambda x: abs(needs[x] - cap))[:2])
+    if needs[c] <= needs[b]:
+        return None
+    return b + (cap - needs[b]) * (c - b) // (needs[c] - needs[b])
 
 
 def _size(n: Optional[float]) -> str:
