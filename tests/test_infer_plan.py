@@ -239,6 +239,8 @@ def test_cli_plan_for_generate_text_and_json(tmp_path):
     assert r.returncode == 0, r.stderr
     for words in ("KV cache", "FITS", "largest batch that fits", "tokens/s (estimate)", "host: request"):
         assert words in r.stdout
+    # a tiny model on a 24 GB card: the search stops at BATCH_SEARCH_LIMIT and says so
+    assert "largest batch that fits: 4096 or more (the search stops there)" in r.stdout
     r = run_cli("plan", "--for", "predict", "--model", "tiny-opt", "--batch-size", "2", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)["plan"]

@@ -899,7 +899,7 @@ class InferencePlan:
     needed_total: int  # what must fit: on a GPU the replay's least capacity (+ dequant temporary) + context
     capacity: Optional[int]
     fits: Optional[bool]
-    max_batch_size: Optional[int] = None
+    max_batch_size: Optional[int] = None  # BATCH_SEARCH_LIMIT: that many or more
     prefill_s: Optional[float] = None
     decode_step_s: Optional[float] = None
     batch_s: Optional[float] = None
@@ -1157,8 +1157,14 @@ def plan_inference(
     )
 
 
+# The largest batch the search tries. Serving engines run far fewer sequences at once (vLLM's max_num_seqs is
+# 256 to 1024), and a chat vision-language model's batch is simulated with real integer inputs (its image
+# token positions are computed from their values): at 65,536 rows a tiny Qwen2-VL's search held 22 GB of host RAM.
+BATCH_SEARCH_LIMIT = 4096
+
+
 def largest_batch(
-    config, family: str, w: Workload, target: Target, attn: str, sim_at_w: InferSim, limit: int = 1 << 16
+    config, family: str, w: Workload, target: Target, attn: str, sim_at_w: InferSim, limit: int = BATCH_SEARCH_LIMIT
 ) -> int:
     """The largest batch size whose planned need fits the target (0: not even one).
 
@@ -1311,9 +1317,11 @@ def format_inference_plan(p: InferencePlan) -> str:
         )
     if p.max_batch_size is not None:
         lines.append(
-            f"largest batch that fits: {p.max_batch_size}"
-            if p.max_batch_size
-            else "largest batch that fits: none (the weights alone do not fit)"
+            "largest batch that fits: none (the weights alone do not fit)"
+            if not p.max_batch_size
+            else f"largest batch that fits: {p.max_batch_size} or more (the search stops there)"
+            if p.max_batch_size >= BATCH_SEARCH_LIMIT
+            else f"largest batch that fits: {p.max_batch_size}"
         )
     if p.batch_s:
         what = "images" if p.task == "caption" else ("samples" if p.task == "predict" else "prompts")
