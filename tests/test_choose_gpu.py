@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,12 @@ def test_launch_slurm_cluster_picks_the_cheapest_partition_or_refuses(tmp_path):
     assert directives["#SBATCH --mem"].endswith("G") and int(directives["#SBATCH --cpus-per-task"]) >= 2
     assert parse_slurm_time(directives["#SBATCH --time"], "") >= 15 * 60  # the estimate + the stated margin
     assert "estimate x 1.5 + 15 min" in text and "--gpus-per-node" not in text
+    # plan --cluster ranks the same partitions (the table docs/how-to/choose-gpu.md shows): the cheaper first,
+    # the one too small to hold anything not ranked
+    res = run_cli("plan", TINY, "--cluster", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    ranked = [line.split()[1] for line in res.stdout.splitlines() if re.match(r"\s+\d+\s+\S+", line)]
+    assert ranked and ranked[0] == "cheap" and "dear" in ranked and "tiny" not in ranked, res.stdout
     # flags the profile fills are refused with it
     res = run_cli("launch", "slurm", TINY, "--cluster", str(path), "--partition", "dear", cwd=tmp_path)
     assert res.returncode == 2 and "--partition" in res.stderr

@@ -142,6 +142,21 @@ def _replayed_deeper(recipe: Recipe, micro: int, sim: Sim, config, arch: Optiona
     return dataclasses.replace(sim, reserved=reserved, needed=needed, replay=how, replay_spread=0.0)
 
 
+def _run_deeper(
+    jobs: dict[str, tuple[Recipe, int, Sim]], config, arch: Optional[tuple[int, int]], workers: int
+) -> dict[str, Sim]:
+    """_replayed_deeper for every (recipe, micro batch, shallow simulation) job, in forked worker processes
+    where there are several (each replay is seconds of one core: 26 of them for TinyLlama on an L4)."""
+    if workers > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
+            futs = {k: ex.submit(_replayed_deeper, r, m, sim, config, arch) for k, (r, m, sim) in jobs.items()}
+            return {k: f.result() for k, f in futs.items()}
+    return {k: _replayed_deeper(r, m, sim, config, arch) for k, (r, m, sim) in jobs.items()}
+
+
 class Alternatives(list):
     """The fitting plans, fastest first; ``evaluated`` counts every variant considered."""
 
@@ -229,7 +244,7 @@ def alternatives(
             {k: v for k, v in vs.jobs.items() if _missing(k, sims, cuda)}, config, cuda, workers, target_arch(target)
         )
     )
-    plans, oom_several = _plan_variants(vs, target, config, sims)
+    plans, oom_several = _plan_variants(vs, target, config, sims, workers)
     # Where several GPUs were not enough though their share of the model states would fit (those were
     # simulated), the activations are what is left: the same GPUs and strategy with activation
     # checkpointing. Only there, so a model that already fits costs no more simulations.
@@ -610,13 +625,22 @@ def _plan_variant(
     return plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
 
 
-def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim]) -> tuple[list[Plan], list]:
+def _plan_variants(
+    vs: _Variants, target: Target, config, sims: dict[str, Sim], workers: int = 1
+) -> tuple[list[Plan], list]:
     """(plans that fit or cannot tell, (GPUs, strategy) of the multi-GPU variants that ran out of memory)."""
+    # One-device variants whose shallow replays disagree get the deeper replay first, all at once (in
+    # parallel where there are cores); kept in ``sims``: other variants and later calls share them.
+    deeper = {
+        key
+        for _, _, gpus, _, how in vs.todo
+        if gpus == 1
+        for key in (how[:2] if isinstance(how, tuple) else (how,))
+        if sims[key].replay_spread > FIT_UNCERTAINTY
+    }
+    sims.update(_run_deeper({k: (*vs.jobs[k], sims[k]) for k in sorted(deeper)}, config, target_arch(target), workers))
     plans, oom_several = [], []
     for label, over, gpus, strategy, how in vs.todo:
-        for key in how[:2] if isinstance(how, tuple) else (how,):
-            if gpus == 1 and sims[key].replay_spread > FIT_UNCERTAINTY:  # kept: other variants share it
-                sims[key] = _replayed_deeper(*vs.jobs[key], sims[key], config, target_arch(target))
         if isinstance(how, tuple):
             key_lo, key_hi, m = how
             sim = _interpolate(sims[key_lo], sims[key_hi], 1, vs.m0, m)
