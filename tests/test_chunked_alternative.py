@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from bigtune.core.gpus import find_gpu
 from bigtune.plan.alternatives import alternatives
+from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY
 from bigtune.plan.planner import plan
+from bigtune.plan.simulate import device_peak
 from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from conftest import ROOT
@@ -22,7 +24,18 @@ QWEN = {  # 152k vocabulary: 4 × 2048 tokens of fp32 logits are 4.6 GiB before 
 def test_chunked_loss_is_offered_and_planned_lower():
     target = Target("cuda", find_gpu("l4"))
     r = load_recipe({}, QWEN)
-    alts = alternatives(r, target, max_gpus=1, workers=1)
+    sims: dict = {}
+    alts = alternatives(r, target, max_gpus=1, workers=1, sims=sims)
+    # Steps whose shallow replays disagree are replayed deeper, except where the peak allocated alone (+ the
+    # context and cuBLAS workspaces) is over the card: those do not fit whatever the replay says
+    deepened = [s for s in sims.values() if s.replay_spread == 0 and "blocks deep, extrapolated" in s.replay]
+    skipped = [s for s in sims.values() if s.replay_spread > FIT_UNCERTAINTY]
+    assert deepened and skipped
+    workspaces = 2 * 8 * 2**20
+    assert all(
+        device_peak(s.phases, s.peak_allocated) + CUDA_CONTEXT_BYTES + workspaces > target.capacity_bytes
+        for s in skipped
+    )
     chunked = [a for a in alts if a.overrides.get("train.loss_chunk_tokens")]
     assert len(chunked) == 1 and "chunked loss" in chunked[0].variant and chunked[0].fits
     # its shallow replays disagree (the 152k-vocabulary loss's segments are reused at one depth, not the other):

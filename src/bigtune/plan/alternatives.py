@@ -5,6 +5,7 @@ adapters, GPU counts and sharding) that fit the target, fastest first.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -630,14 +631,19 @@ def _plan_variants(
 ) -> tuple[list[Plan], list]:
     """(plans that fit or cannot tell, (GPUs, strategy) of the multi-GPU variants that ran out of memory)."""
     # One-device variants whose shallow replays disagree get the deeper replay first, all at once (in
-    # parallel where there are cores); kept in ``sims``: other variants and later calls share them.
-    deeper = {
-        key
-        for _, _, gpus, _, how in vs.todo
-        if gpus == 1
-        for key in (how[:2] if isinstance(how, tuple) else (how,))
-        if sims[key].replay_spread > FIT_UNCERTAINTY
-    }
+    # parallel where there are cores); kept in ``sims``: other variants and later calls share them. Not
+    # where the peak allocated alone (+ context) is over the card: no replay needs less than that, so the
+    # variant does not fit whatever the replay says (on a small card most variants of a large model).
+    deeper: set[str] = set()
+    for label, over, gpus, strategy, how in vs.todo:
+        used = how[:2] if isinstance(how, tuple) else (how,)
+        keys = {k for k in used if sims[k].replay_spread > FIT_UNCERTAINTY} - deeper
+        if gpus != 1 or not keys:
+            continue
+        unplayed = [dataclasses.replace(sims[k], reserved=0, needed=0) for k in used]  # allocated bytes only
+        sim = _interpolate(*unplayed, 1, vs.m0, how[2]) if isinstance(how, tuple) else unplayed[0]
+        if _plan_variant(vs.recipe, over, target, gpus, strategy, label, config, sim).fits is not False:
+            deeper |= keys
     sims.update(_run_deeper({k: (*vs.jobs[k], sims[k]) for k in sorted(deeper)}, config, target_arch(target), workers))
     plans, oom_several = [], []
     for label, over, gpus, strategy, how in vs.todo:
