@@ -67,6 +67,34 @@ HF_PERF = (
     "(stored Korean translation, id 37018384513; English identical for these rows)"
 )
 PEFT_DS = "huggingface/peft: docs/source/accelerate/deepspeed.md (commit not recorded in the notes)"
+FMS = (
+    "foundation-model-stack/fms-acceleration: scripts/benchmarks/refs/a100_80gb.csv "
+    "@0aab2c6f64e3e19d137efe2b8f7a4c65c23a2059"
+)
+# The CSV keeps only the columns that differ between its rows (benchmark.py gather_report(raw=False)); the rest
+# are benchmark.py's defaults and defaults.yaml (stored versions @0055a36b and @1adc652c, not at the CSV's
+# commit): packing on at 4096 tokens (the CSV's own tokens/s over samples/s is 4095-4098 per sample),
+# gradient checkpointing on, flash-attn 2, accumulation 1, HF's default optimizer (adamw_torch). Versions:
+# refs/requirements.txt (torch 2.4.1, transformers 4.45.2, peft 0.13.2, trl 0.11.4, flash-attn 2.6.3).
+FMS_IMPL = (
+    "HF Trainer (transformers 4.45) + PEFT 0.13 + TRL packing: flash-attn 2 over each packed 4096-token row "
+    "(bigtune plans SDPA, whose flash kernel keeps the same output and log-sum-exp); that transformers' loss "
+    "keeps fp32 logits and a shifted fp32 copy (logits.float(), then logits[..., :-1, :].contiguous()), where "
+    "transformers 5 casts once inside the loss and shifts the labels instead"
+)
+FMS_NOTE = (
+    "peak_allocated: HF Trainer's memory metrics summed (before_init + init + train deltas: "
+    "torch.cuda.max_memory_allocated over train()); device_used: nvidia-smi memory.used sampled every second, "
+    "peak minus the first reading (taken before the run started), so reserved + the CUDA context, planned with "
+    "the planner's assumed context; the GPU is named only by the file name"
+)
+FMS_LORA = {
+    "peft.method": "lora",
+    "peft.r": 16,
+    "peft.alpha": 16,
+    "peft.dropout": 0.1,
+    "peft.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
 # litgpt config_hub/finetune/<model>/*.yaml as stored (the table's commit 03ffc551 is not stored for them):
 # the setup of the HUB rows below is read from these versions, named per row.
 HUB_YAML = "Lightning-AI/litgpt: config_hub/finetune/{} @{} (stored version)"
@@ -1540,6 +1568,40 @@ ROWS: list[Row] = [
         "so 4 micro-batches per step under Fabric's no_backward_sync (unsharded gradients kept through the "
         "window: fsdp_grad_sync step); litgpt's multi-device full.py wraps and checkpoints each Block",
     ),
+    # ---- fms-acceleration's reference benchmark: HF Trainer + PEFT, Mistral-7B, one A100 80GB ----
+    *[
+        Row(
+            f"F{n}{suffix}",
+            FMS,
+            f"Mistral-7B {label}, bf16, AdamW, {b}×4096 packed, ckpt, 1×A100-80",
+            metric,
+            value,
+            unit,
+            "a100-80gb",
+            {
+                "model.name": "mistralai/Mistral-7B-v0.1",
+                "precision": "bf16-true",
+                "optim.name": "adamw",
+                "train.micro_batch_size": b,
+                "data.max_seq_length": 4096,
+                "train.activation_checkpointing": True,
+                **over,
+            },
+            impl=FMS_IMPL,
+            note=FMS_NOTE,
+            speed=(tok, "tokens/s") if metric == "peak_allocated" else None,
+        )
+        for n, label, b, over, alloc_b, smi_mib, tok in (
+            (1, "full", 4, {}, 72434853376, 76045, 3013.697),
+            (2, "full", 8, {}, 72435246592, 72725, 3090.877),
+            (3, "LoRA r16 q,k,v,o", 4, FMS_LORA, 25653881344, 28071, 3319.225),
+            (4, "LoRA r16 q,k,v,o", 8, FMS_LORA, 36643613184, 41407, 3352.459),
+        )
+        for suffix, metric, value, unit in (
+            ("", "peak_allocated", alloc_b / 1e9, "GB"),
+            (".smi", "device_used", float(smi_mib), "MiB"),
+        )
+    ],
 ]
 
 # Published data points not planned, and why (ids as in the notes).
