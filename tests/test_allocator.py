@@ -668,3 +668,61 @@ def test_fsdp2_side_stream_pools_add_to_reserved_and_not_to_what_must_fit(monkey
     assert extra > 0.5 * shards  # blocks: the last step's shards, mostly not yet replaced at the backward's high
     assert p.peak_reserved - q.peak_reserved == extra
     assert p.needed_total == q.needed_total
+
+
+def _gpu_of(gib: float):
+    import dataclasses
+
+    return dataclasses.replace(find_gpu("a100-80gb"), memory_gib=gib)
+
+
+def test_extrapolations_far_apart_give_way_to_the_full_depth_replay():
+    """Qwen3-0.6B full fine-tune, bf16, checkpointed, 2 x 1024: its 4- and 8-block replays extrapolate 6 % apart
+    (the logits' fixed-size segments are a large share of a shallow step), so the plan replays the whole step;
+    its reserved is that replay's (plus the cuBLAS workspaces), below what the extrapolation gave."""
+    from bigtune.core.gpus import cublas_workspace_bytes
+    from bigtune.plan.constants import CUBLAS_HANDLES
+    from bigtune.plan.simulate import FULL_DEPTH_REPLAY, replay_full_depth
+
+    r = load_recipe(
+        ROOT / "recipes" / "tinyllama-full.yaml",
+        {
+            "model.name": "Qwen/Qwen3-0.6B",
+            "precision": "bf16-true",
+            "train.activation_checkpointing": True,
+            "train.micro_batch_size": 2,
+            "data.max_seq_length": 1024,
+        },
+    )
+    cfg = resolve_config(r)
+    p = plan(r, Target("cuda", find_gpu("a100-80gb"), 1), config=cfg)
+    note = next(n for n in p.notes if n.startswith(FULL_DEPTH_REPLAY))
+    assert "apart" in note, p.notes
+    full_reserved = replay_full_depth(r, cfg, (8, 0))[0]
+    # the plan adds the cuBLAS workspaces; its own traced step may differ from this call's by a block or so
+    workspaces = CUBLAS_HANDLES * cublas_workspace_bytes(find_gpu("a100-80gb"))
+    assert abs(p.peak_reserved - workspaces - full_reserved) <= 2**20
+    shallow = estimate_reserved(r, cfg, simulate_full_depth(r, cfg, True), (8, 0))[0]
+    assert full_reserved < shallow  # the extrapolation overshot
+
+
+def test_a_verdict_the_extrapolation_decides_is_replayed_at_full_depth():
+    """TinyLlama full fine-tune, bf16, 2 x 256 (extrapolations 2 % apart): on a card whose size the extrapolated
+    need just reaches, the verdict is the full-depth replay's, with a note saying why; on a roomy card the
+    extrapolation stands."""
+    from bigtune.core.gpus import cublas_workspace_bytes
+    from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, GIB
+    from bigtune.plan.simulate import FULL_DEPTH_REPLAY, replay_full_depth
+
+    r = load_recipe(
+        ROOT / "recipes" / "tinyllama-full.yaml",
+        {"precision": "bf16-true", "train.micro_batch_size": 2, "data.max_seq_length": 256},
+    )
+    cfg = resolve_config(r)
+    roomy = plan(r, Target("cuda", find_gpu("a100-80gb"), 1), config=cfg)
+    assert not any(n.startswith(FULL_DEPTH_REPLAY) for n in roomy.notes)
+    tight = plan(r, Target("cuda", _gpu_of(roomy.needed_total / GIB), 1), config=cfg)
+    assert any(n.startswith("replayed at full depth because") for n in tight.notes), tight.notes
+    full_needed = replay_full_depth(r, cfg, (8, 0))[1]
+    workspaces = CUBLAS_HANDLES * cublas_workspace_bytes(find_gpu("a100-80gb"))
+    assert abs(tight.needed_total - (full_needed + workspaces + CUDA_CONTEXT_BYTES)) <= 2**20

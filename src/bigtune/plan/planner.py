@@ -31,11 +31,12 @@ import torch
 
 from bigtune.core.allocconf import AllocatorConfig
 from bigtune.models.configs import resolve_config
-from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, GIB
+from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY, GIB
 from bigtune.plan.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
 from bigtune.plan.quantized import EIGHT_BIT
 from bigtune.plan.sharding import host_state_bytes, shard_states, side_stream_cache
 from bigtune.plan.simulate import (
+    FULL_DEPTH_REPLAY,
     Sim,
     config_family,
     device_peak,
@@ -43,6 +44,7 @@ from bigtune.plan.simulate import (
     get_depth,
     model_stacks,
     no_init,
+    replay_full_depth,
     set_depth,
     sim_key,
     simulate_full_depth,
@@ -399,23 +401,25 @@ def _reserved_and_needed(
         return None, peak, 0
     # The single-device step replayed through the caching allocator; several devices keep its
     # reserved/allocated ratio (their sharded peak is analytic).
-    replayed_bytes, least, how, least_expandable = estimate_reserved(
-        sim_recipe, config, sim, target_arch(target), padded, workers=workers, images=images
+    arch = target_arch(target)
+    replay = estimate_reserved(
+        sim_recipe, config, sim, arch, padded, workers=workers, images=images, full_if_apart=True
     )
+    reserved, needed, expandable, how = _from_replay(replay, recipe, config, sim, target, peak, workspaces)
+    cap = target.capacity_bytes
+    doubt = cap is not None and needed + CUDA_CONTEXT_BYTES > cap * (1 - FIT_UNCERTAINTY)
+    if doubt and not replay[2][0].startswith(FULL_DEPTH_REPLAY):
+        # Extrapolated from 4 and 8 blocks deep, the need puts the verdict within the tight band or over the
+        # card while the peak allocated fits (else no replay): the whole step's replay decides instead.
+        shallow = needed
+        replay = replay_full_depth(sim_recipe, config, arch, padded, images=images)
+        reserved, needed, expandable, how = _from_replay(replay, recipe, config, sim, target, peak, workspaces)
+        how.append(
+            f"replayed at full depth because the need extrapolated from 4 and 8 blocks deep, "
+            f"{shallow / GIB:.2f} GiB, lay within {FIT_UNCERTAINTY:.0%} of the card or over it"
+        )
     # kept on the simulation, which plan() may have shared with --alternatives (its ``sims``)
-    sim.reserved, sim.needed, sim.replay = replayed_bytes, least, "the recipe's replayed step (same simulation)"
-    if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
-        reserved, needed = replayed_bytes + workspaces, least + workspaces
-        expandable = least_expandable + workspaces if least_expandable else 0
-    else:
-        ratio = replayed_bytes / on_device
-        # several devices: the default stream's pool keeps the unsharded step's ratio; FSDP2's side streams
-        # keep their own pools beside it (what they hold cached, free, at the peak is reserved on top)
-        side, side_note = side_stream_cache(sim, recipe, target, total_blocks(config))
-        reserved, needed = int(peak * ratio) + side, int(peak * least / on_device)
-        expandable = int(peak * least_expandable / on_device)
-        how = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
-        how += [side_note] if side else []
+    sim.reserved, sim.needed, sim.replay = replay[0], replay[1], "the recipe's replayed step (same simulation)"
     notes.extend(how)
     if not conf.is_default:
         notes.append(f"caching allocator replayed with PYTORCH_CUDA_ALLOC_CONF={conf} (train.cuda_alloc_conf)")
@@ -431,6 +435,26 @@ def _reserved_and_needed(
             "fit: bench/varlen_reserved.py)"
         )
     return reserved, needed, expandable
+
+
+def _from_replay(
+    replay: tuple, recipe: Recipe, config, sim: Sim, target: Target, peak: int, workspaces: int
+) -> tuple[int, int, int, list[str]]:
+    """(reserved, needed, needed with expandable segments or 0, notes) on ``target`` from the unsharded
+    step's replayed (reserved, least capacity, notes, least capacity with expandable segments)."""
+    replayed_bytes, least, how, least_expandable = replay
+    if target.gpus <= 1 and not target.strategy.startswith("deepspeed"):
+        expandable = least_expandable + workspaces if least_expandable else 0
+        return replayed_bytes + workspaces, least + workspaces, expandable, list(how)
+    on_device = max(1, device_peak(sim.phases, sim.peak_allocated))
+    ratio = replayed_bytes / on_device
+    # several devices: the default stream's pool keeps the unsharded step's ratio; FSDP2's side streams
+    # keep their own pools beside it (what they hold cached, free, at the peak is reserved on top)
+    side, side_note = side_stream_cache(sim, recipe, target, total_blocks(config))
+    notes = [f"reserved/allocated ratio {ratio:.3f} of the unsharded step (" + how[0] + ")"]
+    notes += [side_note] if side else []
+    reserved, needed = int(peak * ratio) + side, int(peak * least / on_device)
+    return reserved, needed, int(peak * least_expandable / on_device), notes
 
 
 def count_parameters(config, family: Optional[str] = None) -> int:
