@@ -196,6 +196,20 @@ LIT_FULL = {"precision": "bf16-true", "optim.name": "adamw", "optim.betas": [0.9
 # before its backward: the recipe key that runs (and plans) the same order.
 PL_ORDER = {"optim.zero_grad": "before_backward"}
 
+# The lab's fine-tune-blip.py (single/workspace, stored @5488cf1c) builds its text with the processor's tokenizer
+# alone: processor.tokenizer(captions, padding=True, truncation=True, max_length=50) and labels=input_ids, so
+# no <image> placeholders. The checkpoints' configs name image_token_index (50265 for OPT, 32100 for Flan-T5; the
+# bundled configs), and with it Blip2ForConditionalGeneration masked_scatters the Q-Former's 32 outputs into
+# the placeholders' positions: with none there, the language model reads the caption alone (the vision encoder
+# and Q-Former still run forward and backward). bigtune's collator puts 32 placeholders first (OPT: 32 + the
+# caption; Flan-T5: the encoder 32 + EOS, the decoder the caption). Planned at the 50-token cap, since
+# padding=True pads each batch to its longest caption and the captions' lengths are not published.
+LAB_BLIP_INPUTS_NOTE = (
+    "planned with the lab script's inputs (lab-blip-inputs): the tokenizer's captions without <image> placeholders, "
+    "so the language model reads the caption alone (OPT: the caption; Flan-T5: the caption into the encoder and as "
+    "labels), at the 50-token cap"
+)
+
 
 # litgpt LoRA: r, alpha, targets per row; dropout 0.05 (litgpt's default in every config cited).
 def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", double_quant: bool = False) -> dict:
@@ -292,6 +306,20 @@ class Row:
     # device_used row is then planned as reserved + this, not + the planner's assumed context.
     context_mib: Optional[float] = None
 
+    def lab_blip_inputs(self) -> bool:
+        """Rows of the lab's fine-tune-blip.py are planned with the inputs that script builds (LAB_BLIP_INPUTS_NOTE,
+        bench-only ``_lab_blip_inputs``), not with the image placeholders bigtune's collator puts first."""
+        return self.source == LAB_BLIP
+
+    def shortest_over(self) -> Optional[dict]:
+        """The overrides of the shortest batch the source admits, for a fit row whose run's longest batch is not
+        published (None: the row's lengths are the run's). The lab's BLIP-2 script pads each batch to its
+        longest caption, truncated at 50 tokens, and the captions' lengths are not published: its rows are
+        planned at the cap and, where the cap does not settle the verdict, at 2 tokens (BOS or EOS and one word,
+        the shortest a longest caption can be). Memory grows with the length, so the source's verdict is
+        determined by its stated setup only where both ends agree (fit_outcome)."""
+        return {"data.max_seq_length": 2} if self.metric == "fit" and self.source == LAB_BLIP else None
+
     def litgpt_emulations(self) -> list[str]:
         """What of litgpt's own code the row is planned with (rows whose impl is litgpt's model), bench-only
         emulations like legacy_softmax: its attention (LITGPT_ATTENTION_NOTE) and its fused GELU
@@ -318,6 +346,7 @@ class Row:
         legacy = ["legacy_softmax"] if self.legacy_softmax else []
         legacy += ["keep_gradients"] if self.keep_gradients else []
         legacy += self.litgpt_emulations()
+        legacy += ["lab-blip-inputs"] if self.lab_blip_inputs() else []
         return json.dumps([self.recipe, self.over, self.gpu, self.gpus, self.strategy, *legacy], sort_keys=True)
 
 
@@ -1744,6 +1773,31 @@ def _keep_gradients() -> None:
     torch.optim.Optimizer.zero_grad = zero_grad
 
 
+def _lab_blip_inputs() -> None:
+    """Make the planner's BLIP-2 micro-batches the lab script's (Row.lab_blip_inputs, LAB_BLIP_INPUTS_NOTE): input_ids
+    the caption's tokens alone (no image_token_index among them), attention mask all ones, labels the input_ids;
+    Flan-T5's decoder reads the labels shifted right, as T5 builds decoder_input_ids from them."""
+    import torch
+
+    from bigtune.plan import simulate
+
+    plain = simulate._synthetic_batch
+
+    def batch(recipe, cfg, family, b_size, padded, images=None):
+        out = plain(recipe, cfg, family, b_size, padded, images)
+        if family != "image-to-text" or getattr(cfg, "model_type", "") != "blip-2":
+            return out
+        g = torch.Generator().manual_seed(0)
+        top = min(cfg.text_config.vocab_size, int(cfg.image_token_index))
+        ids = torch.randint(3, top, (b_size, recipe.data.max_seq_length), generator=g)
+        out.update(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+        if "decoder_input_ids" in out:
+            out["decoder_input_ids"] = torch.cat([torch.zeros(b_size, 1, dtype=torch.long), ids[:, :-1]], 1)
+        return out
+
+    simulate._synthetic_batch = batch
+
+
 def _litgpt_gelu() -> None:
     """Make transformers' gelu_new (phi-1.5, phi-2) one fused tanh GELU, as litgpt's MLP calls it
     (``F.gelu(x, approximate="tanh")``, the same function): the written-out formula keeps its input,
@@ -1828,12 +1882,14 @@ def _litgpt_full_loss() -> None:
     loop.causal_lm_loss_sum = litgpt_loss_sum
 
 
-def plan_row(row: Row) -> dict:
-    """Plan one row with the real planner; returns Plan.to_dict() (bytes)."""
+def plan_row(row: Row, shortest: bool = False) -> dict:
+    """Plan one row with the real planner (``shortest``: at Row.shortest_over); returns Plan.to_dict() (bytes)."""
     from bigtune.core.gpus import find_gpu
     from bigtune.plan.planner import plan
     from bigtune.plan.target import Target
 
+    if shortest:
+        row = dataclasses.replace(row, over={**row.over, **row.shortest_over()})
     r = row_recipe(row, check=False)  # validated by tests/test_published.py; here only plan
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
     if row.legacy_bnb:
@@ -1842,6 +1898,8 @@ def plan_row(row: Row) -> dict:
         _keep_softmax_inputs()
     if row.keep_gradients:
         _keep_gradients()
+    if row.lab_blip_inputs():
+        _lab_blip_inputs()
     if "litgpt-attention" in row.litgpt_emulations():
         _litgpt_attention()
     if "litgpt-gelu" in row.litgpt_emulations():
@@ -1881,13 +1939,13 @@ def planned_gib(row: Row, p: dict) -> Optional[float]:
 # -- running ----------------------------------------------------------------------------------------------
 
 
-def _plan_in_subprocess(row: Row, timeout_s: int) -> dict:
+def _plan_in_subprocess(row: Row, timeout_s: int, shortest: bool = False) -> dict:
     """One plan in its own process: a hang or a crash is that row's result, and the time limit holds."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     try:
         p = subprocess.run(
-            [sys.executable, __file__, "--plan-one", row.id],
+            [sys.executable, __file__, "--plan-one", row.id, *(["--shortest"] if shortest else [])],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -1917,9 +1975,24 @@ def peak_floor_s(notes: list[str]) -> Optional[float]:
     return None
 
 
-def compare(row: Row, plan: Optional[dict]) -> dict:
+def fit_outcome(expect: str, fits_at_cap: bool, fits_shortest: Optional[bool]) -> Optional[bool]:
+    """Whether the plan agrees with a published fit/OOM outcome; None where the stated setup does not settle it.
+
+    ``fits_shortest``: the verdict at the shortest batch the source admits (Row.shortest_over; None where the
+    row's lengths are the run's). Memory grows with the length: a plan that fits at the cap fits every
+    shorter run, and one that is OOM at the shortest is OOM at every longer one. A published fit is thus
+    contradicted only by an OOM at the shortest, a published OOM only by a fit at the cap; where the two ends
+    differ, the outcome depends on the lengths the source did not publish."""
+    if fits_shortest is None or fits_at_cap == fits_shortest:
+        return fits_at_cap == (expect == "fit")
+    return None
+
+
+def compare(row: Row, plan: Optional[dict], shortest: Optional[dict] = None) -> dict:
+    """The row against its plan (and, for rows with Row.shortest_over, the plan at the shortest batch)."""
     out: dict[str, Any] = {**dataclasses.asdict(row), "published_gib": row.value_gib()}
     out["litgpt"] = row.litgpt_emulations()
+    out["lab_blip_inputs"] = row.lab_blip_inputs()
     if plan is None:
         return out
     out["plan_fits"] = plan["fits"]
@@ -1951,7 +2024,13 @@ def compare(row: Row, plan: Optional[dict]) -> dict:
             out["plan_peak_floor_s"] = floor
             out["implied_peak_pct"] = 100 * floor / out["published_step_s"]
     if row.metric == "fit":
-        out["agree"] = (plan["fits"] is True) == (row.expect == "fit")
+        fits_shortest = None
+        if shortest is not None:
+            fits_shortest = shortest["fits"] is True
+            out["shortest_over"] = row.shortest_over()
+            out["plan_fits_shortest"] = fits_shortest
+            out["plan_needed_shortest_gib"] = (shortest["needed_total"] or shortest["peak_total"]) / GIB
+        out["agree"] = fit_outcome(row.expect, plan["fits"] is True, fits_shortest)
     else:
         got = planned_gib(row, plan)
         out["planned_gib"] = got
@@ -1977,6 +2056,7 @@ def print_table(results: list[dict]) -> None:
         flag += " kept-grads" if x.get("keep_gradients") else ""
         flag += " src-context" if x.get("context_mib") is not None else ""
         flag += " litgpt" if x.get("litgpt") else ""
+        flag += " lab-blip-inputs" if x.get("lab_blip_inputs") else ""
         # the step-time error of rows with a published rate, beside the memory error (details: the time table)
         t_err = f"{x['time_error_pct']:>+7.1f}" if "time_error_pct" in x else f"{'':>7}"
         if "error" in x:
@@ -1984,10 +2064,16 @@ def print_table(results: list[dict]) -> None:
             continue
         if x["metric"] == "fit":
             plan_v = "FITS" if x.get("plan_fits") else "OOM"
-            mark = ("agree" if x.get("agree") else "DISAGREE") + ("~" if x.get("plan_tight") else "")
+            mark = {True: "agree", False: "DISAGREE", None: "open"}[x.get("agree")] + (
+                "~" if x.get("plan_tight") else ""
+            )
+            ends = ""
+            if "plan_fits_shortest" in x:  # the verdict at the shortest batch the source admits
+                short_v = "fits" if x["plan_fits_shortest"] else "OOM"
+                ends = f"; {short_v} at the shortest, {x['plan_needed_shortest_gib']:.1f} GiB"
             print(
                 f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {x['expect'].upper():>16} {'':>7} {plan_v:>8} "
-                f"{mark:>7} {t_err}  {flag} (needs {x['plan_needed_gib']:.1f} of {x['plan_capacity_gib']:.1f} GiB)"
+                f"{mark:>7} {t_err}  {flag} (needs {x['plan_needed_gib']:.1f} of {x['plan_capacity_gib']:.1f} GiB{ends})"
             )
             continue
         pub = f"{x['value']:g} {x['unit']}"
@@ -1998,6 +2084,9 @@ def print_table(results: list[dict]) -> None:
     legacy = [x["id"] for x in results if x.get("legacy_softmax")]
     if legacy:  # the emulation changes these rows' planned numbers: say so where they are read
         print(f"legacy-softmax ({', '.join(legacy)}): {LEGACY_SOFTMAX_NOTE}")
+    blip = [x["id"] for x in results if x.get("lab_blip_inputs")]
+    if blip:
+        print(f"lab-blip-inputs ({', '.join(blip)}): {LAB_BLIP_INPUTS_NOTE}")
     lit = [x["id"] for x in results if x.get("litgpt")]
     if lit:
         full = [i for i in lit if "litgpt-full-loss" in next(x["litgpt"] for x in results if x["id"] == i)]
@@ -2067,12 +2156,14 @@ def statistics_of(results: list[dict]) -> dict:
         out[kind] = stats([x for x in numeric if x["metric"] == kind])
     timed = [{**x, "error_pct": x["time_error_pct"]} for x in results if "time_error_pct" in x]
     out["step_time"] = stats([x for x in timed if not _beyond_peak(x)])
-    fit = [x for x in results if x["metric"] == "fit" and "agree" in x]
+    fit = [x for x in results if x["metric"] == "fit" and x.get("agree") is not None]
     out["step_time_beyond_peak"] = [x["id"] for x in timed if _beyond_peak(x)]
     out["fit"] = {
         "agree": sum(x["agree"] for x in fit),
         "of": len(fit),
         "disagree": [x["id"] for x in fit if not x["agree"]],
+        # the stated setup does not settle these: fits at the shortest batch the source admits, OOM at its cap
+        "open": [x["id"] for x in results if x["metric"] == "fit" and "agree" in x and x["agree"] is None],
         "tight": [x["id"] for x in fit if x.get("plan_tight")],
     }
     return out
@@ -2099,6 +2190,12 @@ def print_statistics(s: dict) -> None:
     print(
         f"fit/OOM: plan agrees with the source on {f['agree']} of {f['of']}"
         + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else "")
+        + (
+            f"; open, settled by the unpublished lengths (fits at the shortest batch, OOM at the cap): "
+            f"{', '.join(f['open'])}"
+            if f.get("open")
+            else ""
+        )
         + (f"; called tight by the plan (~): {', '.join(f['tight'])}" if f.get("tight") else "")
     )
 
@@ -2127,11 +2224,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "into an earlier result file (same ids and recipes; the planned numbers are kept), reprint, rewrite",
     )
     ap.add_argument("--plan-one", metavar="ID", help=argparse.SUPPRESS)  # the per-row subprocess
+    ap.add_argument("--shortest", action="store_true", help=argparse.SUPPRESS)  # with --plan-one: Row.shortest_over
     args = ap.parse_args(argv)
     by_id = {r.id: r for r in ROWS}
 
     if args.plan_one:
-        print(json.dumps(plan_row(by_id[args.plan_one])))
+        print(json.dumps(plan_row(by_id[args.plan_one], shortest=args.shortest)))
         return 0
     if args.list:
         for r in ROWS:
@@ -2205,9 +2303,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             res = plans[key]
             print(f"{res['seconds']} s" + (f" ERROR {res['error']}" if "error" in res else ""), flush=True)
         res = plans[key]
-        x = compare(row, res.get("plan"))
-        if "error" in res:
-            x["error"] = res["error"]
+        short = None
+        # Only where the cap leaves the verdict open (OOM there: a fit at the cap fits every shorter run)
+        if row.shortest_over() and res.get("plan") and res["plan"]["fits"] is not True:
+            skey = key + "|shortest"
+            if skey not in plans:
+                print(f"      {row.id} at the shortest batch {row.shortest_over()} ...", end=" ", flush=True)
+                plans[skey] = _plan_in_subprocess(row, args.timeout_s, shortest=True)
+                print(
+                    f"{plans[skey]['seconds']} s" + (f" ERROR {plans[skey]['error']}" if "error" in plans[skey] else "")
+                )
+            short = plans[skey]
+        x = compare(row, res.get("plan"), short.get("plan") if short else None)
+        if "error" in res or (short and "error" in short):
+            x["error"] = res.get("error") or short["error"]
         x["plan_seconds_wall"] = res["seconds"]
         results.append(x)
         # rewritten after every row, so an interrupted run keeps every finished row

@@ -133,3 +133,67 @@ def test_keep_gradients_emulation_zeroes_in_place(monkeypatch):
     published._keep_gradients()
     opt.zero_grad(set_to_none=True)
     assert w.grad is grad and torch.equal(grad, torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "expect, at_cap, at_shortest, outcome",
+    [
+        ("fit", True, None, True),  # the row's lengths are the run's: the plan's verdict is the check
+        ("fit", False, None, False),
+        ("oom", False, None, True),
+        ("fit", True, True, True),  # fits at the cap: fits every shorter run
+        ("fit", False, False, False),  # OOM even at the shortest batch: contradicts a published fit
+        ("oom", True, True, False),  # fits at the cap: contradicts a published OOM
+        ("oom", False, False, True),
+        ("fit", False, True, None),  # the ends differ: the unpublished lengths decide
+        ("oom", False, True, None),
+    ],
+)
+def test_fit_outcome_settles_only_what_the_stated_lengths_settle(expect, at_cap, at_shortest, outcome):
+    assert published.fit_outcome(expect, at_cap, at_shortest) is outcome
+
+
+def test_only_the_lab_blip_fit_rows_have_a_shortest_batch():
+    rows = {r.id: r for r in published.ROWS}
+    assert rows["B8"].shortest_over() == {"data.max_seq_length": 2} and rows["B8"].lab_blip_inputs()
+    assert rows["LF1"].shortest_over() is None and not rows["LF1"].lab_blip_inputs()
+    assert all(r.shortest_over() is None for r in published.ROWS if r.metric != "fit")
+
+
+@pytest.mark.parametrize("preset", ["tiny-blip2-opt", "tiny-blip2-t5"])
+def test_lab_blip_inputs_feed_the_language_model_the_caption_alone(monkeypatch, preset):
+    """The emulated batch holds the captions' tokens and no <image> placeholder, labels = input_ids, as the
+    lab's script builds it; a real (tiny) BLIP-2 fed such a batch runs its language model over the caption
+    alone (the Q-Former's outputs have no placeholder to go to), where bigtune's own batch adds 32 positions."""
+    import torch
+    from transformers import Blip2ForConditionalGeneration
+
+    from bigtune.core.presets import preset_config, preset_processor
+    from bigtune.plan import simulate
+    from bigtune.recipe import load_recipe
+
+    monkeypatch.setattr(simulate, "_synthetic_batch", simulate._synthetic_batch)
+    cfg = preset_config(preset, preset_processor(preset))
+    r = load_recipe({}, {"model.name": preset, "model.family": "image-to-text", "data.max_seq_length": 12})
+    ours = simulate._synthetic_batch(r, cfg, "image-to-text", 2, False)
+    published._lab_blip_inputs()
+    lab = simulate._synthetic_batch(r, cfg, "image-to-text", 2, False)
+    ids = lab["input_ids"]
+    assert ids.shape == (2, 12) and not (ids == cfg.image_token_index).any()
+    assert torch.equal(lab["labels"], ids) and bool(lab["attention_mask"].all())
+    encoder_decoder = "decoder_input_ids" in lab
+    if encoder_decoder:  # T5 reads the labels shifted right
+        assert torch.equal(lab["decoder_input_ids"][:, 1:], ids[:, :-1])
+    torch.manual_seed(0)
+    model = Blip2ForConditionalGeneration(cfg).eval()
+    pixels = torch.zeros(2, 3, cfg.vision_config.image_size, cfg.vision_config.image_size)
+    batches = [(ours, ours["input_ids"].shape[1] if not encoder_decoder else None), (lab, 12)]
+    with torch.no_grad():
+        for b, text_len in batches:
+            kwargs = {k: b[k] for k in ("input_ids", "attention_mask", "labels", "decoder_input_ids") if k in b}
+            out = model(pixel_values=pixels, **kwargs)
+            if encoder_decoder:  # the encoder's length is what the language model reads beside the labels
+                assert out.language_model_outputs.encoder_last_hidden_state.shape[1] == b["input_ids"].shape[1]
+            else:
+                assert out.logits.shape[1] == text_len
+    assert ours["input_ids"].shape[1] == (cfg.num_query_tokens + (1 if encoder_decoder else 12))
