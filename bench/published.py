@@ -99,6 +99,9 @@ FMS_LORA = {
 # the setup of the HUB rows below is read from these versions, named per row.
 HUB_YAML = "Lightning-AI/litgpt: config_hub/finetune/{} @{} (stored version)"
 
+# Sources that ran a Hugging Face transformers model in an eager training loop (statistics_of: hf_eager_reserved)
+HF_EAGER_SOURCES = (HF_PERF, PEFT_DS, FMS)
+
 # -- implementation flags: how the source's engine differs from bigtune's ----------------------------------
 LITGPT = (
     "litgpt's own GPT model code (fused qkv, its own attention/MLP) and chunked cross-entropy, "
@@ -2154,6 +2157,11 @@ def statistics_of(results: list[dict]) -> dict:
     }
     for kind in ("peak_allocated", "after_forward_allocated", "reserved", "device_used"):
         out[kind] = stats([x for x in numeric if x["metric"] == kind])
+    # Issue #25's check: reserved (torch.cuda.max_memory_reserved, or nvidia-smi = reserved + the context) where
+    # the source ran a Hugging Face model in an eager loop (HF Trainer, TRL, PEFT's scripts; no torch.compile)
+    out["hf_eager_reserved"] = stats(
+        [x for x in numeric if x["metric"] in ("reserved", "device_used") and x["source"] in HF_EAGER_SOURCES]
+    )
     timed = [{**x, "error_pct": x["time_error_pct"]} for x in results if "time_error_pct" in x]
     out["step_time"] = stats([x for x in timed if not _beyond_peak(x)])
     fit = [x for x in results if x["metric"] == "fit" and x.get("agree") is not None]
