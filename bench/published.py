@@ -2160,7 +2160,7 @@ def statistics_of(results: list[dict]) -> dict:
     # Issue #25's check: reserved (torch.cuda.max_memory_reserved, or nvidia-smi = reserved + the context) where
     # the source ran a Hugging Face model in an eager loop (HF Trainer, TRL, PEFT's scripts; no torch.compile)
     out["hf_eager_reserved"] = stats(
-        [x for x in numeric if x["metric"] in ("reserved", "device_used") and x["source"] in HF_EAGER_SOURCES]
+        [x for x in numeric if x["metric"] in ("reserved", "device_used") and x.get("source") in HF_EAGER_SOURCES]
     )
     timed = [{**x, "error_pct": x["time_error_pct"]} for x in results if "time_error_pct" in x]
     out["step_time"] = stats([x for x in timed if not _beyond_peak(x)])
