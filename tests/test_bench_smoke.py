@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import HANG_GUARD_S, ROOT
 
 
 def test_throughput_smoke_prints_both_sides_and_ratios(tmp_path):
@@ -32,7 +32,7 @@ def test_throughput_smoke_prints_both_sides_and_ratios(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=HANG_GUARD_S,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for section in ("[real data]", "[real data, bigtune with data.packing]"):
@@ -70,7 +70,7 @@ def test_plan_accuracy_smoke_runs_every_case_in_its_own_process_and_scores_the_p
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_GUARD_S,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads((tmp_path / "plan_accuracy-cpu-smoke.json").read_text())

@@ -19,7 +19,7 @@ from bigtune.data.labels import LabelMap, build_classification_examples, infer_l
 from bigtune.data.text import DataError
 from bigtune.recipe import DataConfig, RecipeError, load_recipe
 from bigtune.run.training import train
-from conftest import ROOT, run_cli
+from conftest import HANG_GUARD_S, ROOT, run_cli
 
 DEMO = ROOT / "recipes" / "reviews-demo.yaml"
 
@@ -262,7 +262,7 @@ def test_sst2_recipe_validates_and_fails_clearly_offline(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=600,
+        timeout=HANG_GUARD_S,
     )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
@@ -296,7 +296,7 @@ def test_ddp_and_fsdp_train_a_classifier_identically(tmp_path):
             "--set",
             f"output_dir={out}",
             cwd=tmp_path,
-            timeout=600,
+            timeout=HANG_GUARD_S,
         )
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         summaries[strategy] = json.loads((out / "summary.json").read_text())

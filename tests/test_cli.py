@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from conftest import ROOT, run_cli
+from conftest import HANG_GUARD_S, ROOT, run_cli
 
 FAST = [
     "--set",
@@ -190,7 +190,7 @@ def test_plan_data_lengths_of_hub_model_and_data_offline_fails_at_once(tmp_path)
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr
@@ -212,7 +212,7 @@ def test_plan_data_lengths_of_hub_model_and_data_offline_fails_at_once(tmp_path)
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "hf:mhenrichsen/alpaca_2k_test" in res.stderr and "OfflineModeIsEnabled" in res.stderr

@@ -15,7 +15,7 @@ import torch
 
 from bigtune.engine.strategies import BUCKET_ELEMENTS, deepspeed_config, zero_layout
 from bigtune.recipe import DEEPSPEED_STRATEGIES, Recipe, RecipeError, load_recipe
-from conftest import ROOT, read_jsonl
+from conftest import HANG_GUARD_S, ROOT, read_jsonl
 
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 needs_ds = pytest.mark.skipif(not HAS_DS, reason="DeepSpeed not installed (pip install 'bigtune[deepspeed]')")
@@ -193,7 +193,7 @@ COMMON = {
 def _bigtune(tmp_path, *args, on_cpu_deepspeed=False):
     entry = [str(ROOT / "tests" / "deepspeed_on_cpu.py")] if on_cpu_deepspeed else ["-m", "bigtune"]
     res = subprocess.run(
-        [sys.executable, *entry, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=400
+        [sys.executable, *entry, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res

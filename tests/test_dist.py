@@ -10,7 +10,17 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_jsonl, resume_from_step_3, run_cli, run_losses, same_weights, set_args, train_cli
+from conftest import (
+    HANG_GUARD_S,
+    ROOT,
+    read_jsonl,
+    resume_from_step_3,
+    run_cli,
+    run_losses,
+    same_weights,
+    set_args,
+    train_cli,
+)
 
 COMMON = {
     "train.max_steps": 4,
@@ -76,7 +86,7 @@ def test_torchrun_launch(tmp_path, single):
             {**COMMON, "output_dir": str(tmp_path / "tr"), "strategy": "ddp", "devices": 2, "train.micro_batch_size": 4}
         ),
     ]
-    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert run_losses(tmp_path / "tr") == pytest.approx(run_losses(single), rel=1e-5)
 
@@ -168,11 +178,11 @@ def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
         text=True,
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_GUARD_S
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    out = proc.communicate(timeout=120)[0]
+    out = proc.communicate(timeout=HANG_GUARD_S)[0]
     assert proc.returncode == 143, out[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     stopped = summary["preempted_at_step"]

@@ -20,6 +20,7 @@ import pytest
 
 from bigtune.cli import build_parser
 from bigtune.recipe import load_recipe
+from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -96,6 +97,12 @@ def test_every_command_on_the_page_runs(page, tmp_path):
             _check_without_running(page, line, cmd)
             continue
         res = subprocess.run(
-            ["bash", "-c", cmd], cwd=ws, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL
+            ["bash", "-c", cmd],
+            cwd=ws,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_GUARD_S,
+            stdin=subprocess.DEVNULL,
         )
         assert res.returncode == 0, f"{_where(page, line)}: `{cmd}` exited {res.returncode}\n{res.stderr[-3000:]}"

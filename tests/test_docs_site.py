@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from conftest import CHROMIUM, NO_CHROMIUM, chromium
+from conftest import CHROMIUM, HANG_GUARD_S, NO_CHROMIUM, chromium
 
 REPO = Path(__file__).resolve().parents[1]
 SITE_NAME = "bigtune"
@@ -36,7 +36,7 @@ def site(tmp_path_factory) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (out / "index.html").is_file()

@@ -16,7 +16,7 @@ from bigtune.core.presets import tiny_tokenizer
 from bigtune.models.build import build_model
 from bigtune.recipe import ModelConfig
 from bigtune.run.training import train
-from conftest import ROOT, read_jsonl, tiny_overrides
+from conftest import HANG_GUARD_S, ROOT, read_jsonl, tiny_overrides
 
 ELEMENT_SIZE = {"32-true": 4, "bf16-true": 2, "bf16-mixed": 4}
 
@@ -158,19 +158,19 @@ def test_kill_and_resume_continues_identically(tmp_path):
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
     ref = _cli(["train", *_set_args(tiny_overrides(ref_dir, **common))], tmp_path)
     cut = _cli(["train", *_set_args(tiny_overrides(cut_dir, **common))], tmp_path)
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_GUARD_S
     target = cut_dir / "checkpoints" / "step-000010.ckpt"
     while not target.exists() and cut.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     cut.send_signal(signal.SIGKILL)
     cut.wait()
-    assert ref.wait(timeout=300) == 0, ref.stdout.read()
+    assert ref.wait(timeout=HANG_GUARD_S) == 0, ref.stdout.read()
     assert target.exists()
     assert not (cut_dir / "summary.json").exists() or cut.returncode == 0
     killed_at = max(int(p.stem.split("-")[1]) for p in (cut_dir / "checkpoints").glob("step-*.ckpt"))
     assert killed_at < 60, "the run finished before it could be killed; the test needs a longer run"
     res = _cli(["train", "--resume", str(cut_dir), *_set_args(tiny_overrides(cut_dir, **common))], tmp_path)
-    out = res.communicate(timeout=300)[0]
+    out = res.communicate(timeout=HANG_GUARD_S)[0]
     assert res.returncode == 0, out
     assert f"at step {killed_at}" in out
     ref_losses = [m["loss"] for m in read_jsonl(ref_dir / "metrics.jsonl")]

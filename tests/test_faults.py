@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import HANG_GUARD_S, ROOT, read_jsonl, run_cli
 
 COMMON = {
     "train.max_steps": 3,
@@ -51,7 +51,7 @@ def _metrics(run):
     return [x for m in read_jsonl(run / "metrics.jsonl") for x in (m["loss"], m["lr"])]
 
 
-def _wait_all(procs, timeout=400):
+def _wait_all(procs, timeout=HANG_GUARD_S):
     outs = []
     for p in procs:
         try:
@@ -181,7 +181,7 @@ def _torchrun_long(tmp_path, timeout_s: int):
         start_new_session=True,
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
+    deadline = time.time() + HANG_GUARD_S
     while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.1)

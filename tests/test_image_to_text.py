@@ -18,7 +18,7 @@ from bigtune.data.text import DataError
 from bigtune.models.build import build_model, freeze_parts, load_processor
 from bigtune.recipe import DataConfig, ModelConfig, RecipeError, load_recipe
 from bigtune.run.training import train
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import HANG_GUARD_S, ROOT, read_jsonl, run_cli
 
 DEMO = ROOT / "recipes" / "gourmetgram-demo.yaml"
 
@@ -431,7 +431,7 @@ def test_real_hub_recipe_validates_and_fails_clearly_offline(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=600,
+        timeout=HANG_GUARD_S,
     )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.stderr.startswith("bigtune: error:") and "Traceback" not in res.stderr

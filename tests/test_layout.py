@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MAX_FUNCTION_LINES = 80
@@ -48,7 +50,7 @@ def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
         "        bad.append(f'{name}: {type(e).__name__}: {e}')\n"
         "print('\\n'.join(bad))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_GUARD_S)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "", res.stdout
     assert len(names) > 50  # the whole package was walked
@@ -73,7 +75,7 @@ def test_layers_hold():
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if exe is None:
         pytest.skip("import-linter is not installed (pip install import-linter); .ci/run installs and runs it")
-    res = subprocess.run([exe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run([exe], capture_output=True, text=True, cwd=ROOT, timeout=HANG_GUARD_S)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "broken" in res.stdout and "0 broken" in res.stdout
 

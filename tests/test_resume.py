@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bigtune.engine.loop import total_steps
-from conftest import ROOT, read_jsonl, run_cli
+from conftest import HANG_GUARD_S, ROOT, read_jsonl, run_cli
 
 TINY_OPT = str(ROOT / "recipes" / "tiny-opt.yaml")
 
@@ -77,11 +77,11 @@ def test_ctrl_c_writes_a_checkpoint_and_the_run_resumes(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_GUARD_S
     while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)  # training has started: the stop handlers are in place
     proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=240)[0]
+    out = proc.communicate(timeout=HANG_GUARD_S)[0]
     assert proc.returncode == 130, out[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["stopped_by"] == "SIGINT"

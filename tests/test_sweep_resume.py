@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from conftest import HANG_GUARD_S
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 BASE = {
     "model": {"name": "tiny-llama"},
@@ -113,7 +115,7 @@ def test_stopped_sweep_resumes_from_the_stopped_variant(tmp_path):
 
     # 3) run to the end: "first" is not run again, "long" runs once from the start, then "last"
     proc = _start(path, out)
-    text, _ = proc.communicate(timeout=400)
+    text, _ = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, text
     doc = json.loads((out / "sweep.json").read_text())
     names = [r["variant"] for r in doc["rows"]]
