@@ -32,6 +32,15 @@ precision: bf16-true
 """
 
 
+REFERENCE = "import time; t = time.perf_counter(); import torch; s = 0\nfor i in range(10**7): s += i\nprint(time.perf_counter() - t)"
+
+
+def machine_reference() -> float:
+    """Seconds a fresh interpreter takes to import torch and add 10^7 integers (this machine's speed)."""
+    res = subprocess.run([sys.executable, "-c", REFERENCE], capture_output=True, text=True, check=True)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gpu", default="h100-80gb")
@@ -55,6 +64,7 @@ def main() -> int:
             if res.returncode != 0:
                 print(res.stderr)
                 return 1
+    reference = machine_reference()
     out = json.loads(res.stdout)
     evaluated = out["plan"].get("variants_evaluated")
     fitting = len(out["alternatives"])
@@ -67,12 +77,13 @@ def main() -> int:
         "variants_fitting": fitting,
         "gpu": args.gpu,
         "cpu_count": os.cpu_count(),
+        "machine_reference_s": round(reference, 2),
         "command": "python bench/plan_speed.py " + " ".join(sys.argv[1:]),
     }
     print(
         f"70B plan + alternatives: median {median:.1f} s, slowest {max(walls):.1f} s wall over {len(walls)} runs "
         f"({', '.join(f'{w:.1f}' for w in walls)}; goal < 10 s), {evaluated} variants evaluated, "
-        f"{fitting} fit on {args.gpu}"
+        f"{fitting} fit on {args.gpu}; machine reference (import torch + 10^7 additions) {reference:.1f} s"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
