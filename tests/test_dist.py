@@ -179,7 +179,11 @@ def test_sigterm_checkpoints_and_auto_resume_continues(tmp_path):
     )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + HANG_GUARD_S
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 5) and time.time() < deadline:
+    while (
+        (not metrics.exists() or len(metrics.read_text().splitlines()) < 5)
+        and proc.poll() is None
+        and time.time() < deadline
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=HANG_GUARD_S)[0]
