@@ -835,7 +835,7 @@ ROWS: list[Row] = [
     Row(
         "B9",
         LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL QLoRA (nf4) r16/α32, 32-true, AdamW, bs 64, 1×A100-80",
+        "BLIP-2 Flan-T5-XXL QLoRA (nf4) r16/α32, 32-true, AdamW, bs 64, checkpointed (peft k-bit prep), 1×A100-80",
         "fit",
         None,
         "-",
@@ -850,10 +850,14 @@ ROWS: list[Row] = [
             "peft.dropout": 0.05,
             "train.micro_batch_size": 64,
             "train.accumulate_grad_batches": 1,
+            # fine-tune-blip-lora.py calls prepare_model_for_kbit_training(model) with peft's defaults, and
+            # use_gradient_checkpointing=True is one: the 4-bit run checkpoints every layer though its cfg
+            # says act_ckpt False (that key only drives gradient_checkpointing_enable() further down)
+            "train.activation_checkpointing": True,
         },
         BLIP_XXL,
         expect="fit",
-        note="the lab's captions are shorter than 50 tokens",
+        note="act_ckpt False in the cfg, yet peft's prepare_model_for_kbit_training turns checkpointing on",
     ),
     # ---- litgpt tutorials/resource-tables.md (A100-SXM4-40GB, Alpaca padded to the longest sample) ----
     Row(
@@ -1885,14 +1889,17 @@ def _litgpt_full_loss() -> None:
     loop.causal_lm_loss_sum = litgpt_loss_sum
 
 
-def plan_row(row: Row, shortest: bool = False) -> dict:
-    """Plan one row with the real planner (``shortest``: at Row.shortest_over); returns Plan.to_dict() (bytes)."""
+def plan_row(row: Row, shortest: bool = False, length: Optional[int] = None) -> dict:
+    """Plan one row with the real planner (``shortest``: at Row.shortest_over; ``length``: with that
+    data.max_seq_length); returns Plan.to_dict() (bytes)."""
     from bigtune.core.gpus import find_gpu
     from bigtune.plan.planner import plan
     from bigtune.plan.target import Target
 
     if shortest:
         row = dataclasses.replace(row, over={**row.over, **row.shortest_over()})
+    if length is not None:
+        row = dataclasses.replace(row, over={**row.over, "data.max_seq_length": length})
     r = row_recipe(row, check=False)  # validated by tests/test_published.py; here only plan
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
     if row.legacy_bnb:
@@ -1942,13 +1949,20 @@ def planned_gib(row: Row, p: dict) -> Optional[float]:
 # -- running ----------------------------------------------------------------------------------------------
 
 
-def _plan_in_subprocess(row: Row, timeout_s: int, shortest: bool = False) -> dict:
+def _plan_in_subprocess(row: Row, timeout_s: int, shortest: bool = False, length: Optional[int] = None) -> dict:
     """One plan in its own process: a hang or a crash is that row's result, and the time limit holds."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     try:
         p = subprocess.run(
-            [sys.executable, __file__, "--plan-one", row.id, *(["--shortest"] if shortest else [])],
+            [
+                sys.executable,
+                __file__,
+                "--plan-one",
+                row.id,
+                *(["--shortest"] if shortest else []),
+                *(["--length", str(length)] if length is not None else []),
+            ],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -1976,6 +1990,25 @@ def peak_floor_s(notes: list[str]) -> Optional[float]:
         if m:
             return float(m.group(1))
     return None
+
+
+def longest_fitting(row: Row, timeout_s: int, plans: dict, key: str) -> Optional[int]:
+    """For a row the stated setup leaves open (fits at the shortest batch, OOM at the cap): the longest length
+    cap (data.max_seq_length) at which the plan still fits, by bisection between the two (memory grows with
+    the length), so the row says which unpublished lengths would settle it. None where a plan failed."""
+    lo = row.shortest_over()["data.max_seq_length"]
+    hi = row_recipe(row, check=False).data.max_seq_length
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        k = f"{key}|length={mid}"
+        if k not in plans:
+            print(f"      {row.id} at data.max_seq_length={mid} ...", end=" ", flush=True)
+            plans[k] = _plan_in_subprocess(row, timeout_s, length=mid)
+            print(f"{plans[k]['seconds']} s" + (f" ERROR {plans[k]['error']}" if "error" in plans[k] else ""))
+        if "error" in plans[k]:
+            return None
+        lo, hi = (mid, hi) if plans[k]["plan"]["fits"] else (lo, mid)
+    return lo
 
 
 def fit_outcome(expect: str, fits_at_cap: bool, fits_shortest: Optional[bool]) -> Optional[bool]:
@@ -2074,6 +2107,8 @@ def print_table(results: list[dict]) -> None:
             if "plan_fits_shortest" in x:  # the verdict at the shortest batch the source admits
                 short_v = "fits" if x["plan_fits_shortest"] else "OOM"
                 ends = f"; {short_v} at the shortest, {x['plan_needed_shortest_gib']:.1f} GiB"
+                if x.get("plan_fits_up_to_length"):
+                    ends += f", up to {x['plan_fits_up_to_length']} tokens"
             print(
                 f"{x['id']:<8} {x['setup'][:74]:<74} {short:<13} {x['expect'].upper():>16} {'':>7} {plan_v:>8} "
                 f"{mark:>7} {t_err}  {flag} (needs {x['plan_needed_gib']:.1f} of {x['plan_capacity_gib']:.1f} GiB{ends})"
@@ -2172,6 +2207,12 @@ def statistics_of(results: list[dict]) -> dict:
         "disagree": [x["id"] for x in fit if not x["agree"]],
         # the stated setup does not settle these: fits at the shortest batch the source admits, OOM at its cap
         "open": [x["id"] for x in results if x["metric"] == "fit" and "agree" in x and x["agree"] is None],
+        # of those, the longest length cap at which the plan fits (longest_fitting)
+        "open_fits_up_to_length": {
+            x["id"]: x.get("plan_fits_up_to_length")
+            for x in results
+            if x["metric"] == "fit" and "agree" in x and x["agree"] is None
+        },
         "tight": [x["id"] for x in fit if x.get("plan_tight")],
     }
     return out
@@ -2195,12 +2236,16 @@ def print_statistics(s: dict) -> None:
             "the step's matmuls and attention at the card's dense peak (not the stated setup)"
         )
     f = s["fit"]
+    up = f.get("open_fits_up_to_length") or {}
     print(
         f"fit/OOM: plan agrees with the source on {f['agree']} of {f['of']}"
         + (f" (disagree: {', '.join(f['disagree'])})" if f["disagree"] else "")
         + (
-            f"; open, settled by the unpublished lengths (fits at the shortest batch, OOM at the cap): "
-            f"{', '.join(f['open'])}"
+            "; open, settled by the unpublished lengths (fits at the shortest batch, OOM at the cap): "
+            + ", ".join(
+                i + (f" (fits while every batch's longest is ≤ {n} tokens)" if (n := up.get(i)) else "")
+                for i in f["open"]
+            )
             if f.get("open")
             else ""
         )
@@ -2233,11 +2278,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.add_argument("--plan-one", metavar="ID", help=argparse.SUPPRESS)  # the per-row subprocess
     ap.add_argument("--shortest", action="store_true", help=argparse.SUPPRESS)  # with --plan-one: Row.shortest_over
+    ap.add_argument("--length", type=int, help=argparse.SUPPRESS)  # with --plan-one: data.max_seq_length
     args = ap.parse_args(argv)
     by_id = {r.id: r for r in ROWS}
 
     if args.plan_one:
-        print(json.dumps(plan_row(by_id[args.plan_one], shortest=args.shortest)))
+        print(json.dumps(plan_row(by_id[args.plan_one], shortest=args.shortest, length=args.length)))
         return 0
     if args.list:
         for r in ROWS:
@@ -2323,6 +2369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 )
             short = plans[skey]
         x = compare(row, res.get("plan"), short.get("plan") if short else None)
+        if x.get("agree", False) is None:
+            x["plan_fits_up_to_length"] = longest_fitting(row, args.timeout_s, plans, key)
         if "error" in res or (short and "error" in short):
             x["error"] = res.get("error") or short["error"]
         x["plan_seconds_wall"] = res["seconds"]

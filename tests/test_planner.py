@@ -215,7 +215,7 @@ def copy_sim_unreplayed(sim):
     return dataclasses.replace(sim, reserved=0, needed=0)
 
 
-def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
+def test_alternatives_reuse_the_plans_own_simulation_or_plan_it_beside_them(monkeypatch):
     import bigtune.plan.alternatives as planner
 
     r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2})
@@ -224,7 +224,7 @@ def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
     monkeypatch.setattr(planner, "_run_sims", lambda jobs, *a, **k: asked.append(set(jobs)) or run_sims(jobs, *a, **k))
     fresh = alternatives(r, target, max_gpus=2, workers=1)
     sims: dict = {}
-    plan(r, target, sims=sims)  # replayed, so alternatives on this CUDA target can reuse it as it is
+    alone = plan(r, target, sims=sims)  # replayed, so alternatives on this CUDA target can reuse it as it is
     own = set(sims)
     reused = alternatives(r, target, max_gpus=2, workers=1, sims=sims)
     assert len(own) == 1 and own <= asked[0]  # one of the variants is the recipe's own step,
@@ -233,6 +233,14 @@ def test_alternatives_reuse_the_plans_own_simulation(monkeypatch):
     alternatives(r, target, max_gpus=2, workers=1, sims=sims)
     assert asked[2] == set()  # a third call found them all
     assert [(p.variant, p.peak_allocated) for p in reused] == [(p.variant, p.peak_allocated) for p in fresh]
+    # plan --alternatives plans the recipe in one of the worker processes that simulate the variants (own_plan)
+    # instead of before them: the same plan, the same variants
+    beside = alternatives(r, target, max_gpus=2, workers=2, own_plan={})
+    assert fresh.plan is None and beside.plan is not None
+    assert beside.plan.to_dict() | {"plan_seconds": 0} == alone.to_dict() | {"plan_seconds": 0}
+    assert [(p.variant, p.peak_allocated, p.peak_reserved) for p in beside] == [
+        (p.variant, p.peak_allocated, p.peak_reserved) for p in fresh
+    ]
 
 
 def test_train_prints_plan_and_compares(tmp_path):

@@ -197,3 +197,20 @@ def test_lab_blip_inputs_feed_the_language_model_the_caption_alone(monkeypatch, 
             else:
                 assert out.logits.shape[1] == text_len
     assert ours["input_ids"].shape[1] == (cfg.num_query_tokens + (1 if encoder_decoder else 12))
+
+
+def test_an_open_rows_longest_fitting_length_is_bisected(monkeypatch):
+    """An open row (fits at the shortest batch, OOM at the 50-token cap) is planned between the two ends until
+    the longest cap that still fits is found; each length is planned once."""
+    asked = []
+
+    def fake(row, timeout_s, shortest=False, length=None):
+        asked.append(length)
+        return {"plan": {"fits": length <= 37}, "seconds": 0.0}
+
+    monkeypatch.setattr(published, "_plan_in_subprocess", fake)
+    row = {r.id: r for r in published.ROWS}["B8"]
+    plans: dict = {}
+    assert published.longest_fitting(row, 1, plans, "k") == 37
+    assert len(asked) == len(set(asked)) <= 6 and all(2 < n < 50 for n in asked)
+    assert published.longest_fitting(row, 1, plans, "k") == 37 and len(asked) == len(set(asked))

@@ -328,19 +328,18 @@ def _cmd_plan(args) -> int:
         return main_plan_inference(args, r, target)
     config = resolve_config(r)
     workers = min(2, os.cpu_count() or 1)
-    sims: dict = {}  # the plan's own simulation, which --alternatives reuses
     images = _image_grids(args, r, config)
+    search = {"max_gpus": args.max_gpus, "config": config, "adapters": args.adapters}
     if args.data_lengths:
         from bigtune.plan.lengths import plan_at_data_lengths
 
         p = plan_at_data_lengths(r, target, config=config, workers=workers)
+        alts = alternatives(r, target, **search) if args.alternatives else None
+    elif args.alternatives:  # the recipe's own plan in the same workers as the variants' simulations, beside them
+        alts = alternatives(r, target, **search, own_plan={"images": images})
+        p = alts.plan
     else:
-        p = plan(r, target, config=config, workers=workers, sims=sims, images=images)
-    alts = (
-        alternatives(r, target, max_gpus=args.max_gpus, config=config, adapters=args.adapters, sims=sims)
-        if args.alternatives
-        else None
-    )
+        alts, p = None, plan(r, target, config=config, workers=workers, images=images)
     if args.json:
         out = {"plan": p.to_dict()}
         if alts is not None:

@@ -86,30 +86,62 @@ def _interpolate(lo: Sim, hi: Sim, m_lo: int, m_hi: int, m: int) -> Sim:
     )
 
 
+class _Workers:
+    """The worker processes of one alternatives() call, shared by everything it runs in parallel (both rounds of
+    simulations, the deeper replays, the recipe's own plan): forked at the first task, so the children inherit
+    the imported libraries instead of importing them again (seconds). With one worker every task runs here,
+    when submitted."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._ex = None
+
+    @property
+    def forked(self) -> bool:
+        return self.workers > 1
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        if self.forked:
+            if self._ex is None:
+                import multiprocessing as mp
+                from concurrent.futures import ProcessPoolExecutor
+
+                self._ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("fork"))
+            return self._ex.submit(fn, *args)
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except Exception as e:  # raised again by f.result(), as a worker's would be
+            f.set_exception(e)
+        return f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(cancel_futures=exc[0] is not None)
+
+
 def _run_sims(
-    jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, workers: int, arch: Optional[tuple[int, int]] = None
+    jobs: dict[str, tuple[Recipe, int]], config, cuda: bool, ex, arch: Optional[tuple[int, int]] = None
 ) -> dict[str, Sim]:
-    """Simulate every (recipe, micro batch) job, in parallel worker processes when there are several cores."""
-    if workers > 1 and len(jobs) > 1:
-        import multiprocessing as mp
+    """Simulate every (recipe, micro batch) job on ``ex`` (_Workers)."""
+    import sys
 
-        # fork: the children inherit the imported libraries instead of importing them again (seconds).
-        # Adapter jobs need peft, which this process may not have imported (≈2 s with bitsandbytes
-        # installed): they go to one worker as one task, submitted first, so only one child pays for it.
-        import sys
-        from concurrent.futures import ProcessPoolExecutor
-
-        grouped = [k for k, (r, _) in jobs.items() if r.peft.method != "none"] if "peft" not in sys.modules else []
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
-            group = ex.submit(_sim_group, [(k, *jobs[k]) for k in grouped], config, cuda, arch) if grouped else None
-            # the longest first (a rank's share of the batch), so no long one is left running alone at the end
-            order = sorted(
-                (k for k in jobs if k not in grouped), key=lambda k: -jobs[k][1] / jobs[k][0].tensor_parallel
-            )
-            futs = {k: ex.submit(_sim_job, jobs[k][0], config, cuda, jobs[k][1], arch) for k in order}
-            out = {k: f.result() for k, f in futs.items()}
-            return {**out, **(group.result() if group is not None else {})}
-    return {k: _sim_job(r, config, cuda, m, arch) for k, (r, m) in jobs.items()}
+    # Adapter jobs need peft, which this process may not have imported (≈2 s with bitsandbytes installed):
+    # in worker processes they go to one worker as one task, submitted first, so only one child pays for it.
+    grouped = (
+        [k for k, (r, _) in jobs.items() if r.peft.method != "none"] if ex.forked and "peft" not in sys.modules else []
+    )
+    group = ex.submit(_sim_group, [(k, *jobs[k]) for k in grouped], config, cuda, arch) if grouped else None
+    # the longest first (a rank's share of the batch), so no long one is left running alone at the end
+    order = sorted((k for k in jobs if k not in grouped), key=lambda k: -jobs[k][1] / jobs[k][0].tensor_parallel)
+    futs = {k: ex.submit(_sim_job, jobs[k][0], config, cuda, jobs[k][1], arch) for k in order}
+    out = {k: f.result() for k, f in futs.items()}
+    return {**out, **(group.result() if group is not None else {})}
 
 
 def _sim_group(items: list, config, cuda: bool, arch: Optional[tuple[int, int]]) -> dict[str, Sim]:
@@ -144,26 +176,29 @@ def _replayed_deeper(recipe: Recipe, micro: int, sim: Sim, config, arch: Optiona
 
 
 def _run_deeper(
-    jobs: dict[str, tuple[Recipe, int, Sim]], config, arch: Optional[tuple[int, int]], workers: int
+    jobs: dict[str, tuple[Recipe, int, Sim]], config, arch: Optional[tuple[int, int]], ex
 ) -> dict[str, Sim]:
-    """_replayed_deeper for every (recipe, micro batch, shallow simulation) job, in forked worker processes
-    where there are several (each replay is seconds of one core: 26 of them for TinyLlama on an L4)."""
-    if workers > 1 and len(jobs) > 1:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
+    """_replayed_deeper for every (recipe, micro batch, shallow simulation) job on ``ex`` (_Workers: each replay
+    is seconds of one core, 26 of them for TinyLlama on an L4)."""
+    futs = {k: ex.submit(_replayed_deeper, r, m, sim, config, arch) for k, (r, m, sim) in jobs.items()}
+    return {k: f.result() for k, f in futs.items()}
 
-        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as ex:
-            futs = {k: ex.submit(_replayed_deeper, r, m, sim, config, arch) for k, (r, m, sim) in jobs.items()}
-            return {k: f.result() for k, f in futs.items()}
-    return {k: _replayed_deeper(r, m, sim, config, arch) for k, (r, m, sim) in jobs.items()}
+
+def _own_plan(recipe: Recipe, target: Target, config, kwargs: dict) -> tuple[Plan, dict[str, Sim]]:
+    """plan() of the recipe itself, beside the variants' simulations, and the simulations it made. One process
+    (workers=1): in a worker, forking workers of its own would oversubscribe the cores the others fill."""
+    made: dict[str, Sim] = {}
+    return plan(recipe, target, config=config, workers=1, sims=made, **kwargs), made
 
 
 class Alternatives(list):
-    """The fitting plans, fastest first; ``evaluated`` counts every variant considered."""
+    """The fitting plans, fastest first; ``evaluated`` counts every variant considered; ``plan``: the recipe's
+    own plan where alternatives() was asked for it (``own_plan``), else None."""
 
-    def __init__(self, plans, evaluated: int):
+    def __init__(self, plans, evaluated: int, own: Optional[Plan] = None):
         super().__init__(plans)
         self.evaluated = evaluated
+        self.plan = own
 
 
 @dataclass
@@ -203,7 +238,8 @@ def alternatives(
     adapters: bool = False,
     sims: Optional[dict[str, Sim]] = None,
     tensor_parallel: bool = True,
-) -> list[Plan]:
+    own_plan: Optional[dict] = None,
+) -> Alternatives:
     """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
 
     Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
@@ -216,6 +252,9 @@ def alternatives(
     "interpolated"); everything else is simulated, except what ``sims`` (plan()'s or an earlier call's, for a
     target whose attention kernels are the same) holds; new simulations are added to ``sims``.
     ``tensor_parallel``: also FSDP2's 2-D layouts, tensor_parallel = 2, 4, 8 × FSDP over the rest.
+    ``own_plan``: plan()'s keyword arguments for the recipe itself, planned in one of the same worker processes
+    while the variants simulate (``plan --alternatives``: the two overlap instead of following each other); the
+    result's ``plan``. Its simulations then reach ``sims`` afterwards, so the variants do not reuse them.
     """
     import os
 
@@ -240,36 +279,34 @@ def alternatives(
     # The caller's ``sims`` (same target kernel class) is read and also receives every new simulation, so
     # a later call for another GPU of that class (plan --compare-gpus) simulates only what is new.
     sims = sims if sims is not None else {}
-    sims.update(
-        _run_sims(
-            {k: v for k, v in vs.jobs.items() if _missing(k, sims, cuda)}, config, cuda, workers, target_arch(target)
-        )
-    )
-    plans, oom_several = _plan_variants(vs, target, config, sims, workers)
-    # Where several GPUs were not enough though their share of the model states would fit (those were
-    # simulated), the activations are what is left: the same GPUs and strategy with activation
-    # checkpointing. Only there, so a model that already fits costs no more simulations.
-    if oom_several and not recipe.train.activation_checkpointing:
-        extra = _checkpointed_variants(vs, oom_several)
-        sims.update(
-            _run_sims(
-                {k: (r_c, m) for *_, k, r_c, m in extra if _missing(k, sims, cuda)},
-                config,
-                cuda,
-                workers,
-                target_arch(target),
-            )
-        )
-        n_evaluated += len(extra)
-        for label, o, gpus, strategy, k, _, _ in extra:
-            p = _plan_variant(recipe, o, target, gpus, strategy, label, config, sims[k])
-            if p.fits is None or p.fits:
-                plans.append(p)
+    arch = target_arch(target)
+    todo = {k: v for k, v in vs.jobs.items() if _missing(k, sims, cuda)}
+    with _Workers(workers) as ex:
+        # the recipe's own plan first: with its deeper replays it is the longest task
+        own = ex.submit(_own_plan, recipe, target, config, own_plan) if own_plan is not None else None
+        sims.update(_run_sims(todo, config, cuda, ex, arch))
+        plans, oom_several = _plan_variants(vs, target, config, sims, ex)
+        # Where several GPUs were not enough though their share of the model states would fit (those were
+        # simulated), the activations are what is left: the same GPUs and strategy with activation
+        # checkpointing. Only there, so a model that already fits costs no more simulations.
+        if oom_several and not recipe.train.activation_checkpointing:
+            extra = _checkpointed_variants(vs, oom_several)
+            more = {k: (r_c, m) for *_, k, r_c, m in extra if _missing(k, sims, cuda)}
+            sims.update(_run_sims(more, config, cuda, ex, arch))
+            n_evaluated += len(extra)
+            for label, o, gpus, strategy, k, _, _ in extra:
+                p = _plan_variant(recipe, o, target, gpus, strategy, label, config, sims[k])
+                if p.fits is None or p.fits:
+                    plans.append(p)
+        own_result = own.result() if own is not None else None
+    if own_result is not None:
+        for k, v in own_result[1].items():
+            sims.setdefault(k, v)
     pipelined = _pipeline_plans(recipe, target, config, max_gpus, workers) if tensor_parallel else []
     n_evaluated += len(pipelined)
     plans += [p for p in pipelined if p.fits is None or p.fits]
     plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
-    return Alternatives(plans, evaluated=n_evaluated)
+    return Alternatives(plans, evaluated=n_evaluated, own=own_result[0] if own_result is not None else None)
 
 
 def _missing(key: str, sims: dict[str, Sim], cuda: bool) -> bool:
@@ -626,9 +663,7 @@ def _plan_variant(
     return plan(r, Target(target.device, target.gpu, gpus, strategy), label, over, config, sim=sim)
 
 
-def _plan_variants(
-    vs: _Variants, target: Target, config, sims: dict[str, Sim], workers: int = 1
-) -> tuple[list[Plan], list]:
+def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim], ex) -> tuple[list[Plan], list]:
     """(plans that fit or cannot tell, (GPUs, strategy) of the multi-GPU variants that ran out of memory)."""
     # One-device variants whose shallow replays disagree get the deeper replay first, all at once (in
     # parallel where there are cores); kept in ``sims``: other variants and later calls share them. Not
@@ -644,7 +679,7 @@ def _plan_variants(
         sim = _interpolate(*unplayed, 1, vs.m0, how[2]) if isinstance(how, tuple) else unplayed[0]
         if _plan_variant(vs.recipe, over, target, gpus, strategy, label, config, sim).fits is not False:
             deeper |= keys
-    sims.update(_run_deeper({k: (*vs.jobs[k], sims[k]) for k in sorted(deeper)}, config, target_arch(target), workers))
+    sims.update(_run_deeper({k: (*vs.jobs[k], sims[k]) for k in sorted(deeper)}, config, target_arch(target), ex))
     plans, oom_several = [], []
     for label, over, gpus, strategy, how in vs.todo:
         if isinstance(how, tuple):
