@@ -10,7 +10,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
+# One compute thread per process: the suite's xdist workers (README: -n 2) share CI's 2 cores, and so do the
+# CLI and rank subprocesses the tests start (they inherit the environment). With torch's default of one thread
+# per core in every process the cores are oversubscribed and its OpenMP threads spin while they wait: two
+# `bigtune train` demos run side by side took 66 s each, with OMP_NUM_THREADS=1 9.8 s each, 9.2 s alone
+# (2026-12-02, this 2-core machine). Set before torch is imported; speed is measured in bench/, not here.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 ROOT = Path(__file__).resolve().parents[1]
 # A subprocess timeout guards against a hang, it does not time anything (speed lives in bench/): CI machines of
