@@ -2276,6 +2276,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="re-read each row's citation, flags and notes from this table "
         "into an earlier result file (same ids and recipes; the planned numbers are kept), reprint, rewrite",
     )
+    ap.add_argument(
+        "--merge-into",
+        metavar="FILE",
+        help="with --only: the result is this earlier complete result file with the --only rows planned again "
+        "(for rows whose setup changed; the file records both commands and dates)",
+    )
     ap.add_argument("--plan-one", metavar="ID", help=argparse.SUPPRESS)  # the per-row subprocess
     ap.add_argument("--shortest", action="store_true", help=argparse.SUPPRESS)  # with --plan-one: Row.shortest_over
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)  # with --plan-one: data.max_seq_length
@@ -2343,6 +2349,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         ap.error(f"unknown row id(s) {', '.join(unknown)}; see --list")
     rows = [by_id[i] for i in args.only] if args.only else ROWS
+    earlier = None
+    if args.merge_into:
+        if not args.only:
+            ap.error("--merge-into needs --only (the rows to plan again)")
+        earlier = json.loads(Path(args.merge_into).read_text())
+        if not earlier.get("complete") or {x["id"] for x in earlier["rows"]} != {r.id for r in ROWS}:
+            ap.error(f"--merge-into {args.merge_into}: not a complete result of today's rows; run the whole table")
     date = datetime.date.today().isoformat()
     out_path = Path(args.json) if args.json else ROOT / "bench" / "results" / f"published-cpu-{date}.json"
     command = "python bench/published.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
@@ -2388,6 +2401,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "units": "GiB unless stated; published values also in their own unit",
             },
         )
+    if earlier is not None:  # the earlier rows, these planned again in their place
+        new = {x["id"]: x for x in results}
+        results = [new.get(x["id"], x) for x in earlier["rows"]]
+        command = f"{earlier['command']} ({earlier['date']}), then {command} ({date}: {', '.join(sorted(new))})"
     stats = statistics_of(results)
     write_json(
         out_path,
