@@ -590,7 +590,7 @@ def _qwen_vl_processor(work: Path) -> Path:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from bigtune.core.presets import QWEN2_VL_CHAT_TEMPLATE, TOKENIZER_FILE
-    from bigtune.core.processors import chat_vlm_processor, has_torchvision
+    from bigtune.core.processors import chat_vlm_processor
 
     cfg = json.loads((ROOT / "src/bigtune/assets/configs/Qwen--Qwen2.5-VL-3B-Instruct.json").read_text())
     ids = {
@@ -627,19 +627,9 @@ def _qwen_vl_processor(work: Path) -> Path:
         padding_side="right",
     )
     images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2)
-    if has_torchvision():
-        # (the GPU machine) transformers then checks every part the processor declares, the video processor
-        # too, and loads the saved folder with AutoProcessor, which needs it there
-        import transformers
-
-        proc = transformers.Qwen2_5_VLProcessor(
-            image_processor=images,
-            tokenizer=tok,
-            video_processor=transformers.Qwen2VLVideoProcessor(),
-            chat_template=QWEN2_VL_CHAT_TEMPLATE,
-        )
-    else:
-        proc = chat_vlm_processor("Qwen2_5_VLProcessor", images, tok, QWEN2_VL_CHAT_TEMPLATE)
+    # image-only, as bigtune builds and loads every chat-VLM processor (core/processors.py), with or
+    # without torchvision: the GPU machine has it, this machine does not, and the case behaves the same
+    proc = chat_vlm_processor("Qwen2_5_VLProcessor", images, tok, QWEN2_VL_CHAT_TEMPLATE)
     proc.save_pretrained(folder)
     return folder
 
