@@ -276,3 +276,41 @@ def test_image_max_pixels_bounds_smolvlm_tiles_and_fixed_size_models_refuse_it(t
 
     with pytest.raises(RecipeError, match="data.image_max_pixels: only image-to-text models read images"):
         load_recipe({}, {"model.name": "tiny-llama", "data.image_max_pixels": BUDGET})
+
+
+def test_a_measured_batch_of_the_planned_images_compares_with_the_plan_before_training(tmp_path):
+    """Photos at the processor's max_pixels (the plan's worst case) and captions past max_seq_length: the
+    measured batch is the step the plan simulated, so the engine compares it with that plan instead of
+    planning the same step again (for a real chat VLM minutes of CPU), and it is still within 2 %."""
+    from PIL import Image
+
+    rows = []
+    for i, photo in enumerate(sorted((DEMO_IMAGES / "images").glob("*.png"))[:4]):
+        path = tmp_path / f"worst{i}.png"
+        Image.open(photo).convert("RGB").resize((112, 112)).save(path)
+        rows.append({"image": str(path), "text": "a plate of food with herbs and bread " * 20})
+    src = tmp_path / "photos.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    over = {
+        "data.source": str(src),
+        "data.val_fraction": 0.0,
+        "train.micro_batch_size": 4,
+        "train.max_steps": 2,
+        "train.max_epochs": None,
+        "memory.every_steps": 1,
+        "memory.plan": True,
+        "checkpoint.save_model": False,
+        "output_dir": str(run),
+    }
+    r = load_recipe(str(DEMO), over)
+    before = plan(r, Target("cpu"))
+    assert before.image_grids == [[1, 8, 8]] * 4  # the worst case, one per row
+    c = train(str(DEMO), over, quiet_recipe=True)["plan"]
+    last = max(x["step"] for x in read_jsonl(run / "memory.jsonl"))
+    first = next(x for x in read_jsonl(run / "memory.jsonl") if x["step"] == last and x["phase"] == "before_forward")
+    assert first["image_grids"] == before.image_grids and not first["padded"]
+    assert first["batch_shape"] == [4, r.data.max_seq_length]
+    assert "replanned_at_batch_shape" not in c and "replan_error" not in c
+    assert c["predicted_peak_allocated_like_for_like"] == before.peak_allocated
+    assert abs(c["peak_error_pct"]) < 2, (c["measured_peak_allocated"], before.peak_allocated)

@@ -172,8 +172,20 @@ def plan(
         overrides=overrides or {},
         plan_seconds=time.perf_counter() - t0,
         host_bytes_per_node=host_per_node,
+        image_grids=_planned_grids(recipe, config, images),
     )
     return out
+
+
+def _planned_grids(recipe: Recipe, config, images: Optional[tuple]) -> Optional[list[list[int]]]:
+    """The image grid of each row a chat vision-language model's step was simulated with (chatvlm.grids_for:
+    ``images`` in turn, else the worst case); None for every other model."""
+    from bigtune.plan import chatvlm
+
+    if not chatvlm.is_chat_vlm_config(config):
+        return None
+    geometry = chatvlm.image_geometry(recipe, config)
+    return [[int(x) for x in g] for g in chatvlm.grids_for(geometry, images, recipe.train.micro_batch_size)]
 
 
 def _nf4_host_ram(recipe: Recipe, sim: Sim, target: Target, n_layers: int, phases: dict, notes: list[str]) -> int:

@@ -85,6 +85,10 @@ class Plan:
     # Host RAM per node a GPU run needs (the larger of loading and training), where the planner models it
     # (a torchao NF4 base: loaded tensor by tensor, shards in host RAM with fsdp_cpu_offload); None elsewhere.
     host_bytes_per_node: Optional[int] = None
+    # A chat vision-language model (Qwen2-VL kind): the (t, h, w) image grid of each row of the micro-batch it
+    # was simulated with (the processor's worst case unless given), so that a measured batch of the same
+    # images compares with this plan instead of planning the same step again (run/compare.py).
+    image_grids: Optional[list[list[int]]] = None
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "tight": self.tight}

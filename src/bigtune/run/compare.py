@@ -88,8 +88,12 @@ def compare_with_plan(p, r: Recipe, device: torch.device, snaps: list[dict], wor
     shape, padded = first.get("batch_shape"), first.get("padded", False)
     # a chat vision-language batch's image grids (the plan before training took the worst case)
     images = tuple(tuple(g) for g in first["image_grids"]) if first.get("image_grids") else None
+    # the plan's own images (photos of the size it planned, often the worst case capped by data.image_max_pixels):
+    # planning again would simulate the same step, minutes of CPU for a chat VLM
+    planned = getattr(p, "image_grids", None)
+    other_images = bool(images) and (planned is None or [list(g) for g in images] != planned)
     like = p
-    if shape and (shape[0] != r.train.micro_batch_size or shape[1] != r.data.max_seq_length or padded or images):
+    if shape and (shape[0] != r.train.micro_batch_size or shape[1] != r.data.max_seq_length or padded or other_images):
         from bigtune.plan.planner import plan
 
         try:
