@@ -198,6 +198,18 @@ def test_data_lengths_plan_the_datas_largest_image(mixed_sizes):
     assert any("112×84 px (12 image tokens)" in n for n in p.notes)
 
 
+# two steps of 4 photos, each measured and compared with the plan (the engine re-plans where the batch differs)
+MEASURED_TWO_STEPS = {
+    "data.val_fraction": 0.0,
+    "train.micro_batch_size": 4,
+    "train.max_steps": 2,
+    "train.max_epochs": None,
+    "memory.every_steps": 1,
+    "memory.plan": True,
+    "checkpoint.save_model": False,
+}
+
+
 # --- data.image_max_pixels: the pixel budget that bounds the image tokens --------------------------------
 BUDGET = 56 * 56  # one 56×56 image: 4 merged 28-px units, 4 image tokens
 
@@ -207,16 +219,10 @@ def test_image_max_pixels_shrinks_the_image_tokens_and_the_plan_follows(tmp_path
     above), are scaled to 56×28 px (2 tokens) under a 56² budget; the engine's re-plan of that batch
     stays within 2 %."""
     over = {
+        **MEASURED_TWO_STEPS,
         "model.name": "tiny-qwen2-vl",
         "data.source": str(mixed_sizes),
-        "data.val_fraction": 0.0,
         "data.image_max_pixels": BUDGET,
-        "train.micro_batch_size": 4,
-        "train.max_steps": 2,
-        "train.max_epochs": None,
-        "memory.every_steps": 1,
-        "memory.plan": True,
-        "checkpoint.save_model": False,
     }
     steady = train_and_compare(tmp_path / "run", over)
     grids = sorted({tuple(g) for g in steady["before_forward"]["image_grids"]})
@@ -292,17 +298,7 @@ def test_a_measured_batch_of_the_planned_images_compares_with_the_plan_before_tr
     src = tmp_path / "photos.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
-    over = {
-        "data.source": str(src),
-        "data.val_fraction": 0.0,
-        "train.micro_batch_size": 4,
-        "train.max_steps": 2,
-        "train.max_epochs": None,
-        "memory.every_steps": 1,
-        "memory.plan": True,
-        "checkpoint.save_model": False,
-        "output_dir": str(run),
-    }
+    over = {**MEASURED_TWO_STEPS, "data.source": str(src), "output_dir": str(run)}
     r = load_recipe(str(DEMO), over)
     before = plan(r, Target("cpu"))
     assert before.image_grids == [[1, 8, 8]] * 4  # the worst case, one per row
