@@ -469,7 +469,7 @@ def train_step(
     )
 
     if getattr(b, "pipeline", None) is not None:  # the schedule orders the stages' forwards and backwards
-        return b.pipeline.step(b, batches, monitor, measure, state, token_count)
+        return b.pipeline.step(b, batches, monitor, measure, state, token_count, clip_gradients)
     fabric, model, opt = b.fabric, b.model, b.optimizer
     shift = shifts_labels(model)
     if token_count is None and fabric.world_size > 1:

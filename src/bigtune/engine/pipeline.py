@@ -178,13 +178,19 @@ class PipelineRunner:
         return ids.to(self.fabric.device), labels.to(self.fabric.device)
 
     def step(
-        self, b, batches: list[dict], monitor, measure: bool, state, token_count: Optional[int] = None
+        self,
+        b,
+        batches: list[dict],
+        monitor,
+        measure: bool,
+        state,
+        token_count: Optional[int],
+        clip_gradients,
     ) -> tuple[torch.Tensor, list]:
         """What engine.loop.train_step does, through the schedule: returns (the window's loss on every rank, this
         rank's memory snapshots). Every rank reads the whole window, so the token count needs no all-reduce
-        (``token_count``: given by the planner, whose fake labels cannot be counted)."""
-        from bigtune.engine.strategies import clip_gradients
-
+        (``token_count``: given by the planner, whose fake labels cannot be counted). ``clip_gradients`` is the
+        loop's own clip (engine.strategies), handed in so that this module stays below the strategies."""
         fabric, model, opt = self.fabric, b.model, b.optimizer
         self.state = state  # the emulated schedule names its phases in it
         labels = [x["labels"] for x in batches]
