@@ -1902,6 +1902,10 @@ def plan_row(row: Row, shortest: bool = False, length: Optional[int] = None) -> 
         row = dataclasses.replace(row, over={**row.over, "data.max_seq_length": length})
     r = row_recipe(row, check=False)  # validated by tests/test_published.py; here only plan
     target = Target("cuda", find_gpu(row.gpu), row.gpus, row.strategy)
+    emulated = (row.legacy_bnb, row.legacy_softmax, row.keep_gradients, row.lab_blip_inputs(), row.litgpt_emulations())
+    if any(emulated) or LAB_FSDP_IMPL in row.impl or row.fsdp1_units:
+        # The patches below change what a simulated step runs, which the simulation cache's key does not see.
+        os.environ["BIGTUNE_SIM_CACHE"] = "off"
     if row.legacy_bnb:
         _keep_4bit_inputs()
     if row.legacy_softmax:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,6 +18,17 @@ from pathlib import Path
 # (2026-12-02, this 2-core machine). Set before torch is imported; speed is measured in bench/, not here.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+
+# The planner's simulated steps are kept on disk (plan/simcache.py, keyed by every input and by bigtune's own
+# source): the suite's workers and the CLI subprocesses its tests start share one folder, so a step that several
+# tests plan is simulated once per code version. Outside the repository, kept between runs.
+os.environ.setdefault(
+    "BIGTUNE_SIM_CACHE",
+    os.path.join(
+        tempfile.gettempdir(),
+        "bigtune-test-sims-" + hashlib.sha1(str(Path(__file__).resolve()).encode()).hexdigest()[:10],
+    ),
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -150,6 +162,12 @@ def resume_from_step_3(tmp_path: Path, ref: Path, common: dict, over: dict) -> P
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "at step 3" in res.stdout
     return cut
+
+
+@pytest.fixture
+def no_sim_cache(monkeypatch):
+    """For a test that patches what a simulation runs: its steps are simulated, not read from the cache."""
+    monkeypatch.setenv("BIGTUNE_SIM_CACHE", "off")
 
 
 @pytest.fixture

@@ -578,7 +578,7 @@ def test_every_alternative_on_a_cuda_target_comes_with_its_own_replay():
     ],
     ids=["plain", "ckpt", "before_backward", "bf16-mixed", "kept-gradients"],
 )
-def test_a_spliced_step0_replays_like_a_real_one(monkeypatch, over):
+def test_a_spliced_step0_replays_like_a_real_one(monkeypatch, over, no_sim_cache):
     """Traced simulations take step 0's events from step 1's instead of running it (a forward and backward
     less per traced simulation): the replay sees the same sequence as after a real step 0, up to which
     same-size gradient block each free releases. Reserved is the same; the least capacity within 1 %. Also

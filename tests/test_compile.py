@@ -143,7 +143,7 @@ def test_compile_key_is_documented(tmp_path):
     assert "| bool | `False` |" in row and "bigtune plan" in row and "eager" in row
 
 
-def test_a_failed_simulation_leaves_no_tracker_or_eager_stance_behind(monkeypatch):
+def test_a_failed_simulation_leaves_no_tracker_or_eager_stance_behind(monkeypatch, no_sim_cache):
     # Otherwise a plan that fails before training (printed as "plan: unavailable") would leave the run's
     # every step under the tracker and torch.compile switched off.
     import torch._dynamo.eval_frame

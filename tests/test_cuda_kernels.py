@@ -187,7 +187,7 @@ def test_attention_dropout_stays_inside_cudas_fused_kernel():
     assert acts[False, True] - acts[False, False] >= scores
 
 
-def test_cuda_autocast_keeps_eager_attention_probabilities_in_fp32(monkeypatch):
+def test_cuda_autocast_keeps_eager_attention_probabilities_in_fp32(monkeypatch, no_sim_cache):
     """BERT's eager attention calls softmax without a dtype. Under CUDA autocast that runs in fp32: the
     fp32 probabilities are saved for softmax's backward and a bf16 copy for the matmul with V (4 more
     bytes per score than CPU autocast, which keeps one bf16 tensor for both)."""

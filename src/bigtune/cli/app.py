@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Plans on the command line keep their simulated steps on disk (plan/simcache.py): planning the same step
+    # again, here or in a later train, sweep or launch, reads it back. BIGTUNE_SIM_CACHE=off turns that off.
+    os.environ.setdefault("BIGTUNE_SIM_CACHE", "on")
     args = build_parser().parse_args(argv)
     if args.version:
         from bigtune import __version__

@@ -284,6 +284,30 @@ def simulate(
     expandable: bool = True,
     splice: bool = True,
 ) -> Sim:
+    """_simulate's step, read from the simulation cache where the same step was simulated before (simcache:
+    keyed by every input and the code that runs; on for the command line)."""
+    from bigtune.plan import simcache
+
+    args = (recipe, config, depths, cuda, micro_batch, padded, arch, trace, images, stage, expandable, splice)
+    inputs = dict(depths=depths, cuda=cuda, micro_batch=micro_batch, padded=padded, arch=arch, trace=trace)
+    inputs.update(images=images, stage=stage, expandable=expandable)
+    return simcache.cached(lambda: _simulate(*args), recipe, config, **inputs)
+
+
+def _simulate(
+    recipe: Recipe,
+    config,
+    depths: "int | dict[Stack, int]",
+    cuda: bool,
+    micro_batch: Optional[int] = None,
+    padded: bool = False,
+    arch: Optional[tuple[int, int]] = None,
+    trace: bool = False,
+    images: Optional[tuple] = None,
+    stage: Optional[int] = None,
+    expandable: bool = True,
+    splice: bool = True,
+) -> Sim:
     """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
     to ``depths`` blocks (an int sets every stack). ``stage``: that pipeline stage's step, holding every
     layer of the cut model (plan/pipeline.py).
@@ -351,7 +375,7 @@ def simulate(
         except _NoSplice:
             snaps = None
     if snaps is None:  # run again with a real step 0 (outside the fake mode and patches, which it sets up anew)
-        return simulate(
+        return _simulate(
             recipe, config, depths, cuda, micro_batch, padded, arch, trace, images, stage, expandable, False
         )
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
@@ -874,7 +898,9 @@ def simulate_full_depth(
 def _ops_at_depth(base: Sim, grown: list) -> dict:
     """simulate_full_depth's operator rows: linear in depth too (each block adds the same kernels); counts,
     FLOPs, bytes."""
-    keys = set(base.ops).union(*(sim.ops for sim, _ in grown))
+    # In the simulations' own order (dicts keep it, and so does the simulation cache), not a set's, whose order
+    # follows the process's string hashing: the time model's sums then come out the same to the last bit.
+    keys = list(dict.fromkeys([*base.ops, *(k for sim, _ in grown for k in sim.ops)]))
     zero = (0, 0.0, 0.0)
     return {
         k: [
