@@ -173,3 +173,17 @@ def no_sim_cache(monkeypatch):
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+# The fast tier (`pytest -m "not slow"`, docs/contributing.md) leaves out the tests marked slow in their file
+# and those a timed run of the suite found slow (tests/slow_tests.txt, written by scripts/slow_tests.py).
+_SLOW_LIST = ROOT / "tests" / "slow_tests.txt"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _SLOW_LIST.is_file():
+        return
+    slow = {line.strip() for line in _SLOW_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
