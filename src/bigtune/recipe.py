@@ -222,6 +222,14 @@ class DataConfig:
     val_source: Optional[str] = _f(
         None, "A separate validation source (same formats as `source`); overrides val_fraction."
     )
+    sources: list = _f(
+        [],
+        "Several sources mixed in one run, instead of `source`: a list of {source, weight, format, split, "
+        "text_field} (only `source` is required; the others default to weight 1 and this section's own keys). "
+        "weight scales that source's share of each epoch: 3 repeats every sample 3 times, 0.5 keeps a seeded "
+        "half. val_fraction is held out of each source before weighting, so every source is in validation. "
+        "Causal LMs only.",
+    )
     skip_bad_records: bool = _f(
         True,
         "Skip records with missing/empty fields (each one counted and reported by "
@@ -976,6 +984,48 @@ def check_combinations(r: Recipe) -> list[str]:
     src = r.data.source
     if src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
         p.append(f"data.source: {src} does not exist; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
+    p.extend(check_sources(r))
+    return p
+
+
+# The keys of one data.sources entry; those other than source/weight default to data.<key>.
+SOURCE_KEYS = ("source", "weight", "format", "split", "text_field")
+
+
+def check_sources(r: Recipe) -> list[str]:
+    """data.sources: each entry a mapping with an existing source and a positive weight, named by its index."""
+    d = r.data
+    if not d.sources:
+        return []
+    p: list[str] = []
+    if r.model.family != "causal-lm":
+        p.append(f"data.sources: mixing sources is for causal-lm models, not {r.model.family}; use data.source")
+    if d.source != "demo":
+        p.append("data.sources with data.source: give the file as one entry of data.sources and remove data.source")
+    for i, entry in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not isinstance(entry, dict):
+            p.append(f"{key}: got {entry!r}; expected a mapping such as {{source: a.jsonl, weight: 2}}")
+            continue
+        for k in entry:
+            if k not in SOURCE_KEYS:
+                close = difflib.get_close_matches(str(k), SOURCE_KEYS, n=1)
+                hint = f"did you mean {close[0]}?" if close else "valid keys: " + ", ".join(SOURCE_KEYS)
+                p.append(f"{key}.{k}: unknown key; {hint}")
+        src = entry.get("source")
+        if not isinstance(src, str) or not src:
+            p.append(f"{key}.source: missing; give a file or save_to_disk folder, `hf:<dataset id>` or `demo`")
+        elif src != "demo" and not src.startswith("hf:") and not Path(src).expanduser().exists():
+            p.append(f"{key}.source: {src} does not exist; give a file or save_to_disk folder, `hf:<id>` or `demo`")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            p.append(f"{key}.weight: {weight!r} must be a number above 0, e.g. 1 (as is) or 3 (three times as often)")
+        fmt = entry.get("format", d.format)
+        if fmt not in DATA_FORMATS:
+            p.append(f"{key}.format: {fmt!r} is not allowed; use one of {', '.join(DATA_FORMATS)}")
+        for k in ("split", "text_field"):
+            if k in entry and not isinstance(entry[k], str):
+                p.append(f"{key}.{k}: got {entry[k]!r}; expected text")
     return p
 
 

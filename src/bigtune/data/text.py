@@ -42,6 +42,7 @@ class DataReport:
     label_names: list = field(default_factory=list)  # classification: class names in index order
     label_counts: dict = field(default_factory=dict)  # classification: usable records per class
     notes: list = field(default_factory=list)  # how the format was applied (chat: template, loss tokens)
+    sources: list = field(default_factory=list)  # data.sources: one dict of counts per entry (data/mix.py)
 
     def summary(self) -> dict:
         out = {
@@ -58,6 +59,8 @@ class DataReport:
             out["notes"] = list(self.notes)
         if self.label_names:
             out.update(label_names=list(self.label_names), label_counts=dict(self.label_counts))
+        if self.sources:
+            out["sources"] = [dict(s) for s in self.sources]
         return out
 
     def lines(self) -> list[str]:
@@ -291,7 +294,14 @@ def no_samples_error(source: str, report: DataReport) -> DataError:
 
 
 def build_examples(cfg: DataConfig, tok, seed: int) -> tuple[list[Example], DataReport]:
-    """Read, validate, tokenize, select num_train_samples (seeded shuffle). Raises DataError if empty."""
+    """Read, validate, tokenize, select num_train_samples (seeded shuffle). Raises DataError if empty.
+
+    With data.sources, every entry is built this way and the results are weighted and joined (data/mix.py).
+    """
+    if cfg.sources:
+        from bigtune.data.mix import build_mixture
+
+        return build_mixture(cfg, tok, seed, build_examples)
     source, records = read_source(cfg)
     if not records:
         raise DataError(f"{source}: no usable samples (the source holds no records)")

@@ -366,7 +366,12 @@ def build(recipe: Recipe, fabric) -> Built:
     val_examples = report.val_examples
     if recipe.data.val_source:
         vcfg = dataclasses.replace(
-            recipe.data, source=recipe.data.val_source, val_fraction=0.0, val_source=None, num_train_samples=None
+            recipe.data,
+            source=recipe.data.val_source,
+            sources=[],  # a mixture's validation source is one source
+            val_fraction=0.0,
+            val_source=None,
+            num_train_samples=None,
         )
         val_examples, vrep = build_more(vcfg)
         report.validation = len(val_examples)

@@ -44,7 +44,9 @@ def _built_examples(recipe: Recipe, source: Optional[str] = None):
     tok = load_tokenizer_or_processor(recipe.model)
     cfg = recipe.data
     if source is not None:  # the engine's validation source: no split, no selection of its own
-        cfg = dataclasses.replace(cfg, source=source, val_fraction=0.0, val_source=None, num_train_samples=None)
+        cfg = dataclasses.replace(
+            cfg, source=source, sources=[], val_fraction=0.0, val_source=None, num_train_samples=None
+        )
     if recipe.model.family == "image-to-text":
         from bigtune.data.images import TokenLayout, build_image_examples
         from bigtune.models.configs import resolve_config_name
