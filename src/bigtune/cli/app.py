@@ -175,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the written weights (auto: the run's precision)",
     )
     ex.add_argument("--out", help="output folder (default: <run>/merged, <run>/export-adapter or <run>/export-<dtype>)")
+    ex.add_argument(
+        "--push",
+        metavar="REPO_ID",
+        help="then upload the folder to this Hugging Face Hub model repo (owner/name; created if missing). "
+        "Token: HF_TOKEN or `hf auth login`; hub: HF_ENDPOINT",
+    )
+    ex.add_argument(
+        "--private",
+        action="store_true",
+        help="with --push: create the repo private (an existing one keeps its visibility)",
+    )
     r = sub.add_parser("recipe", help="validate and print the resolved recipe, or the schema reference")
     _add_recipe_args(r)
     r.add_argument("--docs", action="store_true", help="print the reference of every recipe key (Markdown)")
@@ -219,9 +230,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption", "predict"):
             return args.func(args)
         if args.verb == "export":
-            from bigtune.use.export import export_run
+            from bigtune.use.export import check_push, export_run, push_folder
 
-            print(export_run(args.run, merge=args.merge, dtype=args.dtype, out=args.out))
+            if args.private and not args.push:
+                print("bigtune: error: --private applies to --push REPO_ID only; add --push", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            if args.push:
+                check_push(args.push)  # a bad repo id or no token: said before the export, not after
+            folder = export_run(args.run, merge=args.merge, dtype=args.dtype, out=args.out)
+            print(folder)
+            if args.push:
+                print(f"pushed to {push_folder(folder, args.push, private=args.private)}")
             return EXIT_OK
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -6,6 +6,10 @@ run's <run>/base for presets and random init, else model.name) are loaded *unqua
 chosen dtype, the adapters are folded in, and the result is saved. For QLoRA this means the merged
 model is built on the original full-precision base, the usual choice: a dequantized 4-bit base would
 carry the quantization error into every later use.
+
+``push_folder`` uploads the written folder to a Hugging Face Hub model repository (``export --push``),
+with huggingface_hub's own client: the repository is created when missing, then the folder is
+committed; the token is huggingface_hub's (HF_TOKEN or `hf auth login`), the hub its HF_ENDPOINT.
 """
 
 from __future__ import annotations
@@ -106,3 +110,68 @@ def export_run(run_dir: str | Path, merge: bool = False, dtype: str = "auto", ou
     AutoTokenizer.from_pretrained(str(tokenizer_src)).save_pretrained(tmp)
     _replace_dir(tmp, dest)
     return dest
+
+
+def check_push(repo_id: str, api=None):
+    """The HfApi to push with, once ``repo_id`` is a valid repository id and a token is there (checked before
+    the export, which can take minutes, and before any request). Raises ExportError naming the fix."""
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ExportError(
+            f"--push {repo_id!r}: not a Hub repository id ({e}); give owner/name, e.g. me/my-lora"
+        ) from None
+    api = api if api is not None else HfApi()
+    if not (api.token or get_token()):
+        raise ExportError(
+            f"--push {repo_id}: no Hugging Face token; set HF_TOKEN to a token with write access or run "
+            "`hf auth login`, then export again"
+        )
+    return api
+
+
+def push_folder(folder: str | Path, repo_id: str, private: bool = False, api=None) -> str:
+    """Upload ``folder`` to the model repository ``repo_id`` (created if missing, private if asked);
+    returns the commit's URL. ``api``: a huggingface_hub ``HfApi`` (default: one with the user's token)."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    folder = Path(folder)
+    api = check_push(repo_id, api)
+    later = f"or upload it later with `hf upload {repo_id} {folder}`"
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        commit = api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            repo_type="model",
+            commit_message=f"Upload {folder.name} (bigtune export)",
+        )
+    except OfflineModeIsEnabled:
+        raise ExportError(f"--push {repo_id}: HF_HUB_OFFLINE is set; unset it to push, {later}") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        first = str(e).splitlines()[0][:200]
+        if status in (401, 403):
+            fix = "the token cannot write there: use a token with write access to it (HF_TOKEN or `hf auth login`)"
+        else:
+            fix = "check the repository id (owner/name) and your access to it"
+        raise ExportError(f"--push {repo_id}: the hub at {api.endpoint} refused ({first}); {fix}, {later}") from None
+    except (OSError, *_http_errors()) as e:  # refused or timed-out connections, a failed name lookup
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+        raise ExportError(
+            f"--push {repo_id}: could not reach the Hugging Face Hub at {api.endpoint} ({reason}); check the "
+            f"network, a proxy or HF_ENDPOINT, {later}"
+        ) from None
+    return str(getattr(commit, "commit_url", commit))
+
+
+def _http_errors() -> tuple[type, ...]:
+    """The HTTP client's own error base (connection refused, timeouts): huggingface_hub's HTTP error derives
+    from it, whichever client its version uses (httpx-style clients: HTTPError, not an OSError)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return tuple(b for b in HfHubHTTPError.__bases__ if b is not OSError and issubclass(b, Exception))
