@@ -166,7 +166,7 @@ def test_corrupt_jsonl_line_names_file_and_line_counting_blank_lines(tmp_path, t
     with pytest.raises(DataError) as err:
         build(path, tok)
     msg = str(err.value)
-    assert f"{path} line 4:" in msg
+    assert f"{path} line 4 column " in msg  # the file's line, the column within it
     assert "not valid JSON" in msg
 
 
@@ -182,7 +182,7 @@ def test_corrupt_json_file_names_file_and_line(tmp_path, tok):
     path.write_text("[\n" + json.dumps(GOOD) + ",\n{oops}\n]\n", encoding="utf-8")
     with pytest.raises(DataError) as err:
         build(path, tok)
-    assert f"{path} line 3:" in str(err.value)
+    assert f"{path} line 3 column 2:" in str(err.value)  # where the parser stopped: `{oops}`'s o
 
 
 # -- nothing usable ---------------------------------------------------------------------------------

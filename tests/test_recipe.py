@@ -58,7 +58,7 @@ def test_wrong_types_are_named_with_expected_type():
 
 def test_minimums_are_enforced():
     (p,) = _problems({}, ["train.micro_batch_size=0"])
-    assert "below the minimum 1" in p
+    assert "must be ≥ 1" in p
 
 
 def test_overrides_parse_yaml_values():

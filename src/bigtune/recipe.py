@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import os
 import types
 import typing
@@ -47,7 +48,10 @@ BEST_METRICS = ("val_loss", "accuracy", "macro_f1")
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
-    """A dataclass field with its documentation attached (the single source of truth)."""
+    """A dataclass field with its documentation attached (the single source of truth).
+
+    Bounds: ``min=`` is inclusive (the value may equal it), ``gt=`` exclusive (it must be above it).
+    """
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **kw})
     return field(default=default, metadata={"doc": doc, **kw})
@@ -315,7 +319,7 @@ class OptimConfig:
     lr: float = _f(3e-4, "Peak learning rate. Lab: lr.", min=0.0)
     weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW) or L2 (SGD).", min=0.0)
     betas: list = _f([0.9, 0.999], "AdamW betas.")
-    eps: float = _f(1e-8, "AdamW epsilon.", min=0.0)
+    eps: float = _f(1e-8, "AdamW epsilon.", gt=0.0)  # it divides: 0 would let a zero second moment blow up
     momentum: float = _f(0.0, "SGD momentum (0 keeps no optimizer state).", min=0.0)
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = _f(
         "auto",
@@ -325,7 +329,7 @@ class OptimConfig:
     schedule: Literal["constant", "cosine", "linear"] = _f("constant", "LR decay after warmup.")
     warmup_steps: int = _f(0, "Linear warmup from 0 over this many optimizer steps.", min=0)
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay floor as a fraction of lr.", min=0.0)
-    grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value.", min=0.0)
+    grad_clip: Optional[float] = _f(None, "Clip the global gradient norm to this value (null: no clipping).", gt=0.0)
     zero_grad: Literal["after_step", "before_backward"] = _f(
         "after_step",
         "When the gradients are freed. after_step: right after the optimizer step, so the next "
@@ -420,7 +424,7 @@ class MemoryConfig:
         None,
         "Treat the device as having only this much memory: on CUDA a per-process limit, on CPU the live-tensor "
         "tracker raises OOM above it (the tracker then runs every step). For what-if runs and tests.",
-        min=0.0,
+        gt=0.0,
     )
     oom_alternatives: bool = _f(
         True,
@@ -688,8 +692,11 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict, problems: list[str]) -> A
     if not ok:
         problems.append(f"{key}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
         return value
-    if "min" in meta and isinstance(out, (int, float)) and out < meta["min"]:
-        problems.append(f"{key}: {out!r} is below the minimum {meta['min']}")
+    if isinstance(out, (int, float)):
+        if "min" in meta and out < meta["min"]:
+            problems.append(f"{key}: got {out!r}; must be ≥ {meta['min']:g}")
+        elif "gt" in meta and out <= meta["gt"]:
+            problems.append(f"{key}: got {out!r}; must be > {meta['gt']:g}")
     return out
 
 
@@ -772,19 +779,22 @@ def load_recipe(
                 close = difflib.get_close_matches(path.name, shipped, n=1)
                 hint = f"; did you mean recipes/{close[0]}?" if close else f"; shipped recipes: {', '.join(shipped)}"
             raise RecipeError([f"recipe file {path} does not exist{hint}"])
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f" line {mark.line + 1}" if mark else ""
-            raise RecipeError([f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax"]) from None
-        if not isinstance(tree, dict):
-            raise RecipeError([f"{path}: the top level must be a mapping of keys"])
+        tree = _read_recipe_file(path)
         if "name" not in tree:
             tree["name"] = path.stem
     tree = _deepcopy(tree)
     problems: list[str] = []
-    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in (overrides or [])]
+    # Command-line overrides keep their text, so a problem with a value given there names `--set KEY=VALUE`
+    # instead of blaming the recipe file (or the built-in demo) for it.
+    given: dict[str, str] = {}
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for text in overrides or []:
+            key, value = parse_override(text)
+            items.append((key, value))
+            given[key] = f"--set {text.strip()}"
     for key, value in items:
         _set_path(tree, key, value)
     recipe = _build(Recipe, tree, "", problems)
@@ -793,8 +803,48 @@ def load_recipe(
     if not problems and check:
         problems.extend(check_combinations(recipe))
     if problems:
-        raise RecipeError(problems, where)
+        problems, from_command_line = _name_overrides(problems, given)
+        raise RecipeError(problems, None if from_command_line else where)
     return recipe
+
+
+def _read_recipe_file(path: Path) -> Any:
+    """A recipe file's tree; a syntax error names the parser's line and column. ``.json`` recipes are read
+    with the JSON parser: YAML reads JSON too, but points its errors elsewhere and words them as YAML."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        try:
+            tree = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RecipeError(
+                [f"{path} line {e.lineno} column {e.colno}: not valid JSON ({e.msg}); fix the syntax"]
+            ) from None
+    else:
+        try:
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+            raise RecipeError([f"{path}{at}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax"]) from None
+    if not isinstance(tree, dict):
+        raise RecipeError([f"{path}: the top level must be a mapping of keys"])
+    return tree
+
+
+def _name_overrides(problems: list[str], given: dict[str, str]) -> tuple[list[str], bool]:
+    """Each problem about a key given on the command line, with that ``--set`` appended; and whether every
+    problem is one of those (the recipe itself is then not to blame)."""
+    out, all_given = [], bool(problems)
+    for problem in problems:
+        head = problem.split(":", 1)[0]
+        # the longest override that is this key or one of its parents (`data.sources` for `data.sources[1].x`)
+        keys = [k for k in given if head == k or head.startswith((f"{k}.", f"{k}["))]
+        if keys:
+            out.append(f"{problem} (from {given[max(keys, key=len)]})")
+        else:
+            out.append(problem)
+            all_given = False
+    return out, all_given
 
 
 def _deepcopy(tree: Any) -> Any:
@@ -1384,6 +1434,29 @@ def _is_preset(name: str) -> bool:
 def _looks_local(name: str) -> bool:
     """./x, /x, ~/x, a/b/c or an existing path is a folder; `org/name` or `name` is a hub id."""
     return name.startswith((".", "/", "~")) or name.count("/") >= 2 or Path(name).expanduser().exists()
+
+
+def run_name_for(model_name: str, data_source: str | None = None) -> str:
+    """The run name for a recipe whose model or data came from ``--model`` / ``--data``: the model id's last
+    path component, lowercased, then the data's file stem (``Qwen/Qwen2.5-7B`` with ``chats.jsonl`` →
+    ``qwen2.5-7b-chats``), so the plan's title and ``runs/<name>`` say what is trained on what."""
+
+    def part(text: str) -> str:
+        last = text.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].removeprefix("hf:")
+        return "-".join(
+            w for w in "".join(c if c.isalnum() or c in "._-" else "-" for c in last.lower()).split("-") if w
+        )
+
+    name = part(model_name) or "run"
+    if data_source and data_source != "demo":
+        stem = data_source.rstrip("/\\")
+        stem = part(Path(stem).stem if Path(stem).suffix.lower() in DATA_SUFFIXES else stem)
+        name = f"{name}-{stem}" if stem else name
+    return name
+
+
+# file suffixes `data.source` reads (a source's stem, without them, names a run)
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv", ".parquet", ".txt", ".md", ".text")
 
 
 def shipped_recipes() -> list[Path]:

@@ -26,16 +26,28 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
         help="override a recipe key, e.g. --set train.micro_batch_size=8 (repeatable; "
         "`bigtune recipe --docs` lists every key)",
     )
-    p.add_argument("--model", help="shortcut for --set model.name=...")
-    p.add_argument("--data", help="shortcut for --set data.source=...")
+    p.add_argument(
+        "--model",
+        help="shortcut for --set model.name=...; names the run after the model (and --data) unless --set name=... "
+        "is given",
+    )
+    p.add_argument("--data", help="shortcut for --set data.source=...; names the run as --model does")
 
 
 def _overrides(args) -> list[str]:
     out = list(args.overrides)
-    if getattr(args, "model", None):
-        out.append(f"model.name={args.model}")
-    if getattr(args, "data", None):
-        out.append(f"data.source={args.data}")
+    model, data = getattr(args, "model", None), getattr(args, "data", None)
+    if model:
+        out.append(f"model.name={model}")
+    if data:
+        out.append(f"data.source={data}")
+    if (model or data) and not any(o.split("=", 1)[0].strip() == "name" for o in args.overrides):
+        # The recipe's own name describes its own model and data: a run of another model or data is named
+        # after those (title of the plan, runs/<name>) instead.
+        from bigtune.recipe import load_recipe, run_name_for
+
+        model = model or load_recipe(args.recipe, out, check=False).model.name
+        out.append(f"name={run_name_for(model, data)}")
     return out
 
 
@@ -64,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--auto-resume",
         action="store_true",
         help="resume from output_dir's newest checkpoint if there is one, else start there (for requeued Slurm jobs)",
+    )
+    said = t.add_mutually_exclusive_group()
+    said.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print the whole resolved recipe (always written to the run folder's recipe.yaml) and the plan's "
+        "phase table",
+    )
+    said.add_argument(
+        "--quiet",
+        action="store_true",
+        help="for scripts: print only notices and warnings (on stderr), errors and the final summary line",
     )
     pl = sub.add_parser("plan", help="predict per-device memory and step time (no GPU, no weights needed)")
     _add_recipe_args(pl)
@@ -114,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         "data.image_max_pixels",
     )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument(
+        "--verbose",
+        action="store_true",
+        help="every note in full, with those on how the figures were made (allocator replay, CUDA context, "
+        "time model), and the reserved memory",
+    )
     pl.add_argument(
         "--compare-gpus",
         nargs="?",
@@ -293,7 +323,8 @@ def _cmd_train(args) -> int:
         out = r.output_dir or str(Path("runs") / r.name)
         has_ckpt = any((Path(out) / "checkpoints").glob("step-*.ckpt"))
         resume = out if (resume == "" or has_ckpt) else None
-    summary = train(args.recipe, _overrides(args), resume=resume, reuse_dir=args.auto_resume)
+    verbosity = "verbose" if args.verbose else "quiet" if args.quiet else "normal"
+    summary = train(args.recipe, _overrides(args), resume=resume, reuse_dir=args.auto_resume, verbosity=verbosity)
     codes = {"ok": EXIT_OK, "oom": EXIT_OOM, "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}
     return codes.get(summary["status"], EXIT_ERROR)
 
@@ -369,7 +400,7 @@ def _cmd_plan(args) -> int:
             out["alternatives"] = [a.to_dict() for a in alts]
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(p))
+        print(format_plan(p, verbose=args.verbose))
         if alts is not None:
             print(
                 f"\n{len(alts)} of {alts.evaluated} variants fit on {target.gpu.key if target.gpu else 'cpu'}, "

@@ -151,7 +151,9 @@ def _from_json(path: Path, cfg: DataConfig) -> list[tuple[Any, Any]]:
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
+            from bigtune.data.text import json_file_error
+
+            raise DataError(json_file_error(path, e)) from None
         if not isinstance(rows, list):
             raise DataError(f"{path}: expected a list of {{{cfg.image_field!r}: path, {cfg.text_field!r}: caption}}")
     return [

@@ -106,19 +106,25 @@ def read_jsonl(path: Path) -> list[Any]:
                 out.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise DataError(
-                    f"{path} line {lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or delete "
+                    f"{path} line {lineno} column {e.colno}: not valid JSON ({e.msg}); fix or delete "
                     "that line (each line must be one JSON object)"
                 ) from None
     return out
+
+
+def json_file_error(path: Path, e: json.JSONDecodeError) -> str:
+    """The message for a .json file the parser refused: its line and column, and the fix."""
+    where = f"{path} line {e.lineno} column {e.colno}: not valid JSON ({e.msg})"
+    if e.msg == "Extra data":  # one whole value, then more: records one per line, as JSONL writes them
+        return f"{where}; the file holds more than one JSON value: one record per line is JSONL, name it .jsonl"
+    return f"{where}; fix the file, or use JSONL (one object per line)"
 
 
 def _read_json(path: Path, split: str) -> list[Any]:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path} line {e.lineno}: not valid JSON ({e.msg}); fix the file, or use JSONL (one object per line)"
-        ) from None
+        raise DataError(json_file_error(path, e)) from None
     if isinstance(obj, dict):
         if split in obj and isinstance(obj[split], list):
             return obj[split]

@@ -208,7 +208,7 @@ def read_texts(path: str, text_field: str) -> list[str]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise InferError(f"{p} line {lineno}: not valid JSON ({e.msg})") from None
+                    raise InferError(f"{p} line {lineno} column {e.colno}: not valid JSON ({e.msg})") from None
                 text = rec.get(text_field) if isinstance(rec, dict) else None
                 if not isinstance(text, str) or not text.strip():
                     raise InferError(

@@ -342,7 +342,7 @@ def read_prompt_file(path: str, instruction: bool = False, chat: bool = False) -
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise InferError(
-                        f"{p} line {lineno}: not valid JSON ({e.msg}); each line must be one JSON "
+                        f"{p} line {lineno} column {e.colno}: not valid JSON ({e.msg}); each line must be one JSON "
                         'object with an "instruction" or "prompt" field'
                     ) from None
                 text = None
