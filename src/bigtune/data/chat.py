@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from bigtune.core.presets import TINY_CHAT_TEMPLATE
 from bigtune.core.stepmath import IGNORE_INDEX
-from bigtune.data.text import DataError, Example
+from bigtune.data.records import DataError, Example
 from bigtune.recipe import DataConfig
 
 ROLES = ("system", "user", "assistant")

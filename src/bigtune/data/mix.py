@@ -18,7 +18,7 @@ import dataclasses
 import random
 from typing import Any, Callable
 
-from bigtune.data.text import DataError, DataReport, split_and_select
+from bigtune.data.records import DataError, DataReport, split_and_select
 from bigtune.recipe import DataConfig
 
 
