@@ -77,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume from output_dir's newest checkpoint if there is one, else start there (for requeued Slurm jobs)",
     )
+    said = t.add_mutually_exclusive_group()
+    said.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print the whole resolved recipe (always written to the run folder's recipe.yaml) and the plan's "
+        "phase table",
+    )
+    said.add_argument(
+        "--quiet",
+        action="store_true",
+        help="for scripts: print only notices and warnings (on stderr), errors and the final summary line",
+    )
     pl = sub.add_parser("plan", help="predict per-device memory and step time (no GPU, no weights needed)")
     _add_recipe_args(pl)
     pl.add_argument(
@@ -311,7 +323,8 @@ def _cmd_train(args) -> int:
         out = r.output_dir or str(Path("runs") / r.name)
         has_ckpt = any((Path(out) / "checkpoints").glob("step-*.ckpt"))
         resume = out if (resume == "" or has_ckpt) else None
-    summary = train(args.recipe, _overrides(args), resume=resume, reuse_dir=args.auto_resume)
+    verbosity = "verbose" if args.verbose else "quiet" if args.quiet else "normal"
+    summary = train(args.recipe, _overrides(args), resume=resume, reuse_dir=args.auto_resume, verbosity=verbosity)
     codes = {"ok": EXIT_OK, "oom": EXIT_OOM, "preempted": EXIT_PREEMPTED, "interrupted": EXIT_INTERRUPTED}
     return codes.get(summary["status"], EXIT_ERROR)
 

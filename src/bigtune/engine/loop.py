@@ -64,6 +64,17 @@ from bigtune.recipe import Recipe, RecipeError, load_recipe, quant_backend, reso
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
 
+VERBOSITIES = ("quiet", "normal", "verbose")
+
+# Notices are lines a user must see even with --quiet (a run length they did not ask for, a stop, an
+# out-of-memory): on stdout with the rest normally, on stderr beside errors and warnings under --quiet.
+_NOTICES: dict[str, Any] = {"stream": None}  # None: the current sys.stdout
+
+
+def notice(msg: str) -> None:
+    """Print a line that --quiet still shows (on stderr there)."""
+    print(msg, file=_NOTICES["stream"], flush=True)
+
 
 class TrainingOOM(RuntimeError):
     """Raised by ``train(..., raise_on_oom=True)``; ``summary`` holds the recorded result."""
@@ -201,6 +212,32 @@ def total_steps(max_epochs: Optional[int], max_steps: Optional[int], steps_per_e
         return max_steps if max_steps is not None else steps_per_epoch
     by_epochs = steps_per_epoch * max_epochs
     return by_epochs if max_steps is None else min(by_epochs, max_steps)
+
+
+def run_length(max_epochs: Optional[int], max_steps: Optional[int], steps_per_epoch: int) -> tuple[str, Optional[str]]:
+    """(how the run's length reads, a notice or None). The notice says when train.max_epochs ends the run
+    before train.max_steps is reached, which a user who set max_steps alone on a recipe with max_epochs
+    would not expect; when max_steps comes first the description names it."""
+    total = total_steps(max_epochs, max_steps, steps_per_epoch)
+    per_epoch = f"{steps_per_epoch} step{'s' if steps_per_epoch != 1 else ''} an epoch"
+    if max_epochs is None and max_steps is None:
+        return f"{total} optimizer steps (one epoch: neither train.max_epochs nor train.max_steps is set)", None
+    if max_epochs is None:
+        return f"{total} optimizer steps (train.max_steps; {per_epoch})", None
+    by_epochs = steps_per_epoch * max_epochs
+    epochs = f"{max_epochs} epoch{'s' if max_epochs != 1 else ''} of {steps_per_epoch} steps"
+    if max_steps is None or max_steps == by_epochs:
+        return f"{total} optimizer steps ({epochs})", None
+    if max_steps < by_epochs:
+        return (
+            f"{total} optimizer steps (train.max_steps={max_steps} ends the run after "
+            f"{max_steps / steps_per_epoch:.3g} of train.max_epochs={max_epochs} epochs; {per_epoch})",
+            None,
+        )
+    return f"{total} optimizer steps ({epochs})", (
+        f"note: train.max_epochs={max_epochs} ends the run at step {by_epochs}, before train.max_steps={max_steps}; "
+        f"raise train.max_epochs (or set it to null) to run {max_steps} steps"
+    )
 
 
 def _data(recipe: Recipe, tokenizer):
@@ -441,8 +478,12 @@ class LoopState:
     train_seconds: float = 0.0
     phase: str = "setup"
     losses: list = field(default_factory=list)
-    epoch_loss_sum: float = 0.0
+    # The current epoch's loss: every step's, summed (a device tensor inside the loop, read once at the epoch's
+    # end) and counted; not only the logged windows', which may not line up with epochs. Checkpointed as
+    # the mean over ranks, so that a resumed epoch still averages over all of its steps.
+    epoch_loss_sum: Any = 0.0
     epoch_loss_steps: int = 0
+    epoch_losses: list = field(default_factory=list)  # {"epoch", "loss", "steps"} of each epoch finished
     best_val_loss: Optional[float] = None
     best_score: Optional[float] = None  # eval.best_metric's best value so far (what keep_best goes by)
     last_eval_step: Optional[int] = None
@@ -626,6 +667,20 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
     progress = Progress(b.total_steps)
     meter = WindowMeter(b.fabric, b.model, peak_flops)
     aux_window: list = []
+
+    def log_window(epoch: int) -> None:
+        nonlocal aux_window
+        rec = meter.close_window(state, epoch, lr=b.scheduler.get_last_lr()[0])
+        if aux_window:
+            rec["aux_loss"] = float(torch.stack(aux_window).mean())
+            aux_window = []
+        run.append_jsonl("metrics.jsonl", rec)
+        run.append_csv("metrics.csv", rec)
+        _tensorboard(run, rec)
+        msg = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
+        progress.update(state.step, msg, newline=True)
+
+    state.epoch_loss_sum = torch.as_tensor(float(state.epoch_loss_sum), dtype=torch.float32, device=b.fabric.device)
     start_epoch, first_window = divmod(state.step, b.steps_per_epoch)
     for epoch in range(start_epoch, math.ceil(b.total_steps / b.steps_per_epoch)):
         for batches in windows(b, epoch, first_window if epoch == start_epoch else 0):
@@ -638,19 +693,13 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             if snaps:
                 _record_memory(b, run, snaps, batches)
             meter.add(batches, loss, state)
+            state.epoch_loss_sum += loss  # on the device: no host sync per step
+            state.epoch_loss_steps += 1
             if state.aux_loss is not None:  # MoE: the router aux loss, averaged over the logging window
                 aux_window.append(state.aux_loss.detach())
             state.step += 1
             if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
-                rec = meter.close_window(state, epoch, lr=b.scheduler.get_last_lr()[0])
-                if aux_window:
-                    rec["aux_loss"] = float(torch.stack(aux_window).mean())
-                    aux_window = []
-                run.append_jsonl("metrics.jsonl", rec)
-                run.append_csv("metrics.csv", rec)
-                _tensorboard(run, rec)
-                msg = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
-                progress.update(state.step, msg, newline=True)
+                log_window(epoch)
             elif progress.tty:
                 progress.update(state.step, "", newline=False)
             if b.val_loader is not None and r.eval.every_steps and state.step % r.eval.every_steps == 0:
@@ -659,16 +708,30 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
                 save_checkpoint(b, run, state)
             stop = _stop_requested(b.fabric)
             if stop:
+                if meter.steps:  # the steps since the last log: recorded, so the stopped run's loss and speed are known
+                    log_window(epoch)
                 raise Preempted(state.step, stop)
             if state.step >= b.total_steps:
                 break
         if state.epoch_loss_steps:
-            print(f"epoch {epoch}: average train loss {state.epoch_loss_sum / state.epoch_loss_steps:.4f}", flush=True)
-        state.epoch_loss_sum, state.epoch_loss_steps = 0.0, 0
+            mean = epoch_loss_mean(b.fabric, state)
+            state.epoch_losses.append({"epoch": epoch, "loss": mean, "steps": state.epoch_loss_steps})
+            print(f"epoch {epoch}: average train loss {mean:.4f} over {state.epoch_loss_steps} steps", flush=True)
+        state.epoch_loss_sum, state.epoch_loss_steps = torch.zeros_like(state.epoch_loss_sum), 0
         if state.step >= b.total_steps:
             break
     if r.optim.zero_grad == "before_backward":  # the last step's gradients are still held: not for what follows
         b.optimizer.zero_grad(set_to_none=True)
+
+
+def epoch_loss_mean(fabric, state: LoopState) -> float:
+    """The mean loss of the current epoch's steps so far, averaged over ranks as the logged loss is."""
+    mean = float(state.epoch_loss_sum) / max(1, state.epoch_loss_steps)
+    if fabric.world_size > 1:
+        from bigtune.engine.strategies import all_sum
+
+        mean = all_sum(fabric, mean) / fabric.world_size
+    return mean
 
 
 def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> None:
@@ -881,6 +944,10 @@ def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
             "losses": list(state.losses),
             "best_val_loss": state.best_val_loss,
             "best_score": state.best_score,
+            # every rank takes part (a collective); the mean over ranks, which each rank resumes from
+            "epoch_loss_sum": epoch_loss_mean(b.fabric, state) * state.epoch_loss_steps,
+            "epoch_loss_steps": state.epoch_loss_steps,
+            "epoch_losses": list(state.epoch_losses),
         },
         "rng": {
             "torch": torch.get_rng_state(),
@@ -924,6 +991,9 @@ def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
     state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
     state.best_val_loss = loop.get("best_val_loss")
     state.best_score = loop.get("best_score", state.best_val_loss)
+    # checkpoints written before the epoch loss was kept restart its average at the resumed step
+    state.epoch_loss_sum, state.epoch_loss_steps = loop.get("epoch_loss_sum", 0.0), loop.get("epoch_loss_steps", 0)
+    state.epoch_losses = list(loop.get("epoch_losses", []))
     torch.set_rng_state(rest["rng"]["torch"])
     random.setstate(_as_tuple(rest["rng"]["python"]))
     if rest["rng"]["cuda"] and torch.cuda.is_available():
@@ -934,8 +1004,9 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def find_resume_checkpoint(resume: str | Path) -> tuple[Path, Path]:
-    """(run dir, checkpoint) from a run dir (its newest checkpoint) or a checkpoint path."""
+def find_resume_checkpoint(resume: str | Path) -> tuple[Path, Optional[Path]]:
+    """(run dir, checkpoint) from a run dir (its newest checkpoint) or a checkpoint path; (run dir, None)
+    for a run that stopped before its first optimizer step, which has nothing to continue and starts afresh."""
     p = Path(resume)
     if p.is_file() or p.suffix == ".ckpt":
         if not p.exists():
@@ -945,11 +1016,32 @@ def find_resume_checkpoint(resume: str | Path) -> tuple[Path, Path]:
         raise FileNotFoundError(f"--resume: {p} is neither a run directory nor a checkpoint")
     ckpts = RunDir(p).list_checkpoints()
     if not ckpts:
-        raise FileNotFoundError(
-            f"--resume: {p} has no checkpoints (train with checkpoint.enabled=true and "
-            "checkpoint.every_steps=N to make some)"
-        )
+        saved = _saved_summary(p)
+        if saved is not None and saved.get("steps") == 0:
+            return p, None
+        raise FileNotFoundError(f"--resume: {p} has no checkpoint to continue from: {_no_checkpoint_reason(saved)}")
     return p, ckpts[-1]
+
+
+def _saved_summary(run_path: Path) -> Optional[dict]:
+    try:
+        return json.loads((run_path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _no_checkpoint_reason(saved: Optional[dict]) -> str:
+    """Why a run that did train some steps left no checkpoint, from its summary.json, and what to do."""
+    if saved is None:
+        return (
+            "no summary.json either, so it was killed before it could write one (or is still running); "
+            "start it again without --resume"
+        )
+    ckpt = saved.get("recipe", {}).get("checkpoint", {})
+    ended = f"it ended ({saved.get('status')}) at step {saved.get('steps')}"
+    if not ckpt.get("enabled"):
+        return f"{ended} with checkpoint.enabled=false (set checkpoint.enabled=true and checkpoint.every_steps=N)"
+    return f"{ended}, before its first checkpoint (checkpoint.every_steps={ckpt.get('every_steps')})"
 
 
 # Keys that decide the shapes and meaning of what a checkpoint holds: a resumed run must keep them.
@@ -1020,7 +1112,7 @@ def _resume_point(r: Recipe, b: Built, run_path: Path, ckpt: Path) -> Optional[d
                 f"at step {step}: nothing is left to train. To train longer: {more}"
             ]
         )
-    print(f"{run_path}: finished at step {step} of {b.total_steps}; nothing to resume. To train longer: {more}")
+    notice(f"{run_path}: finished at step {step} of {b.total_steps}; nothing to resume. To train longer: {more}")
     saved = run_path / "summary.json"
     return json.loads(saved.read_text()) if saved.is_file() else {"status": "ok", "run_dir": str(run_path)}
 
@@ -1091,20 +1183,30 @@ def train(
     quiet_recipe: bool = False,
     reuse_dir: bool = False,
     hooks: Optional[RunHooks] = None,
+    verbosity: str = "normal",
 ) -> dict:
     """Train one recipe; return the summary dict (also in <run>/summary.json).
 
     ``recipe`` is a Recipe, a dict, a YAML path or None (the built-in demo). ``resume`` is a run
     directory or checkpoint; with no recipe given, the run's own recipe.yaml is used, and a recipe that
-    does not match the checkpoint is a RecipeError. Bad input raises (RecipeError, DataError, ModelError)
-    before anything is written; an out-of-memory returns a summary with status "oom" (or raises
-    TrainingOOM). Use ``bigtune.train`` for the same with the plan beside the measurement.
+    does not match the checkpoint is a RecipeError; a run that stopped before its first step starts
+    afresh in its folder. Bad input raises (RecipeError, DataError, ModelError) before anything is
+    written; an out-of-memory returns a summary with status "oom" (or raises TrainingOOM). Use
+    ``bigtune.train`` for the same with the plan beside the measurement.
+
+    ``verbosity``: "normal" prints a few lines about the run, its progress and results; "verbose" also the
+    whole resolved recipe (``quiet_recipe`` leaves it out) and the plan's table; "quiet" only notices (on
+    stderr) and the final summary line.
     """
+    if verbosity not in VERBOSITIES:
+        raise ValueError(f"verbosity={verbosity!r}; one of {', '.join(VERBOSITIES)}")
     t_start = time.perf_counter()
     resume_ckpt = None
+    afresh = False  # --resume of a run that stopped before its first step
     if resume is not None:
         run_path, resume_ckpt = find_resume_checkpoint(resume)
         r = resume_recipe(run_path, resume_ckpt, recipe, overrides)
+        afresh = resume_ckpt is None
     else:
         r = load_recipe(recipe, overrides)
         if reuse_dir and r.output_dir:
@@ -1115,15 +1217,57 @@ def train(
     fabric = setup_fabric(r)
     if fabric.world_size > 1:
         run_path = Path(fabric.broadcast(str(run_path), src=0))  # every rank uses rank 0's choice
-    # Only rank 0 talks; the other ranks' prints would repeat it.
-    quiet = contextlib.redirect_stdout(io.StringIO()) if fabric.global_rank != 0 else contextlib.nullcontext()
-    with quiet:
-        hooks = hooks if fabric.global_rank == 0 else None
-        return _train(r, fabric, run_path, resume_ckpt, t_start, raise_on_oom, quiet_recipe, hooks)
+    # Only rank 0 talks (the other ranks' prints would repeat it); under --quiet it says only its notices
+    # (on stderr) and the final line.
+    talker = fabric.global_rank == 0
+    console = sys.stdout if talker else None  # where the final summary line goes
+    silent = not talker or verbosity == "quiet"
+    out = Output(
+        console=console,
+        verbose=verbosity == "verbose",
+        show_recipe=verbosity == "verbose" and not quiet_recipe,
+        afresh=afresh,
+    )
+    _NOTICES["stream"] = sys.stderr if talker and verbosity == "quiet" else None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if silent else contextlib.nullcontext(), _library_bars_off():
+            hooks = hooks if talker else None
+            return _train(r, fabric, run_path, resume_ckpt, t_start, raise_on_oom, out, hooks)
+    finally:
+        _NOTICES["stream"] = None
+
+
+@dataclass
+class Output:
+    """What a run prints beyond its progress: see ``train``'s ``verbosity``."""
+
+    console: Any  # the final summary line's stream (None: not this rank)
+    verbose: bool = False
+    show_recipe: bool = False
+    afresh: bool = False  # say that a --resume starts the run afresh
+
+
+@contextlib.contextmanager
+def _library_bars_off():
+    """transformers' own tqdm bars ("Loading weights", "Writing model shards") off for the run: ours say
+    what happens, and theirs interleave with it on stderr. Restored afterwards for the caller's own use."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the engine runs without transformers only in the planner's unit tests
+        yield
+        return
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _announce(r: Recipe, b: Built, fabric) -> None:
-    """What the run is about to do, before anything is written."""
+    """What the run is about to do, before anything is written: data, model, precision, strategy, batch,
+    length (the whole recipe is in the run folder's recipe.yaml)."""
     for line in b.data_report.lines():
         print(line, flush=True)
     if r.data.packing:
@@ -1132,12 +1276,26 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
             "tokens (train.micro_batch_size counts rows)",
             flush=True,
         )
+    peft = "" if r.peft.method == "none" else f", {r.peft.method} r={r.peft.r}"
+    quant = "" if r.model.quantize == "none" else f", {r.model.quantize} base"
     print(
-        f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable), "
-        f"precision {r.precision}, device {fabric.device}; {b.total_steps} optimizer steps of "
-        f"{r.global_batch_size} samples ({r.train.micro_batch_size} × {r.accumulate} accumulation)",
+        f"model: {r.model.name}: {b.params['total']:,} parameters ({b.params['trainable']:,} trainable{peft}{quant}), "
+        f"precision {r.precision}",
         flush=True,
     )
+    world, dp = fabric.world_size, r.data_parallel_size
+    devices = f"{world} {fabric.device.type} device{'s' if world > 1 else ''}"
+    strategy = "" if world == 1 and r.strategy == "auto" else f", strategy {r.strategy}"
+    ranks = f"{dp} device{'s' if dp > 1 else ''}" if dp == world else f"{dp} data-parallel ranks"
+    print(
+        f"run: {devices}{strategy}; batch {r.global_batch_size} samples = micro-batch {r.train.micro_batch_size} "
+        f"× accumulation {r.accumulate} × {ranks}",
+        flush=True,
+    )
+    length, run_length_notice = run_length(r.train.max_epochs, r.train.max_steps, b.steps_per_epoch)
+    print(f"steps: {length}", flush=True)
+    if run_length_notice:
+        notice(run_length_notice)
     if r.optim.lr_scaling != "none":
         print(
             f"lr: {r.lr:.3g} = optim.lr {r.optim.lr:.3g} scaled {r.optim.lr_scaling} with {r.data_parallel_size} "
@@ -1148,7 +1306,7 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
         why = loss_chunk_skipped(r, getattr(b.model, "config", None)) or (
             "the output layer carries adapters or is quantized"
         )
-        print(f"note: train.loss_chunk_tokens={r.train.loss_chunk_tokens} is not used: {why}", flush=True)
+        notice(f"note: train.loss_chunk_tokens={r.train.loss_chunk_tokens} is not used: {why}")
     from bigtune.engine.strategies import MEMORY_NOTE_DEEPSPEED, is_deepspeed
 
     if is_deepspeed(r) and r.memory.enabled:
@@ -1162,12 +1320,20 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
         )
 
 
+# What a run writes as it goes: a fresh run in a folder that has them (--auto-resume without a checkpoint,
+# --resume of a run stopped before its first step) starts them anew rather than appending to the old ones.
+RUN_RECORDS = ("metrics.jsonl", "metrics.csv", "memory.jsonl", "eval.jsonl", "summary.json", "best.json")
+
+
 def _open_run(
     r: Recipe, b: Built, run_path: Path, resume_ckpt: Optional[Path], writer: bool
 ) -> tuple[RunDir, LoopState]:
     run = RunDir(run_path, writer=writer)
     run.create()
     state = LoopState()
+    if resume_ckpt is None and writer:
+        for name in RUN_RECORDS:
+            (run.path / name).unlink(missing_ok=True)
     if resume_ckpt is not None:
         load_checkpoint(b, resume_ckpt, state)
         # Records past the checkpoint belong to the interrupted attempt; this run writes them again.
@@ -1176,7 +1342,7 @@ def _open_run(
         run.truncate_jsonl("eval.jsonl", lambda rec: rec["step"] <= state.step)
         print(f"resumed from {resume_ckpt} at step {state.step}", flush=True)
     run.write_text("recipe.yaml", r.to_yaml())  # after a resume's checks passed: never over a good one
-    print(f"run dir: {run.path}", flush=True)
+    print(f"run dir: {run.path} (recipe.yaml there holds the whole resolved recipe)", flush=True)
     return run, state
 
 
@@ -1187,17 +1353,28 @@ def _train(
     resume_ckpt: Optional[Path],
     t_start: float,
     raise_on_oom: bool,
-    quiet_recipe: bool,
+    out: Output,
     hooks: Optional[RunHooks],
 ) -> dict:
-    if not quiet_recipe:
-        print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
-    b = build(r, fabric)  # raises on bad data/model before the run dir exists
-    if resume_ckpt is not None and (finished := _resume_point(r, b, run_path, resume_ckpt)) is not None:
-        return finished
-    _announce(r, b, fabric)
-    if hooks is not None:
-        hooks.before_run(r, fabric.device, fabric.world_size)
+    if out.afresh:
+        notice(f"{run_path} stopped before its first optimizer step and has no checkpoint: starting it afresh there")
+    try:  # Ctrl-C while setting up (Python's own KeyboardInterrupt: the stop handlers come with the loop)
+        if out.show_recipe:
+            print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
+        b = build(r, fabric)  # raises on bad data/model before the run dir exists
+        if resume_ckpt is not None and (finished := _resume_point(r, b, run_path, resume_ckpt)) is not None:
+            return finished
+        _announce(r, b, fabric)
+        if hooks is not None:
+            hooks.before_run(r, fabric.device, fabric.world_size)
+    except KeyboardInterrupt:
+        if resume_ckpt is not None:
+            notice(f"SIGINT while setting up the resumed run: {run_path} is as it was; run the same command again")
+        else:
+            notice(
+                "SIGINT before the first optimizer step, while setting up: nothing was written; run the same command again"
+            )
+        return {"status": "interrupted", "stopped_by": "SIGINT", "steps": 0, "run_dir": None}
     run, state = _open_run(r, b, run_path, resume_ckpt, writer=fabric.global_rank == 0)
     cap = int(r.memory.cap_gib * GIB) if r.memory.cap_gib is not None else None
     monitor = mem.MemoryMonitor(fabric.device, cap) if (r.memory.enabled or cap is not None) else None
@@ -1218,7 +1395,20 @@ def _train(
         save_checkpoint(b, run, state)
         summary["preempted_at_step"] = e.step
         summary["stopped_by"] = e.signal
-        print(f"{e.signal}: checkpoint written at step {e.step}; continue with --resume {run.path}", flush=True)
+        notice(f"{e.signal}: checkpoint written at step {e.step}; continue with --resume {run.path}")
+    except KeyboardInterrupt:
+        # Before the loop's stop handlers were in place, or a second Ctrl-C during the first step. Later
+        # steps stop at once, as a second Ctrl-C asks, from the last checkpoint written.
+        if state.step:
+            raise
+        if monitor is not None:
+            monitor.end_step()
+        status = "interrupted"
+        summary["stopped_by"] = "SIGINT"
+        notice(
+            f"SIGINT before the first optimizer step: no checkpoint to write; `--resume {run.path}` starts this "
+            "run afresh there"
+        )
     except Exception as e:  # noqa: BLE001 - every failure becomes a recorded result
         if monitor is not None:
             monitor.end_step()
@@ -1234,7 +1424,7 @@ def _train(
                 "last_snapshot": monitor.last.to_dict() if monitor and monitor.last else None,
                 "cached_unallocated_bytes": mem.unallocated_at_oom(e),
             }
-            print(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}", flush=True)
+            notice(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}")
             if hooks is not None:
                 hooks.on_oom(r, fabric.device, cap, summary["oom"])
             if fabric.device.type == "cuda":
@@ -1246,17 +1436,29 @@ def _train(
     if hooks is not None:
         hooks.after_run(r, fabric.device, fabric.world_size, run.read_jsonl("memory.jsonl"), summary)
     run.write_json("summary.json", summary)
-    print(
-        f"status {status}; final loss {summary['final_loss']}; peak allocated "
-        f"{human_bytes(summary['peak_allocated_bytes'])}; {summary['tokens_per_s'] or 0:,.0f} tok/s; "
-        f"summary: {run.path / 'summary.json'}",
-        flush=True,
-    )
+    if out.console is not None:
+        print(summary_line(summary, run.path / "summary.json"), file=out.console, flush=True)
     if error is not None:
         raise error
     if status == "oom" and raise_on_oom:
         raise TrainingOOM(summary)
     return summary
+
+
+def summary_line(summary: dict, path: Path) -> str:
+    """The run's last line: how it ended, its loss, memory and speed, where the rest is."""
+    parts = [f"status {summary['status']}"]
+    if not summary.get("steps"):
+        parts.append("stopped before the first optimizer step; no loss yet")
+    else:
+        parts.append(f"{summary['steps']} steps")
+        if summary.get("final_loss") is not None:
+            parts.append(f"final loss {summary['final_loss']:.4f}")
+        if summary.get("peak_allocated_bytes") is not None:
+            parts.append(f"peak allocated {human_bytes(summary['peak_allocated_bytes'])}")
+        if summary.get("tokens_per_s"):
+            parts.append(f"{summary['tokens_per_s']:,.0f} tok/s")
+    return "; ".join(parts + [f"summary: {path}"])
 
 
 def _save_at_end(b: Built, run: RunDir, state: LoopState) -> None:
@@ -1316,6 +1518,7 @@ def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
         "samples": state.samples,
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "first_loss": metrics[0]["loss"] if metrics else None,
+        "epoch_losses": state.epoch_losses,
         "peak_allocated_bytes": max(peaks) if peaks else None,
         "peak_reserved_bytes": max(reserved) if reserved else None,
         # the most in use on the whole device at a snapshot (CUDA; what nvidia-smi shows)

@@ -67,7 +67,7 @@ class WindowMeter:
         self.steps += 1
 
     def close_window(self, state, epoch: int, lr: float) -> dict:
-        """The window's metrics record; also adds its loss to ``state``'s epoch average and loss curve."""
+        """The window's metrics record; also adds its loss to ``state``'s loss curve."""
         mean_loss = (self.loss / self.steps).item()
         if self.fabric.world_size > 1:
             from bigtune.engine.strategies import all_sum
@@ -95,8 +95,6 @@ class WindowMeter:
             "mfu": mfu(self.flops / dt, self.peak_flops),
             "tokens": state.tokens,
         }
-        state.losses.append(mean_loss)
-        state.epoch_loss_sum += mean_loss * self.steps
-        state.epoch_loss_steps += self.steps
+        state.losses.append(mean_loss)  # (the epoch's average counts every step itself: engine/loop.py fit)
         self._reset()
         return rec

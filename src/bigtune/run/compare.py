@@ -32,8 +32,9 @@ def plan_target(r: Recipe, device: torch.device, world: int):
     return dataclasses.replace(target_for_device(device), gpus=world, strategy=run_strategy(r.strategy, world))
 
 
-def predict_for_device(r: Recipe, device: torch.device, world: int = 1):
-    """The planner's prediction for this run's device, printed before step 0 (None if it cannot plan)."""
+def predict_for_device(r: Recipe, device: torch.device, world: int = 1, table: bool = True):
+    """The planner's prediction for this run's device, printed before step 0 (None if it cannot plan);
+    ``table=False`` leaves the printing of a successful plan to the caller."""
     from bigtune.plan.format import format_plan
     from bigtune.plan.planner import plan
 
@@ -42,7 +43,8 @@ def predict_for_device(r: Recipe, device: torch.device, world: int = 1):
     except Exception as e:  # noqa: BLE001 - a planning problem must never stop training
         print(f"plan: unavailable ({type(e).__name__}: {str(e)[:200]})", flush=True)
         return None
-    print(format_plan(p), flush=True)
+    if table:
+        print(format_plan(p), flush=True)
     return p
 
 
