@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bigtune.engine.loop import LoopState, build, setup_fabric, train_step  # noqa: E402
-from bigtune.plan.roofline import HOST_SECONDS_PER_OP, OpCounter  # noqa: E402
+from bigtune.plan.device.roofline import HOST_SECONDS_PER_OP, OpCounter  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
 
 

@@ -1010,8 +1010,8 @@ def check_plans(names: list[str], cases: dict, gpu_name: str, smoke: bool) -> in
     """Plan each case for the GPU here on the CPU (what the GPU run will predict) and check `expect`."""
     sys.path.insert(0, str(ROOT / "src"))
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
 
     gpu = find_gpu(gpu_name)

@@ -1718,7 +1718,7 @@ def _keep_4bit_inputs() -> None:
     (``F.linear(A, dequantize_4bit(B, state).to(A.dtype).t(), bias)``; no fused 4-bit training kernel)."""
     import torch
 
-    from bigtune.plan import quantized
+    from bigtune.plan.step import quantized
 
     class Legacy4bitMatmul(torch.autograd.Function):
         @staticmethod
@@ -1786,7 +1786,7 @@ def _lab_blip_inputs() -> None:
     Flan-T5's decoder reads the labels shifted right, as T5 builds decoder_input_ids from them."""
     import torch
 
-    from bigtune.plan import simulate
+    from bigtune.plan.step import simulate
 
     plain = simulate._synthetic_batch
 
@@ -1856,7 +1856,7 @@ def _litgpt_untied_head() -> None:
 def _litgpt_nf4_head() -> None:
     """Make the 4-bit stand-in quantize the output head too (Row.litgpt_emulations), as Fabric's
     BitsandbytesPrecision replaces every nn.Linear; bitsandbytes loading in transformers keeps it 16-bit."""
-    from bigtune.plan import quantized
+    from bigtune.plan.step import quantized
 
     quantized.OUTPUT_HEADS = tuple(h for h in quantized.OUTPUT_HEADS if h != "lm_head")
 
@@ -1893,8 +1893,8 @@ def plan_row(row: Row, shortest: bool = False, length: Optional[int] = None) -> 
     """Plan one row with the real planner (``shortest``: at Row.shortest_over; ``length``: with that
     data.max_seq_length); returns Plan.to_dict() (bytes)."""
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     if shortest:
         row = dataclasses.replace(row, over={**row.over, **row.shortest_over()})
@@ -1927,7 +1927,7 @@ def plan_row(row: Row, shortest: bool = False, length: Optional[int] = None) -> 
     if LAB_FSDP_IMPL in row.impl:
         _fsdp1_flat_streams()
     if row.fsdp1_units:
-        from bigtune.plan import sharding
+        from bigtune.plan.layout import sharding
 
         sharding.fsdp_unit_grad_elements = lambda sim, trainable: sim.block_numel if trainable else 0
     return plan(r, target, workers=min(2, os.cpu_count() or 1)).to_dict()

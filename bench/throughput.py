@@ -590,9 +590,9 @@ def dry_run(
     from unittest import mock
 
     from bigtune.core.gpus import detect_gpu, find_gpu, peak_flops
+    from bigtune.plan.base.target import Target
     from bigtune.plan.format import format_plan
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     gpu = find_gpu(gpu_key)
     t0 = time.perf_counter()

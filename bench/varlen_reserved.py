@@ -36,8 +36,8 @@ def main() -> int:
 
     import bigtune.engine.loop as engine
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.constants import GIB
-    from bigtune.plan.simulate import simulate
+    from bigtune.plan.base.constants import GIB
+    from bigtune.plan.step.simulate import simulate
     from bigtune.recipe import load_recipe
 
     r = load_recipe(

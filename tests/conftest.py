@@ -19,7 +19,7 @@ from pathlib import Path
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-# The planner's simulated steps are kept on disk (plan/simcache.py, keyed by every input and by bigtune's own
+# The planner's simulated steps are kept on disk (plan/step/simcache.py, keyed by every input and by bigtune's own
 # source): the suite's workers and the CLI subprocesses its tests start share one folder, so a step that several
 # tests plan is simulated once per code version. Outside the repository, kept between runs.
 os.environ.setdefault(

@@ -10,10 +10,17 @@ import pytest
 from bigtune.core.allocconf import AllocatorConfig, AllocatorConfigError
 from bigtune.core.gpus import find_gpu
 from bigtune.models.configs import resolve_config
-from bigtune.plan.allocator import AllocatorOOM, CachingAllocator, least_capacity, replay, round_size, segment_size
+from bigtune.plan.base.target import Target
+from bigtune.plan.device.allocator import (
+    AllocatorOOM,
+    CachingAllocator,
+    least_capacity,
+    replay,
+    round_size,
+    segment_size,
+)
 from bigtune.plan.planner import plan
-from bigtune.plan.simulate import estimate_reserved, simulate, simulate_full_depth
-from bigtune.plan.target import Target
+from bigtune.plan.step.simulate import estimate_reserved, simulate, simulate_full_depth
 from bigtune.recipe import RecipeError, load_recipe
 from conftest import ROOT
 
@@ -136,7 +143,7 @@ def test_replay_of_events_and_zero_byte_storages():
 def test_steady_replay_frees_what_crosses_the_step_boundary():
     # Gradients freed only in the next step (optim.zero_grad=before_backward): the repeated step must
     # free step 1's where step 1 freed step 0's, not keep both alive.
-    from bigtune.plan.simulate import _replay_steady
+    from bigtune.plan.step.simulate import _replay_steady
 
     g, act = 64 * MiB, 32 * MiB
     events = [
@@ -425,9 +432,9 @@ def test_an_oom_plan_says_when_expandable_segments_would_fit():
     import re
 
     from bigtune.core.gpus import find_gpu
-    from bigtune.plan.constants import GIB
+    from bigtune.plan.base.constants import GIB
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", {"train.micro_batch_size": 4})
     roomy = plan(r, Target("cuda", find_gpu("a100-80gb"), 1))
@@ -488,7 +495,7 @@ def test_shallow_traced_steps_extrapolate_reserved_for_plans_without_their_own_r
 
 
 def test_replayed_figures_extrapolate_over_depth_never_below_allocated():
-    from bigtune.plan.simulate import replayed_over_depth
+    from bigtune.plan.step.simulate import replayed_over_depth
 
     # reserved affine in allocated (10 % on top): both extrapolations give the line, zero apart
     assert replayed_over_depth((110, 100), (220, 200), 1000) == (1100, 0.0)
@@ -547,7 +554,7 @@ def test_a_certain_oom_gets_no_made_up_reserved_figure():
 
 
 def test_every_alternative_on_a_cuda_target_comes_with_its_own_replay():
-    from bigtune.plan.alternatives import alternatives
+    from bigtune.plan.search.alternatives import alternatives
 
     r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2})
     target = Target("cuda", find_gpu("a100-80gb"), 1)
@@ -586,7 +593,7 @@ def test_a_spliced_step0_replays_like_a_real_one(monkeypatch, over, no_sim_cache
     transformers' Trainer did before PyTorch 2.0; bench/published.py plans such rows)."""
     import torch
 
-    import bigtune.plan.simulate as simulate_module
+    import bigtune.plan.step.simulate as simulate_module
 
     r, cfg = _tinyllama(2)
     if over == "kept gradients":
@@ -604,8 +611,7 @@ def test_a_spliced_step0_replays_like_a_real_one(monkeypatch, over, no_sim_cache
 
 def _fsdp_sim(zero_grad: str):
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.sharding import simulation_recipe
-    from bigtune.plan.simulate import simulate_full_depth, total_blocks
+    from bigtune.plan.step.simulate import simulate_full_depth, simulation_recipe, total_blocks
 
     r = load_recipe(
         ROOT / "recipes" / "tinyllama-full.yaml",
@@ -633,9 +639,9 @@ def test_fsdp2_side_stream_pools_add_to_reserved_and_not_to_what_must_fit(monkey
 
     from bigtune.core.gpus import find_gpu
     from bigtune.plan import planner
+    from bigtune.plan.base.target import Target
+    from bigtune.plan.layout.sharding import side_stream_cache
     from bigtune.plan.planner import plan
-    from bigtune.plan.sharding import side_stream_cache
-    from bigtune.plan.target import Target
 
     four = Target("cuda", find_gpu("a100-80gb"), 4, "fsdp")
     r, config, sim, n = _fsdp_sim("after_step")
@@ -681,8 +687,8 @@ def test_extrapolations_far_apart_give_way_to_the_full_depth_replay():
     (the logits' fixed-size segments are a large share of a shallow step), so the plan replays the whole step;
     its reserved is that replay's (plus the cuBLAS workspaces), below what the extrapolation gave."""
     from bigtune.core.gpus import cublas_workspace_bytes
-    from bigtune.plan.constants import CUBLAS_HANDLES
-    from bigtune.plan.simulate import FULL_DEPTH_REPLAY, replay_full_depth
+    from bigtune.plan.base.constants import CUBLAS_HANDLES
+    from bigtune.plan.step.simulate import FULL_DEPTH_REPLAY, replay_full_depth
 
     r = load_recipe(
         ROOT / "recipes" / "tinyllama-full.yaml",
@@ -711,8 +717,8 @@ def test_a_verdict_the_extrapolation_decides_is_replayed_at_full_depth():
     need just reaches, the verdict is the full-depth replay's, with a note saying why; on a roomy card the
     extrapolation stands."""
     from bigtune.core.gpus import cublas_workspace_bytes
-    from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, GIB
-    from bigtune.plan.simulate import FULL_DEPTH_REPLAY, replay_full_depth
+    from bigtune.plan.base.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, GIB
+    from bigtune.plan.step.simulate import FULL_DEPTH_REPLAY, replay_full_depth
 
     r = load_recipe(
         ROOT / "recipes" / "tinyllama-full.yaml",

@@ -12,10 +12,18 @@ import torch
 import yaml
 
 from bigtune.core.gpus import CATALOG, compute_capability, custom_gpu, find_gpu
-from bigtune.plan.choose import Choice, Comparison, compare, gpus_and_strategy, kernel_class, limits, pick_partition
-from bigtune.plan.offers import Offer, OfferError, format_slurm_time, load_cluster, load_prices, parse_slurm_time
-from bigtune.plan.runlength import EVAL_SHARE_OF_TRAIN_SAMPLE, DataSize, RunLength, data_size, run_length
-from bigtune.plan.target import Plan
+from bigtune.plan.base.target import Plan
+from bigtune.plan.search.choose import (
+    Choice,
+    Comparison,
+    compare,
+    gpus_and_strategy,
+    kernel_class,
+    limits,
+    pick_partition,
+)
+from bigtune.plan.search.offers import Offer, OfferError, format_slurm_time, load_cluster, load_prices, parse_slurm_time
+from bigtune.plan.search.runlength import EVAL_SHARE_OF_TRAIN_SAMPLE, DataSize, RunLength, data_size, run_length
 from bigtune.recipe import load_recipe
 from conftest import ROOT, run_cli
 
@@ -72,7 +80,7 @@ def test_gpu_count_and_strategy_come_from_the_plan():
 def test_one_simulation_per_kernel_class_is_what_sdpa_would_choose():
     """compare() shares simulations between GPUs of one kernel_class: every catalog GPU of a class must get
     the same attention kernel as the class's stand-in for any query (kernels.sdpa_backend)."""
-    from bigtune.plan.kernels import sdpa_backend
+    from bigtune.plan.device.kernels import sdpa_backend
 
     cases = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -267,7 +275,7 @@ def test_compare_and_launch_the_7b_recipe_on_the_example_cluster(tmp_path):
     from unittest import mock
 
     from bigtune.cli.app import main
-    from bigtune.plan import choose
+    from bigtune.plan.search import choose
 
     seen = []
 

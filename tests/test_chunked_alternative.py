@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from bigtune.core.gpus import find_gpu
-from bigtune.plan.alternatives import alternatives
-from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY
+from bigtune.plan.base.constants import CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.simulate import device_peak
-from bigtune.plan.target import Target
+from bigtune.plan.search.alternatives import alternatives
+from bigtune.plan.step.simulate import device_peak
 from bigtune.recipe import load_recipe
 from conftest import ROOT
 

@@ -161,7 +161,7 @@ LONG = "optimizer state in host RAM: 2.00 GiB per process (not in the device pea
 
 
 def _plan(capacity_gib: float = 79.11, notes: tuple = (LONG, "time: the GPU waits for Python", METHOD)):
-    from bigtune.plan.target import Plan
+    from bigtune.plan.base.target import Plan
 
     gib = 2**30
     phase = dict.fromkeys(

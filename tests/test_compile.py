@@ -123,8 +123,8 @@ def test_recipe_refuses_what_compile_cannot_do(monkeypatch):
 
 
 def test_plan_ignores_compile_and_says_so():
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     over = {"model.name": "tiny-llama", "data.max_seq_length": 64, "accelerator": "cpu"}
     eager = plan(load_recipe({}, over), Target("cpu"))
@@ -149,8 +149,8 @@ def test_a_failed_simulation_leaves_no_tracker_or_eager_stance_behind(monkeypatc
     import torch._dynamo.eval_frame
     from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     def fail(*args, **kwargs):
         raise RuntimeError("simulated failure inside the measured step")

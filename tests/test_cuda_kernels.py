@@ -9,10 +9,10 @@ import torch
 
 from bigtune.core.gpus import CATALOG, compute_capability, find_gpu
 from bigtune.models.configs import resolve_config
-from bigtune.plan.kernels import sdpa_backend
+from bigtune.plan.base.target import Target
+from bigtune.plan.device.kernels import sdpa_backend
 from bigtune.plan.planner import plan
-from bigtune.plan.simulate import simulate_full_depth
-from bigtune.plan.target import Target
+from bigtune.plan.step.simulate import simulate_full_depth
 from bigtune.recipe import load_recipe
 from bigtune.run.training import train
 from conftest import ROOT
@@ -108,7 +108,7 @@ def test_cuda_dropout_runs_the_fused_kernel_and_saves_a_bool_mask():
     """On CUDA F.dropout is one native_dropout kernel that keeps a bool mask for backward; on a CPU it
     multiplies by a noise tensor of the input's dtype and keeps that. The emulation switches only the
     out-of-place training call, and its gradient is the same masked, rescaled one."""
-    from bigtune.plan.kernels import cuda_dropout
+    from bigtune.plan.device.kernels import cuda_dropout
 
     x = torch.randn(64, 32, requires_grad=True)
     drop = torch.nn.Dropout(0.25)
@@ -194,7 +194,7 @@ def test_cuda_autocast_keeps_eager_attention_probabilities_in_fp32(monkeypatch, 
     import contextlib
     import copy
 
-    import bigtune.plan.kernels
+    import bigtune.plan.device.kernels
 
     r = load_recipe(
         {},
@@ -212,7 +212,7 @@ def test_cuda_autocast_keeps_eager_attention_probabilities_in_fp32(monkeypatch, 
     cfg.attention_probs_dropout_prob = 0.0  # dropout's own CPU/CUDA difference is tested above
     cfg.hidden_dropout_prob = 0.0
     gpu = simulate_full_depth(r, cfg, cuda=True).phases["after_forward"]["activations"]
-    monkeypatch.setattr(bigtune.plan.kernels, "cuda_autocast", lambda enabled: contextlib.nullcontext())
+    monkeypatch.setattr(bigtune.plan.device.kernels, "cuda_autocast", lambda enabled: contextlib.nullcontext())
     cpu_rules = simulate_full_depth(r, cfg, cuda=True).phases["after_forward"]["activations"]
     scores = cfg.num_hidden_layers * 4 * cfg.num_attention_heads * 256**2
     assert gpu - cpu_rules == 4 * scores, (gpu - cpu_rules, scores)

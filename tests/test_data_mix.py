@@ -168,7 +168,7 @@ def test_val_source_replaces_the_held_out_split(two_sources, tmp_path, tok):
 
 def test_tiny_run_trains_on_a_3_to_1_mixture_and_plans_it(two_sources, tmp_path):
     """A whole run on the mixture: trains, evaluates on both sources, and the planner counts the same steps."""
-    from bigtune.plan.runlength import data_size
+    from bigtune.plan.search.runlength import data_size
     from bigtune.run.training import train
 
     a, b = two_sources

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bigtune.plan.constants import GIB
-from bigtune.plan.lengths import data_lengths, epoch_batch_lengths, plan_at_data_lengths
+from bigtune.plan.base.constants import GIB
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.target import Target
+from bigtune.plan.search.lengths import data_lengths, epoch_batch_lengths, plan_at_data_lengths
 from bigtune.recipe import load_recipe
 from bigtune.run.training import train
 from conftest import ROOT, run_cli

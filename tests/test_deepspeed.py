@@ -273,9 +273,9 @@ def test_zero3_offload_on_two_cpu_ranks_matches_ddp_and_resumes_exactly(tmp_path
 
 
 def test_planner_models_zero_sharding_and_offload():
-    from bigtune.plan.sharding import shard_layout, shard_states
-    from bigtune.plan.simulate import Sim
-    from bigtune.plan.target import Target
+    from bigtune.plan.base.target import Target
+    from bigtune.plan.layout.sharding import shard_layout, shard_states
+    from bigtune.plan.step.simulate import Sim
 
     assert shard_layout("ddp") == (set(), set())
     assert shard_layout("deepspeed_stage_2") == ({"gradients", "optimizer_device"}, set())
@@ -317,9 +317,9 @@ def test_planner_models_zero_sharding_and_offload():
 def test_planner_gives_16bit_zero_fp32_masters_and_fp32_state():
     """DeepSpeed under bf16 (true or mixed): 16-bit weights and gradients, fp32 masters + fp32 Adam
     state in the optimizer; offload moves those and the fp32 gradient partition to host RAM."""
-    from bigtune.plan.sharding import shard_states, simulation_recipe
-    from bigtune.plan.simulate import Sim
-    from bigtune.plan.target import Target
+    from bigtune.plan.base.target import Target
+    from bigtune.plan.layout.sharding import shard_states
+    from bigtune.plan.step.simulate import Sim, simulation_recipe
 
     mb = 2**20
     # A bf16-true single-device step of a 100 Mi-parameter model: 2-byte weights, gradients and Adam moments.
@@ -364,8 +364,7 @@ def test_planner_simulates_deepspeeds_16bit_module_cast_for_adapters():
     included: the simulated step for a ZeRO target has 16-bit adapters and gradients, no fp32 copy of
     each adapted layer's input, so fewer saved bytes than the same LoRA step on one GPU."""
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.sharding import simulation_recipe
-    from bigtune.plan.simulate import simulate_full_depth
+    from bigtune.plan.step.simulate import simulate_full_depth, simulation_recipe
 
     r = _recipe(precision="bf16-mixed")
     r.peft.method, r.peft.dropout = "lora", 0.0
@@ -451,7 +450,7 @@ def test_zero3_qlora_on_two_cpu_ranks_matches_one_process_and_partitions_the_4bi
     QLoRA on the same 4 samples to 2e-3 (bf16 hidden states, split differently); each rank holds half of the
     packed data and of the (16-bit, DeepSpeed-cast) other weights plus the whole quantization constants,
     exactly; the plan's parameters agree to the byte."""
-    from bigtune.plan.quantized import packed_weight_bytes
+    from bigtune.plan.step.quantized import packed_weight_bytes
 
     over = {
         **COMMON,

@@ -363,8 +363,8 @@ def test_flat_fsdp_unit_is_planned_far_larger_and_advised_against():
     holds every gradient unsharded, so its plan exceeds the per-block plan by at least the model; the
     OOM advice names the per-block wrap first."""
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
     from bigtune.run.advice import oom_advice
 
@@ -390,7 +390,7 @@ def test_flat_fsdp_unit_is_planned_far_larger_and_advised_against():
     assert oom_advice(flat_recipe)[0].startswith("fsdp_wrap=block")
     assert not any("fsdp_wrap" in a for a in oom_advice(load_recipe({}, over)))
     # --alternatives offers FSDP with per-block units, named as the change it is
-    from bigtune.plan.alternatives import alternatives
+    from bigtune.plan.search.alternatives import alternatives
 
     alts = alternatives(flat_recipe, target, max_gpus=4, workers=1)
     named = [p for p in alts if "fsdp_wrap=block" in p.variant]
@@ -403,8 +403,8 @@ def test_gradient_sync_once_per_window_is_planned_as_unsharded_gradients():
     the last micro-batch's forward carries it; the traffic falls to one reduce-scatter per window; the
     OOM advice names the per-micro-batch sync."""
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
     from bigtune.run.advice import oom_advice
 

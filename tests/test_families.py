@@ -172,8 +172,8 @@ def test_moe_plans_on_a_gpu_in_any_precision(precision):
     GPU plan is the CPU plan (checked against measured peaks above) plus the 16 MiB of cuBLAS workspaces;
     the rest of the gap is CUDA's 512-byte rounding of this tiny model's many small tensors."""
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import count_parameters, plan
-    from bigtune.plan.target import Target
     from bigtune.recipe import load_recipe
 
     over = {"model.name": "tiny-mixtral", "precision": precision, "data.max_seq_length": 64, "data.source": "demo"}

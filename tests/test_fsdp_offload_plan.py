@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from bigtune.core.gpus import find_gpu
+from bigtune.plan.base.target import Target
+from bigtune.plan.layout.sharding import shard_layout
 from bigtune.plan.planner import plan
-from bigtune.plan.sharding import shard_layout
-from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from conftest import ROOT
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from bigtune.core.gpus import find_gpu
-from bigtune.plan.alternatives import alternatives
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.target import Target
+from bigtune.plan.search.alternatives import alternatives
 from bigtune.recipe import RecipeError, load_recipe
 from bigtune.run.training import train
 from conftest import read_jsonl, tiny_overrides

@@ -12,7 +12,8 @@ import torch
 
 from bigtune.core.gpus import custom_gpu, find_gpu
 from bigtune.models.configs import resolve_config_name
-from bigtune.plan.constants import CUDA_CONTEXT_BYTES, GIB
+from bigtune.plan.base.constants import CUDA_CONTEXT_BYTES, GIB
+from bigtune.plan.base.target import Target
 from bigtune.plan.serving import (
     ASSUMED_DECODE_BW_EFFICIENCY,
     Workload,
@@ -22,7 +23,6 @@ from bigtune.plan.serving import (
     simulate,
     simulate_full_depth,
 )
-from bigtune.plan.target import Target
 from bigtune.recipe import load_recipe
 from conftest import ROOT, run_cli
 
@@ -130,7 +130,7 @@ def test_largest_batch_fits_and_one_more_does_not():
 def test_cuda_reserved_is_a_caching_allocator_replay_not_a_ratio():
     """Reserved on a GPU comes from replaying the batch's storages through the caching allocator model; on
     a CPU nothing is replayed."""
-    from bigtune.plan.allocator import round_size, segment_size
+    from bigtune.plan.device.allocator import round_size, segment_size
 
     a10g = Target("cuda", find_gpu("a10g"))
     # tiny-opt: every storage is at most 1 MiB (the small pool) and at most 0.6 MiB are alive at once, so one

@@ -7,7 +7,7 @@ causal mask instead of the padding mask; the float32 sums then differ in the las
 1e-5 and the exported weights to atol 1e-5 (measured: rel 2e-7 and 1e-8), the bounds of the DDP, FSDP and
 tensor-parallel tests. A resumed run repeats the same ranks' arithmetic: its losses and weights are exact.
 
-Each stage's plan (plan/pipeline.py: the engine's stage and step on fake tensors, torch's schedule emulated) is held
+Each stage's plan (plan/layout/pipeline.py: the engine's stage and step on fake tensors, torch's schedule emulated) is held
 to its rank's measured peak within 5 %, as asked of the planner; measured here: exact for both schedules.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import transformers
 
 from bigtune.models.configs import resolve_config
-from bigtune.plan.pipeline import stage_sims
+from bigtune.plan.layout.pipeline import stage_sims
 from bigtune.recipe import RecipeError, load_recipe
 from conftest import read_jsonl, resume_from_step_3, run_losses, same_weights, train_cli
 from test_dist import COMMON

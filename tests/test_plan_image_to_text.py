@@ -12,10 +12,10 @@ from bigtune.core.gpus import find_gpu
 from bigtune.core.presets import preset_config, tiny_processor
 from bigtune.data.images import DEMO_IMAGES
 from bigtune.models.configs import resolve_config
-from bigtune.plan.constants import GIB
+from bigtune.plan.base.constants import GIB
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import count_parameters, plan
-from bigtune.plan.simulate import model_stacks, total_blocks
-from bigtune.plan.target import Target
+from bigtune.plan.step.simulate import model_stacks, total_blocks
 from bigtune.recipe import load_recipe
 from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, run_cli

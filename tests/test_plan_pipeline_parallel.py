@@ -10,7 +10,7 @@ import json
 import pytest
 
 from bigtune.models.configs import resolve_config
-from bigtune.plan.pipeline import bubble_fraction, in_flight, stage_sims
+from bigtune.plan.layout.pipeline import bubble_fraction, in_flight, stage_sims
 from bigtune.recipe import load_recipe
 
 
@@ -49,8 +49,8 @@ def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
 def test_steady_state_shortcut_equals_the_full_emulation():
     """stage_sims simulates 1F1B stage i with p − i + 1 pipeline micro-batches and adds the rest's buffers and
     operators; simulating all of them gives the same memory and the same operators."""
-    from bigtune.plan.pipeline import stage_config
-    from bigtune.plan.simulate import simulate_full_depth
+    from bigtune.plan.layout.pipeline import stage_config
+    from bigtune.plan.step.simulate import simulate_full_depth
 
     r = _recipe("1f1b", 8, **{"optim.name": "adamw"})
     config = resolve_config(r)

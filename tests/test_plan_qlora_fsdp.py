@@ -24,7 +24,7 @@ def _storages(t) -> list[int]:
 def test_nf4_formula_equals_torchao_storages(shape):
     pytest.importorskip("torchao")
     from bigtune.models.nf4 import nf4_scaler_block, to_nf4
-    from bigtune.plan.quantized import nf4_storage_bytes, nf4_weight_bytes
+    from bigtune.plan.step.quantized import nf4_storage_bytes, nf4_weight_bytes
 
     t = to_nf4(torch.randn(shape, dtype=torch.bfloat16))
     numel = shape[0] * shape[1]
@@ -38,7 +38,7 @@ def test_nf4_formula_equals_torchao_storages(shape):
 def test_nf4_rank_bytes_are_torchaos_dim0_shard_plus_replicated_pieces(shape):
     pytest.importorskip("torchao")
     from bigtune.models.nf4 import to_nf4
-    from bigtune.plan.quantized import nf4_weight_bytes
+    from bigtune.plan.step.quantized import nf4_weight_bytes
 
     t = to_nf4(torch.randn(shape, dtype=torch.bfloat16))
     shard = torch.chunk(t, 2, dim=0)[0]  # what fully_shard keeps on rank 0 of 2
@@ -66,9 +66,9 @@ def _tiny_qlora_fsdp(**over):
 def test_simulation_swaps_in_nf4_bytes_and_fsdp_splits_them():
     from bigtune.core.gpus import find_gpu
     from bigtune.models.configs import resolve_config
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.simulate import simulate_full_depth, total_blocks
-    from bigtune.plan.target import Target
+    from bigtune.plan.step.simulate import simulate_full_depth, total_blocks
 
     r = _tiny_qlora_fsdp()
     config = resolve_config(r)
@@ -91,7 +91,7 @@ def test_simulated_parameters_hold_4bit_not_16bit_weights():
     """The FSDP all-gather and offload terms of the step time price states['parameters']: for an NF4 base the
     measured parameters must be the NF4 bytes and the other weights as they are, not 16-bit weights."""
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.simulate import simulate_full_depth, total_blocks
+    from bigtune.plan.step.simulate import simulate_full_depth, total_blocks
 
     q = _tiny_qlora_fsdp()
     config = resolve_config(q)
@@ -135,8 +135,8 @@ def test_70b_on_two_24gb_cards_fits_with_offload_and_not_without():
 )
 def test_qlora_fsdp_recipes_fit_their_cards(name):
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     r = load_recipe(ROOT / "recipes" / f"{name}.yaml", check=False)
     card = {"24gb": "rtx-3090", "80gb": "h100-sxm-80gb", "16gb": "t4-16gb"}[name.rsplit("x", 1)[1]]

@@ -1,4 +1,4 @@
-"""Tensor parallelism in the plan (plan/tensor_parallel.py): one rank of a tensor-parallel group simulated as the
+"""Tensor parallelism in the plan (plan/layout/tensor_parallel.py): one rank of a tensor-parallel group simulated as the
 model with heads and MLP width / tp, FSDP over the data-parallel ranks; checked against the engine's own
 measurement of a TP=2 run on two gloo ranks, the per-rank weights against the model's own projections, and
 the 2-D variants --alternatives lists for the 13B recipe."""
@@ -37,8 +37,8 @@ def _split_linear_bytes(recipe) -> int:
 
 
 def test_each_rank_holds_1_over_tp_of_the_block_projections():
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     whole = plan(_recipe(), Target("cpu"))
     split = _split_linear_bytes(_recipe())
@@ -56,7 +56,7 @@ def test_each_rank_holds_1_over_tp_of_the_block_projections():
     assert dp2.model_states["parameters"] == -(-tp2.model_states["parameters"] // 2)
     assert dp2.tokens_per_step == 2 * whole.tokens_per_step
     # tensor_parallel must divide the model's key/value heads (tiny-llama has 2)
-    from bigtune.plan.constants import PlanError
+    from bigtune.plan.base.constants import PlanError
 
     with pytest.raises(PlanError, match="num_key_value_heads"):
         plan(_recipe(devices=4, strategy="fsdp", tensor_parallel=4), Target("cpu", None, 4, "fsdp"))
@@ -98,8 +98,8 @@ def test_sequence_parallel_plans_fewer_activations_than_tensor_parallel():
     """The same TP=2 recipe with and without sequence parallelism: the same states, fewer activations (the norms
     and the residual stream at half the rows)."""
     from bigtune.core.gpus import find_gpu
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
 
     target = Target("cuda", find_gpu("a100-40gb"), 2, "fsdp")
     tp, sp = (
@@ -116,8 +116,8 @@ def test_sequence_parallel_plans_fewer_activations_than_tensor_parallel():
 
 def test_alternatives_list_tensor_parallel_variants_for_the_13b_recipe():
     from bigtune.core.gpus import find_gpu
-    from bigtune.plan.alternatives import alternatives
-    from bigtune.plan.target import Target
+    from bigtune.plan.base.target import Target
+    from bigtune.plan.search.alternatives import alternatives
 
     r = load_recipe(ROOT / "recipes" / "open-llama-13b-full.yaml", ["accelerator=cpu"], check=False)
     alts = alternatives(r, Target("cuda", find_gpu("a100-40gb"), 8, "ddp"), workers=1)

@@ -14,10 +14,10 @@ import torch
 
 from bigtune.core.presets import preset_config, tiny_qwen_vl_processor
 from bigtune.data.images import DEMO_IMAGES
-from bigtune.plan.chatvlm import image_geometry
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.simulate import get_depth, model_stacks, simulate
-from bigtune.plan.target import Target
+from bigtune.plan.step.chatvlm import image_geometry
+from bigtune.plan.step.simulate import get_depth, model_stacks, simulate
 from bigtune.recipe import load_recipe
 from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, run_cli
@@ -141,8 +141,8 @@ def test_vision_tower_extrapolates_its_window_and_full_attention_blocks_apart():
     """Qwen2.5-VL's full-attention blocks every 8th (the published placement): the extrapolation from
     shallow towers of one window and one full-attention block, and one more of each, equals the step
     simulated with all 32 (28 window, 4 full attention)."""
-    from bigtune.plan.chatvlm import set_vision_blocks
-    from bigtune.plan.simulate import simulate_full_depth
+    from bigtune.plan.step.chatvlm import set_vision_blocks
+    from bigtune.plan.step.simulate import simulate_full_depth
 
     proc = tiny_qwen_vl_processor("Qwen2_5_VLProcessor")
     cfg = preset_config("tiny-qwen2.5-vl", proc)
@@ -189,7 +189,7 @@ def test_worst_case_is_the_processors_max_pixels_and_image_size_is_planned(tmp_p
 
 
 def test_data_lengths_plan_the_datas_largest_image(mixed_sizes):
-    from bigtune.plan.lengths import data_lengths, plan_at_data_lengths
+    from bigtune.plan.search.lengths import data_lengths, plan_at_data_lengths
 
     r = load_recipe(str(DEMO), {"data.source": str(mixed_sizes), "data.val_fraction": 0.0, "train.micro_batch_size": 4})
     d = data_lengths(r)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from bigtune.plan.chatvlm import fixed_image_layout
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.target import Target
+from bigtune.plan.step.chatvlm import fixed_image_layout
 from bigtune.recipe import load_recipe
 from conftest import run_cli
 from test_plan_vlm import DEMO, mixed_sizes, one_thread, train_and_compare, two_size_photos  # noqa: F401 - fixtures
@@ -53,7 +53,7 @@ def test_plan_lays_out_the_collators_batch(preset):
     """The planned batch: the processor's prompt with its placeholder as the config's image tokens, and a
     prefix LM's token types; the plan says how the images were taken."""
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.chatvlm import fixed_image_batch
+    from bigtune.plan.step.chatvlm import fixed_image_batch
 
     r = load_recipe(str(DEMO), {"model.name": preset, "train.micro_batch_size": 2})
     cfg = resolve_config(r)
@@ -98,7 +98,7 @@ def test_smolvlm_plan_matches_the_measured_step_with_two_tile_grids(tmp_path, ti
 
 def test_smolvlm_worst_case_is_the_largest_tile_grid_and_image_size_is_planned(tmp_path):
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.chatvlm import split_geometry
+    from bigtune.plan.step.chatvlm import split_geometry
 
     r = load_recipe(str(DEMO), {"model.name": "tiny-smolvlm", "train.micro_batch_size": 2})
     geo = split_geometry(r, resolve_config(r))
@@ -136,7 +136,7 @@ def test_llava_next_plan_matches_the_measured_step_with_two_aspect_ratios(tmp_pa
 
 def test_llava_next_worst_case_is_the_largest_pinpoint_and_image_size_is_planned(tmp_path):
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.chatvlm import anyres_batch, anyres_geometry
+    from bigtune.plan.step.chatvlm import anyres_batch, anyres_geometry
 
     r = load_recipe(str(DEMO), {"model.name": "tiny-llava-next", "train.micro_batch_size": 2})
     cfg = resolve_config(r)

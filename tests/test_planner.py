@@ -8,12 +8,12 @@ import pytest
 
 from bigtune.core.gpus import find_gpu
 from bigtune.models.configs import resolve_config
-from bigtune.plan.alternatives import alternatives
-from bigtune.plan.constants import GIB
+from bigtune.plan.base.constants import GIB
+from bigtune.plan.base.target import Target
+from bigtune.plan.layout.sharding import side_stream_cache
 from bigtune.plan.planner import count_parameters, plan
-from bigtune.plan.sharding import side_stream_cache
-from bigtune.plan.simulate import device_peak, total_blocks
-from bigtune.plan.target import Target
+from bigtune.plan.search.alternatives import alternatives
+from bigtune.plan.step.simulate import device_peak, total_blocks
 from bigtune.recipe import load_recipe
 from bigtune.run.training import train
 from conftest import ROOT, read_jsonl, run_cli
@@ -216,7 +216,7 @@ def copy_sim_unreplayed(sim):
 
 
 def test_alternatives_reuse_the_plans_own_simulation_or_plan_it_beside_them(monkeypatch):
-    import bigtune.plan.alternatives as planner
+    import bigtune.plan.search.alternatives as planner
 
     r = load_recipe(ROOT / "recipes" / "tiny-opt.yaml", {"train.accumulate_grad_batches": 2})
     target = Target("cuda", find_gpu("a100-80gb"), 1)
@@ -531,8 +531,8 @@ def test_extrapolated_running_peak_includes_every_phase_own_peak(monkeypatch):
     grow with the parameters, faster than activations): the running peak must not be the extrapolated max
     of the shallow peaks, which is not linear in depth."""
     from bigtune.models.configs import resolve_config
-    from bigtune.plan import simulate as planner
-    from bigtune.plan.constants import CATEGORIES
+    from bigtune.plan.base.constants import CATEGORIES
+    from bigtune.plan.step import simulate as planner
 
     config = resolve_config(load_recipe({}, {"model.name": "openlm-research/open_llama_7b"}))
     stack = planner.model_stacks(config)[0]
@@ -681,7 +681,7 @@ def test_a_plan_near_the_card_is_called_tight_with_advice():
     may turn: the plan says so, in text and JSON, and the advice fits the verdict."""
     import dataclasses
 
-    from bigtune.plan.constants import FIT_UNCERTAINTY
+    from bigtune.plan.base.constants import FIT_UNCERTAINTY
     from bigtune.plan.format import format_plan
 
     r = load_recipe(ROOT / "recipes" / "tinyllama-full.yaml", ["accelerator=cpu"])
@@ -753,7 +753,7 @@ def test_depth_extrapolation_follows_a_phase_high_that_moves_with_depth():
     import copy
     from unittest import mock
 
-    from bigtune.plan import simulate as sim_mod
+    from bigtune.plan.step import simulate as sim_mod
 
     r = load_recipe(
         ROOT / "recipes" / "distilbert-sst2.yaml",
@@ -792,7 +792,7 @@ def test_a_4bit_forward_past_1536_tokens_holds_a_dequantized_weight(tokens, temp
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bigtune.memory.tracker import LiveTensorTracker
-    from bigtune.plan.quantized import emulate_4bit
+    from bigtune.plan.step.quantized import emulate_4bit
 
     weight = 256 * 64 * 2
     with FakeTensorMode(), LiveTensorTracker() as t:  # as the simulation runs: no CPU kernel's scratch copies

@@ -76,8 +76,8 @@ def test_published_rates_faster_than_the_dense_peak_are_kept_out_of_the_time_sta
     """A published rate is checked against the plan's dense-peak floor (time.step_time's note, parsed here):
     faster than the card can multiply the step's FLOPs, it cannot be the stated setup."""
     from bigtune.core.gpus import find_gpu as gpu
-    from bigtune.plan.roofline import step_seconds
-    from bigtune.plan.time import peak_floor_note
+    from bigtune.plan.device.roofline import step_seconds
+    from bigtune.plan.layout.time import peak_floor_note
 
     ops = {("gemm", "forward", "bf16", (1, 4096, 4096, 4096)): [1, 2.0 * 4096**3, 1.0]}
     t = step_seconds(ops, gpu("rtx-4090"), "bf16")
@@ -169,7 +169,7 @@ def test_lab_blip_inputs_feed_the_language_model_the_caption_alone(monkeypatch, 
     from transformers import Blip2ForConditionalGeneration
 
     from bigtune.core.presets import preset_config, preset_processor
-    from bigtune.plan import simulate
+    from bigtune.plan.step import simulate
     from bigtune.recipe import load_recipe
 
     monkeypatch.setattr(simulate, "_synthetic_batch", simulate._synthetic_batch)

@@ -11,9 +11,8 @@ import torch
 from bigtune.core.gpus import find_gpu
 from bigtune.engine.loop import LoopState, build, setup_fabric, train_step
 from bigtune.models.configs import resolve_config
-from bigtune.plan.alternatives import _interpolate
-from bigtune.plan.planner import plan
-from bigtune.plan.roofline import (
+from bigtune.plan.base.target import Target
+from bigtune.plan.device.roofline import (
     BANDWIDTH_EFFICIENCY,
     GEMM_EFFICIENCY,
     HOST_SECONDS_PER_OP,
@@ -21,9 +20,10 @@ from bigtune.plan.roofline import (
     scale,
     step_seconds,
 )
-from bigtune.plan.simulate import simulate, simulate_full_depth
-from bigtune.plan.target import Target
-from bigtune.plan.time import DDP_BUCKET_BYTES, _exposed_communication
+from bigtune.plan.layout.time import DDP_BUCKET_BYTES, _exposed_communication
+from bigtune.plan.planner import plan
+from bigtune.plan.search.alternatives import _interpolate
+from bigtune.plan.step.simulate import simulate, simulate_full_depth
 from bigtune.recipe import load_recipe
 
 TINY = {

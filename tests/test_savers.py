@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.quantized import eight_bit_state_bytes
-from bigtune.plan.target import Target
+from bigtune.plan.step.quantized import eight_bit_state_bytes
 from bigtune.recipe import RecipeError, load_recipe
 from bigtune.run.training import train
 from conftest import read_jsonl, run_cli, tiny_overrides
@@ -64,7 +64,7 @@ def test_qlora_without_upcast_keeps_16_bit_weights_and_hidden_states(tmp_path):
     _, ck = _run(tmp_path / "ck", **q, **{"model.upcast_unquantized": False, "train.activation_checkpointing": True})
     from bigtune.core.presets import tiny_tokenizer
     from bigtune.models.build import build_model
-    from bigtune.plan.quantized import quantized_linears
+    from bigtune.plan.step.quantized import quantized_linears
     from bigtune.recipe import ModelConfig
 
     base = build_model(ModelConfig(), tiny_tokenizer(), "bf16-true", 0)

@@ -1,4 +1,4 @@
-"""The simulation cache (plan/simcache.py): a second plan of the same step reads the first one's simulations
+"""The simulation cache (plan/step/simcache.py): a second plan of the same step reads the first one's simulations
 and gives the same plan, to the bit; any input or code change is another key; a bad file is simulated again."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from bigtune.models.configs import resolve_config
-from bigtune.plan import simcache
-from bigtune.plan import simulate as sim_mod
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.quantized import NF4Base
-from bigtune.plan.simulate import Sim
-from bigtune.plan.target import Target
+from bigtune.plan.step import simcache
+from bigtune.plan.step import simulate as sim_mod
+from bigtune.plan.step.quantized import NF4Base
+from bigtune.plan.step.simulate import Sim
 from bigtune.recipe import load_recipe
 
 
@@ -88,7 +88,7 @@ def test_a_damaged_file_is_simulated_again(tmp_path, monkeypatch):
 
     simcache.cached(compute, r, cfg, depths=1)
     (path,) = tmp_path.glob("*.json")
-    path.write_text('{"__dataclass__": "bigtune.plan.simulate:Sim", "fie')
+    path.write_text('{"__dataclass__": "bigtune.plan.step.simulate:Sim", "fie')
     assert simcache.cached(compute, r, cfg, depths=1) == Sim({}, 1, 2, 3)
     assert len(calls) == 2 and simcache.decode(__import__("json").loads(path.read_text())) == Sim({}, 1, 2, 3)
 

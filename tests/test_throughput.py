@@ -145,8 +145,8 @@ def large_vocab_model(tmp_path_factory):
 def test_chunked_loss_trains_identically_with_less_memory_and_the_planner_follows(
     tmp_path, large_vocab_model, precision, rel
 ):
+    from bigtune.plan.base.target import Target
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target
     from bigtune.run.training import train
     from conftest import read_jsonl, tiny_overrides
 

@@ -13,9 +13,9 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from bigtune.cli.sweep import main as sweep_cli
 from bigtune.core.gpus import find_gpu
 from bigtune.models.configs import bundled_config_path, resolve_config
-from bigtune.plan.chatvlm import image_geometry, is_chat_vlm_config
+from bigtune.plan.base.target import Target
 from bigtune.plan.planner import plan
-from bigtune.plan.target import Target
+from bigtune.plan.step.chatvlm import image_geometry, is_chat_vlm_config
 from bigtune.recipe import load_recipe
 from conftest import CHROMIUM, NO_CHROMIUM, ROOT, chromium, console_messages, page_ink, run_cli
 
@@ -61,7 +61,7 @@ def test_alt_text_recipes_plan_on_their_cards(recipe, gpu, image_tokens):
 def test_smolvlm_recipe_plans_its_tiles_and_fits_an_l4():
     """SmolVLM-Instruct at 768×768 px: upscaled to its 1536-px longest edge, 4×4 tiles of 384 px + the whole
     image, 81 image tokens each plus the tile markers (the processor's text); QLoRA fits an L4."""
-    from bigtune.plan.chatvlm import split_geometry
+    from bigtune.plan.step.chatvlm import split_geometry
 
     r = load_recipe(ROOT / "recipes" / "smolvlm-alt-text.yaml", {"accelerator": "cpu"})
     assert r.model.quantize == "nf4" and r.peft.method == "lora"

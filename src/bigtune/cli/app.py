@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Plans on the command line keep their simulated steps on disk (plan/simcache.py): planning the same step
+    # Plans on the command line keep their simulated steps on disk (plan/step/simcache.py): planning the same step
     # again, here or in a later train, sweep or launch, reads it back. BIGTUNE_SIM_CACHE=off turns that off.
     os.environ.setdefault("BIGTUNE_SIM_CACHE", "on")
     args = build_parser().parse_args(argv)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         from bigtune.core.gpus import UnknownGPUError
         from bigtune.data.text import DataError
         from bigtune.models.configs import ModelError
-        from bigtune.plan.constants import PlanError
+        from bigtune.plan.base.constants import PlanError
         from bigtune.recipe import RecipeError
         from bigtune.use.export import ExportError
         from bigtune.use.loading import InferError
@@ -334,11 +334,11 @@ def _cmd_plan(args) -> int:
 
     from bigtune.core.gpus import custom_gpu, find_gpu
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.alternatives import alternatives
-    from bigtune.plan.constants import PlanError
+    from bigtune.plan.base.constants import PlanError
+    from bigtune.plan.base.target import Target, run_strategy
     from bigtune.plan.format import format_alternatives, format_plan
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target, run_strategy
+    from bigtune.plan.search.alternatives import alternatives
     from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
     if args.compare_gpus or args.cluster:
@@ -384,7 +384,7 @@ def _cmd_plan(args) -> int:
     images = _image_grids(args, r, config)
     search = {"max_gpus": args.max_gpus, "config": config, "adapters": args.adapters}
     if args.data_lengths:
-        from bigtune.plan.lengths import plan_at_data_lengths
+        from bigtune.plan.search.lengths import plan_at_data_lengths
 
         p = plan_at_data_lengths(r, target, config=config, workers=workers)
         alts = alternatives(r, target, **search) if args.alternatives else None
@@ -414,7 +414,8 @@ def _image_grids(args, r, config) -> "tuple | None":
     """--image-size as the image grid the model's processor makes of it (one per row), or None."""
     if not args.image_size:
         return None
-    from bigtune.plan.chatvlm import (
+    from bigtune.plan.base.constants import PlanError
+    from bigtune.plan.step.chatvlm import (
         image_geometry,
         is_anyres_vlm_config,
         is_chat_vlm_config,
@@ -422,7 +423,6 @@ def _image_grids(args, r, config) -> "tuple | None":
         parse_image_size,
         split_geometry,
     )
-    from bigtune.plan.constants import PlanError
 
     split = is_split_image_vlm_config(config)  # SmolVLM: its tiles follow the size
     anyres = is_anyres_vlm_config(config)  # LLaVA-NeXT: its tiles and tokens follow the size
@@ -446,10 +446,10 @@ def _cmd_compare(args) -> int:
     """``plan --compare-gpus`` / ``--cluster``: which GPU, how many, how long, what cost."""
     import json
 
-    from bigtune.plan.choose import compare, format_comparison
-    from bigtune.plan.constants import PlanError
-    from bigtune.plan.offers import catalog_offers, load_cluster, load_prices
-    from bigtune.plan.runlength import data_size
+    from bigtune.plan.base.constants import PlanError
+    from bigtune.plan.search.choose import compare, format_comparison
+    from bigtune.plan.search.offers import catalog_offers, load_cluster, load_prices
+    from bigtune.plan.search.runlength import data_size
     from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
     clash = [f for f, on in (("--gpu", args.gpu), ("--gpus", args.gpus), ("--strategy", args.strategy),

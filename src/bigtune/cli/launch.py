@@ -53,7 +53,7 @@ def add_cli(sub) -> None:
 def _script(args) -> str:
     if args.cluster:
         return _cluster_script(args)
-    from bigtune.plan.constants import PlanError
+    from bigtune.plan.base.constants import PlanError
 
     if args.samples is not None:
         raise PlanError("--samples sizes the run for --cluster's time estimate; add --cluster FILE or drop it")
@@ -93,11 +93,11 @@ def _not_here(strategy: str) -> str | None:
 
 
 def _cluster_script(args) -> str:
-    """The script for the cheapest partition of ``args.cluster`` that fits (plan/choose.py)."""
-    from bigtune.plan.choose import TIME_MARGIN, TIME_STARTUP_S, compare, pick_partition
-    from bigtune.plan.constants import GIB, PlanError
-    from bigtune.plan.offers import format_slurm_time, load_cluster
-    from bigtune.plan.runlength import data_size, hours
+    """The script for the cheapest partition of ``args.cluster`` that fits (plan/search/choose.py)."""
+    from bigtune.plan.base.constants import GIB, PlanError
+    from bigtune.plan.search.choose import TIME_MARGIN, TIME_STARTUP_S, compare, pick_partition
+    from bigtune.plan.search.offers import format_slurm_time, load_cluster
+    from bigtune.plan.search.runlength import data_size, hours
     from bigtune.recipe import RecipeError, gpu_plan_problems
 
     flags = ("partition", "nodes", "gpus_per_node", "strategy", "time", "mem", "cpus_per_task")

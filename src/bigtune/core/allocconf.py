@@ -1,5 +1,5 @@
 """PYTORCH_CUDA_ALLOC_CONF, parsed: the caching-allocator settings a training process runs with
-(``train.cuda_alloc_conf``) and the planner replays (plan/allocator.py).
+(``train.cuda_alloc_conf``) and the planner replays (plan/device/allocator.py).
 
 The grammar and the limits are PyTorch's (c10/core/AllocatorConfig.cpp and c10/cuda/CUDAAllocatorConfig.cpp,
 torch 2.9-2.11): comma-separated ``key:value`` pairs, whitespace ignored, a trailing comma allowed, the last
@@ -47,7 +47,7 @@ class AllocatorConfig:
 
     ``max_split_size``: bytes; None is PyTorch's SIZE_MAX (every block may be split). ``max_non_split_rounding``:
     how much larger than the request a cached oversize block may be and still serve it whole.
-    ``garbage_collection_threshold``: 0 is off (see plan/allocator.py for why the replay never runs it)."""
+    ``garbage_collection_threshold``: 0 is off (see plan/device/allocator.py for why the replay never runs it)."""
 
     expandable_segments: bool = False
     max_split_size: Optional[int] = None

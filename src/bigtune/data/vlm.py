@@ -41,7 +41,7 @@ from bigtune.data.images import ImageExample, open_image
 from bigtune.data.text import DataError
 
 # model_type of the chat vision-language models whose image tokens follow each image's size (Qwen2-VL);
-# the planner lays out their batches (bigtune.plan.chatvlm) and keys on is_chat_vlm
+# the planner lays out their batches (bigtune.plan.step.chatvlm) and keys on is_chat_vlm
 CHAT_VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 # ... and of those that see every image at one fixed size, so as a fixed number of tokens

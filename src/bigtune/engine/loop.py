@@ -1346,19 +1346,31 @@ def _open_run(
     return run, state
 
 
-def _train(
-    r: Recipe,
-    fabric,
-    run_path: Path,
-    resume_ckpt: Optional[Path],
-    t_start: float,
-    raise_on_oom: bool,
-    out: Output,
-    hooks: Optional[RunHooks],
-) -> dict:
+def _record_oom(e: BaseException, r: Recipe, fabric, state, monitor, cap: Optional[int], hooks) -> dict:
+    """An out-of-memory error as a result: where it struck, the last snapshot, said once on the console."""
+    oom = {
+        "step": state.step,
+        "phase": state.phase,
+        "message": str(e).splitlines()[0][:500],
+        "last_snapshot": monitor.last.to_dict() if monitor and monitor.last else None,
+        "cached_unallocated_bytes": mem.unallocated_at_oom(e),
+    }
+    notice(f"OUT OF MEMORY at step {state.step} during {state.phase}: {oom['message']}")
+    if hooks is not None:
+        hooks.on_oom(r, fabric.device, cap, oom)
+    if fabric.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return oom
+
+
+def _set_up(
+    r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], out: Output, hooks: Optional[RunHooks]
+) -> "Built | dict":
+    """The run built and announced, or the summary that ends it here: a finished run resumed, or Ctrl-C while
+    setting up (Python's own KeyboardInterrupt: the stop handlers come with the loop)."""
     if out.afresh:
         notice(f"{run_path} stopped before its first optimizer step and has no checkpoint: starting it afresh there")
-    try:  # Ctrl-C while setting up (Python's own KeyboardInterrupt: the stop handlers come with the loop)
+    try:
         if out.show_recipe:
             print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
         b = build(r, fabric)  # raises on bad data/model before the run dir exists
@@ -1375,6 +1387,22 @@ def _train(
                 "SIGINT before the first optimizer step, while setting up: nothing was written; run the same command again"
             )
         return {"status": "interrupted", "stopped_by": "SIGINT", "steps": 0, "run_dir": None}
+    return b
+
+
+def _train(
+    r: Recipe,
+    fabric,
+    run_path: Path,
+    resume_ckpt: Optional[Path],
+    t_start: float,
+    raise_on_oom: bool,
+    out: Output,
+    hooks: Optional[RunHooks],
+) -> dict:
+    b = _set_up(r, fabric, run_path, resume_ckpt, out, hooks)
+    if isinstance(b, dict):  # a finished run resumed, or Ctrl-C while setting up
+        return b
     run, state = _open_run(r, b, run_path, resume_ckpt, writer=fabric.global_rank == 0)
     cap = int(r.memory.cap_gib * GIB) if r.memory.cap_gib is not None else None
     monitor = mem.MemoryMonitor(fabric.device, cap) if (r.memory.enabled or cap is not None) else None
@@ -1417,18 +1445,7 @@ def _train(
             _record_error(e, r, fabric.world_size, summary)
         else:
             status = "oom"
-            summary["oom"] = {
-                "step": state.step,
-                "phase": state.phase,
-                "message": str(e).splitlines()[0][:500],
-                "last_snapshot": monitor.last.to_dict() if monitor and monitor.last else None,
-                "cached_unallocated_bytes": mem.unallocated_at_oom(e),
-            }
-            notice(f"OUT OF MEMORY at step {state.step} during {state.phase}: {summary['oom']['message']}")
-            if hooks is not None:
-                hooks.on_oom(r, fabric.device, cap, summary["oom"])
-            if fabric.device.type == "cuda":
-                torch.cuda.empty_cache()
+            summary["oom"] = _record_oom(e, r, fabric, state, monitor, cap, hooks)
     finally:
         _close_tensorboard(run)
     summary.update(_results(run, state, status, time.perf_counter() - t_start))

@@ -135,7 +135,7 @@ class PipelineRunner:
     """The stage and schedule of this rank, and one optimizer step over a window's micro-batches.
 
     ``make_schedule(runner)``: something with torch's schedule ``step`` and a ``buffers()`` list instead of
-    torch's (the planner's emulation on fake tensors, plan/pipeline.py), for stage ``stage`` (default: this
+    torch's (the planner's emulation on fake tensors, plan/layout/pipeline.py), for stage ``stage`` (default: this
     rank's)."""
 
     def __init__(self, recipe: Recipe, fabric, model, make_schedule=None, stage: Optional[int] = None):

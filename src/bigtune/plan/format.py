@@ -4,8 +4,8 @@ makes the headline, the notes grouped (the few that matter; ``--verbose`` all of
 from __future__ import annotations
 
 from bigtune.memory.monitor import PHASES
-from bigtune.plan.constants import FIT_UNCERTAINTY, GIB
-from bigtune.plan.target import Plan
+from bigtune.plan.base.constants import FIT_UNCERTAINTY, GIB
+from bigtune.plan.base.target import Plan
 
 # Notes on how the figures were made (allocator replay, CUDA context, roofline...): the same kinds on every
 # GPU plan, so the default view leaves them to --verbose and --json; the notes left are what this recipe

@@ -31,11 +31,14 @@ import torch
 
 from bigtune.core.allocconf import AllocatorConfig
 from bigtune.models.configs import resolve_config
-from bigtune.plan.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY, GIB
-from bigtune.plan.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
-from bigtune.plan.quantized import EIGHT_BIT
-from bigtune.plan.sharding import host_state_bytes, shard_states, side_stream_cache
-from bigtune.plan.simulate import (
+from bigtune.plan.base.constants import CUBLAS_HANDLES, CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY, GIB
+from bigtune.plan.base.target import Plan, Target, target_arch
+from bigtune.plan.layout.pipeline import largest_stage, pipeline_note, with_pipeline_parallel
+from bigtune.plan.layout.sharding import host_state_bytes, shard_states, side_stream_cache
+from bigtune.plan.layout.tensor_parallel import tensor_parallel_layout, tokens_per_step
+from bigtune.plan.layout.time import step_time
+from bigtune.plan.step.quantized import EIGHT_BIT
+from bigtune.plan.step.simulate import (
     FULL_DEPTH_REPLAY,
     Sim,
     config_family,
@@ -51,9 +54,6 @@ from bigtune.plan.simulate import (
     total_blocks,
     zero_masters,
 )
-from bigtune.plan.target import Plan, Target, target_arch
-from bigtune.plan.tensor_parallel import tensor_parallel_layout, tokens_per_step
-from bigtune.plan.time import step_time
 from bigtune.recipe import Recipe
 
 _CUDA_CONTEXT_NOTE = (
@@ -180,7 +180,7 @@ def plan(
 def _planned_grids(recipe: Recipe, config, images: Optional[tuple]) -> Optional[list[list[int]]]:
     """The image grid of each row a chat vision-language model's step was simulated with (chatvlm.grids_for:
     ``images`` in turn, else the worst case); None for every other model."""
-    from bigtune.plan import chatvlm
+    from bigtune.plan.step import chatvlm
 
     if not chatvlm.is_chat_vlm_config(config):
         return None
@@ -194,7 +194,7 @@ def _nf4_host_ram(recipe: Recipe, sim: Sim, target: Target, n_layers: int, phase
     a rank holds the biggest tensor read (16-bit) and its converted form, plus the shards loaded so far where
     they stay in host RAM (fsdp_cpu_offload); while training, the offloaded parameter, gradient and optimizer
     shards. Both on top of the runtime (interpreter, torch, data), and × the ranks on a node."""
-    from bigtune.plan.serving import HOST_BASE_BYTES
+    from bigtune.plan.base.constants import HOST_BASE_BYTES
 
     held = host_state_bytes(sim, recipe, target, n_layers)
     cpu_opt = max((ph.get("optimizer_cpu", 0) or 0 for ph in phases.values()), default=0)
@@ -268,7 +268,7 @@ def _quantized_note(recipe: Recipe) -> str:
 
 
 def _nf4_note(recipe: Recipe, sim: Sim, target: Target, n_layers: int) -> str:
-    from bigtune.plan.quantized import NF4_BLOCK
+    from bigtune.plan.step.quantized import NF4_BLOCK
 
     nf4 = sim.nf4
     full = n_layers * nf4.block_nf4_bytes()
@@ -329,7 +329,7 @@ def _model_notes(recipe: Recipe, config, images: Optional[tuple] = None) -> list
     images a chat vision-language model was planned with."""
     from bigtune.engine.loop import loss_chunk_skipped
     from bigtune.models.build import attention_for
-    from bigtune.plan import chatvlm
+    from bigtune.plan.step import chatvlm
 
     notes = []
     if chatvlm.is_chat_vlm_config(config):

@@ -49,8 +49,8 @@ from unittest import mock
 import torch
 
 from bigtune.models.configs import resolve_config_name
-from bigtune.plan.constants import CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY, GIB, PlanError
-from bigtune.plan.target import Target, target_arch
+from bigtune.plan.base.constants import CUDA_CONTEXT_BYTES, FIT_UNCERTAINTY, GIB, HOST_BASE_BYTES, PlanError
+from bigtune.plan.base.target import Target, target_arch
 from bigtune.recipe import Recipe
 
 TASKS = ("generate", "caption", "predict")
@@ -63,7 +63,6 @@ ASSUMED_DECODE_BW_EFFICIENCY = 0.7  # decode streams weights + cache: the traini
 # --- host resources (rules, stated in the plan) ---
 LOAD_HEADROOM = 1.25  # host RAM while loading: the weights once in the load dtype, + 25 %
 
-HOST_BASE_BYTES = 2 * GIB  # interpreter, torch, tokenizer/processor, data
 
 IMAGES_PER_CORE_S = 50.0  # assumed images/s one core decodes and resizes (JPEG, 224 px)
 
@@ -462,7 +461,7 @@ def make_inputs(config, w: Workload):
     vocab = int(t.vocab_size)
     g = torch.Generator().manual_seed(0)
     if w.task == "caption" and w.images is not None:
-        from bigtune.plan.chatvlm import caption_inputs
+        from bigtune.plan.step.chatvlm import caption_inputs
 
         return caption_inputs(w.images, w.batch_size, w.dtype)
     if w.task == "caption":
@@ -533,7 +532,7 @@ def run_workload(model, inputs: dict, w: Workload, tracker, phases: dict, repeat
 
 def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
     """(LM linear numel, vision+Q-Former linear numel, largest quantizable linear, quantizable linears)."""
-    from bigtune.plan.quantized import quantized_linears
+    from bigtune.plan.step.quantized import quantized_linears
 
     lm = vision = 0
     for name, mod in model.named_modules():
@@ -554,7 +553,7 @@ def _linear_stats(model, quantized: bool) -> tuple[int, int, int, list]:
 def quantized_weight_delta(weights: list, quantize: str, double_quant: bool) -> int:
     """Bytes bitsandbytes loading saves on the given linear weights (negative); the byte rule is the
     training planner's ``packed_weight_bytes``."""
-    from bigtune.plan.quantized import packed_weight_bytes
+    from bigtune.plan.step.quantized import packed_weight_bytes
 
     return sum(packed_weight_bytes(w, quantize, double_quant) - w.numel() * w.element_size() for w in weights)
 
@@ -577,8 +576,8 @@ def simulate(
 
     from bigtune.core.stepmath import storage_bytes
     from bigtune.memory.tracker import LiveTensorTracker
-    from bigtune.plan.chatvlm import real_index_math
-    from bigtune.plan.kernels import cuda_attention
+    from bigtune.plan.device.kernels import cuda_attention
+    from bigtune.plan.step.chatvlm import real_index_math
 
     # Fake tensors look like tracing to transformers, which would then keep an explicit mask for packed
     # sequences that a real (unpadded) batch drops; the training planner patches the same function.
@@ -736,7 +735,7 @@ def track_weights(tracker, held: list, quantized: list, w: Workload) -> dict[int
     """Register the weights with ``tracker`` one by one, in the order loading moves them to the device
     (born before anything else, as on a GPU); returns, for each of the ``quantized`` linear weights, its
     event's index and the bytes bitsandbytes keeps for it instead: (packed data, quantization constants)."""
-    from bigtune.plan.quantized import packed_weight_bytes
+    from bigtune.plan.step.quantized import packed_weight_bytes
 
     ids = {id(q) for q in quantized}
     out: dict[int, tuple[int, int]] = {}
@@ -766,7 +765,7 @@ def replay_batch(events: list) -> tuple[int, int]:
     """(peak reserved, least capacity) of PyTorch's CUDA caching allocator, default settings, over one
     batch's storage events (``bigtune generate`` and ``caption`` set no PYTORCH_CUDA_ALLOC_CONF;
     train.cuda_alloc_conf is for training)."""
-    from bigtune.plan.allocator import least_capacity, replay
+    from bigtune.plan.device.allocator import least_capacity, replay
 
     return replay(events).stats.peak_reserved, least_capacity(events)
 
@@ -795,7 +794,7 @@ def simulate_full_depth(
     below from 4 and 8 (Open-LLaMA-7B, 512 + 64 tokens at batch 8 and 24: 4.0 and 8.8 % below from 2 and
     3 layers, 2.2 % and 4.7 % from 4 and 8; all on fake tensors). Allocated bytes are the same from either.
     """
-    from bigtune.plan.simulate import RESERVED_DEPTHS
+    from bigtune.plan.step.simulate import RESERVED_DEPTHS
 
     n = lm_layers(config)
     traces: dict[int, Trace] = {}
@@ -831,7 +830,7 @@ def written_need(t1: dict[int, Trace], t2: dict[int, Trace], b: int, n: int) -> 
     """What must fit at batch ``b`` on a GPU, written from the traces (depth -> Trace) of two other batch sizes
     and carried to depth ``n`` as simulate_full_depth carries simulations, as far as their depths allow (a
     pair both lack stops it there); None where the traces do not scale with the batch (written_at)."""
-    from bigtune.plan.simulate import RESERVED_DEPTHS
+    from bigtune.plan.step.simulate import RESERVED_DEPTHS
 
     def at(d: int) -> Optional[InferSim]:
         return written_at(t1[d], t2[d], b) if d in t1 and d in t2 else None
@@ -859,8 +858,8 @@ def replayed_at_depth(a: dict, b: dict, full: dict) -> tuple[int, int, float]:
     the way allocated bytes are: the training planner's rule (simulate.replayed_over_depth, never below
     the full-depth peak allocated), then rounded up to whole 2 MiB, as every segment is. The least
     capacity is never above the reserved peak (the unbounded replay itself survives on that much)."""
-    from bigtune.plan.allocator import ROUND_LARGE
-    from bigtune.plan.simulate import replayed_over_depth
+    from bigtune.plan.device.allocator import ROUND_LARGE
+    from bigtune.plan.step.simulate import replayed_over_depth
 
     def peak(x: dict) -> int:
         return max(v for k, v in x.items() if k.startswith("phase:"))
@@ -935,7 +934,7 @@ def _totals(sim: InferSim, cuda: bool) -> tuple[int, Optional[int], int, int, in
         return peak, None, 0, peak, peak
     temporary = sim.largest_linear * 2
     if temporary:
-        from bigtune.plan.allocator import round_size, segment_size
+        from bigtune.plan.device.allocator import round_size, segment_size
 
         peak += temporary
         temporary = segment_size(round_size(temporary))
@@ -1028,7 +1027,7 @@ def caption_workload(recipe: Recipe, config, w: Workload) -> Workload:
     """``w`` with a chat vision-language model's images laid out as ``bigtune caption`` lays them out
     (chatvlm.caption_images; its prompt is data.prompt in the chat template); BLIP-2's unchanged."""
     from bigtune.data.vlm import is_vlm
-    from bigtune.plan.chatvlm import caption_images, check_image_budget
+    from bigtune.plan.step.chatvlm import caption_images, check_image_budget
 
     check_image_budget(recipe, config)
     if not is_vlm(config):
@@ -1442,7 +1441,7 @@ def workload_from_args(args, recipe: Recipe) -> Workload:
 
 
 def _image_size_arg(args) -> Optional[tuple[int, int]]:
-    from bigtune.plan.chatvlm import parse_image_size
+    from bigtune.plan.step.chatvlm import parse_image_size
 
     if not getattr(args, "image_size", None):
         return None

@@ -13,7 +13,7 @@ from bigtune.recipe import Recipe, load_recipe
 
 def target_for_device(device: torch.device, cap_bytes: Optional[int] = None):
     from bigtune.core.gpus import custom_gpu, detect_gpu
-    from bigtune.plan.target import Target
+    from bigtune.plan.base.target import Target
 
     if device.type != "cuda":
         if cap_bytes is not None:
@@ -27,7 +27,7 @@ def target_for_device(device: torch.device, cap_bytes: Optional[int] = None):
 
 
 def plan_target(r: Recipe, device: torch.device, world: int):
-    from bigtune.plan.target import run_strategy
+    from bigtune.plan.base.target import run_strategy
 
     return dataclasses.replace(target_for_device(device), gpus=world, strategy=run_strategy(r.strategy, world))
 
@@ -50,7 +50,7 @@ def predict_for_device(r: Recipe, device: torch.device, world: int = 1, table: b
 
 def alternatives_for_device(r: Recipe, device: torch.device, cap_bytes: Optional[int]) -> list[str]:
     """One line per variant predicted to fit this device (single device only), fastest first."""
-    from bigtune.plan.alternatives import alternatives
+    from bigtune.plan.search.alternatives import alternatives
 
     try:
         # In-process (workers=1): forking worker processes from a process that has trained (OpenMP

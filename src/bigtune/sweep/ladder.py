@@ -1072,8 +1072,8 @@ def plan_sweep(
     from bigtune.core.gpus import find_gpu
     from bigtune.core.stepmath import human_bytes
     from bigtune.models.configs import resolve_config
+    from bigtune.plan.base.target import Target, run_strategy
     from bigtune.plan.planner import plan
-    from bigtune.plan.target import Target, run_strategy
 
     gpu = find_gpu(gpu_name)
     sweep = load_sweep(path, tiny=tiny, extra=extra)
@@ -1090,7 +1090,7 @@ def plan_sweep(
                 configs[r.model.name] = resolve_config(r)
             target = Target("cuda", gpu, n, strategy)
             if data_lengths:
-                from bigtune.plan.lengths import plan_at_data_lengths
+                from bigtune.plan.search.lengths import plan_at_data_lengths
 
                 p = plan_at_data_lengths(r, target, config=configs[r.model.name])
                 p.variant = v.name
@@ -1115,7 +1115,7 @@ def plan_sweep(
     if as_json:
         print(json.dumps({"sweep": sweep.name, "gpu": gpu.key, "plans": out}, indent=2))
     elif any(r.get("tight") for r in out):
-        from bigtune.plan.constants import FIT_UNCERTAINTY
+        from bigtune.plan.base.constants import FIT_UNCERTAINTY
 
         print(
             f"(~: tight, the need is within {FIT_UNCERTAINTY:.0%} of the card of the FITS line, the planner's "

@@ -103,7 +103,7 @@ def encode(value: Any) -> Any:
 
 
 # Classes a cache file may name: decode() builds nothing else.
-_ALLOWED = ("bigtune.plan.simulate:Sim", "bigtune.plan.quantized:NF4Base", "bigtune.plan.simulate:Stack")
+_ALLOWED = ("bigtune.plan.step.simulate:Sim", "bigtune.plan.step.quantized:NF4Base", "bigtune.plan.step.simulate:Stack")
 
 
 def decode(value: Any) -> Any:

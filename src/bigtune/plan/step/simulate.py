@@ -18,8 +18,8 @@ import torch
 
 from bigtune.core.allocconf import AllocatorConfig
 from bigtune.memory.monitor import PHASES
-from bigtune.plan.constants import CATEGORIES, FIT_UNCERTAINTY
-from bigtune.plan.quantized import (
+from bigtune.plan.base.constants import CATEGORIES, FIT_UNCERTAINTY
+from bigtune.plan.step.quantized import (
     EIGHT_BIT,
     NF4Base,
     block_quant_constants,
@@ -91,7 +91,7 @@ def model_stacks(config) -> list[Stack]:
     stack(s) for BLIP-2 (a T5 language model has an encoder and a decoder stack); the vision tower and
     the language model for Qwen2-VL, LLaVA, LLaVA-NeXT, PaliGemma and Idefics3 (SmolVLM); Qwen2.5-VL's window and
     full-attention vision blocks as two stacks, then its language model."""
-    from bigtune.plan.chatvlm import (
+    from bigtune.plan.step.chatvlm import (
         has_vision_block_kinds,
         is_anyres_vlm_config,
         is_chat_vlm_config,
@@ -109,7 +109,7 @@ def model_stacks(config) -> list[Stack]:
         # LLaVA, PaliGemma, Idefics3 (SmolVLM), LLaVA-NeXT: the vision tower and the language model
         return [Stack(("vision_config", "num_hidden_layers")), Stack(("text_config", "num_hidden_layers"))]
     if kind != "blip-2" and getattr(config, "vision_config", None) is not None:
-        from bigtune.plan.constants import PlanError
+        from bigtune.plan.base.constants import PlanError
 
         raise PlanError(
             f"planning {kind} models is not supported yet (BLIP-2, Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, "
@@ -135,7 +135,7 @@ def model_stacks(config) -> list[Stack]:
 
 def get_depth(config, stack: Stack) -> int:
     if stack.kind:
-        from bigtune.plan.chatvlm import vision_blocks
+        from bigtune.plan.step.chatvlm import vision_blocks
 
         return vision_blocks(config, stack.kind)
     obj = config
@@ -149,7 +149,7 @@ def get_depth(config, stack: Stack) -> int:
 
 def set_depth(config, stack: Stack, n: int) -> None:
     if stack.kind:
-        from bigtune.plan.chatvlm import set_vision_blocks
+        from bigtune.plan.step.chatvlm import set_vision_blocks
 
         return set_vision_blocks(config, stack.kind, n)
     obj = config
@@ -164,7 +164,7 @@ def total_blocks(config) -> int:
 
 
 def config_family(config) -> str:
-    from bigtune.plan.chatvlm import is_vlm_config
+    from bigtune.plan.step.chatvlm import is_vlm_config
 
     image = getattr(config, "model_type", "") == "blip-2" or is_vlm_config(config)
     return "image-to-text" if image else "causal-lm"
@@ -180,7 +180,7 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     loss normaliser needs a concrete target count; everything computed from it is fake. ``images``: a
     chat vision-language model's image grids (chatvlm.synthetic_batch; None: the worst case)."""
     from bigtune.core.stepmath import IGNORE_INDEX
-    from bigtune.plan import chatvlm
+    from bigtune.plan.step import chatvlm
 
     seq = recipe.data.max_seq_length
     g = torch.Generator().manual_seed(0)
@@ -286,7 +286,7 @@ def simulate(
 ) -> Sim:
     """_simulate's step, read from the simulation cache where the same step was simulated before (simcache:
     keyed by every input and the code that runs; on for the command line)."""
-    from bigtune.plan import simcache
+    from bigtune.plan.step import simcache
 
     args = (recipe, config, depths, cuda, micro_batch, padded, arch, trace, images, stage, expandable, splice)
     inputs = dict(depths=depths, cuda=cuda, micro_batch=micro_batch, padded=padded, arch=arch, trace=trace)
@@ -310,7 +310,7 @@ def _simulate(
 ) -> Sim:
     """Run one steady-state training step of ``recipe`` on fake tensors, with each repeated stack cut
     to ``depths`` blocks (an int sets every stack). ``stage``: that pipeline stage's step, holding every
-    layer of the cut model (plan/pipeline.py).
+    layer of the cut model (plan/layout/pipeline.py).
 
     The optimizer state is created first (one update with zero gradients), so the simulated step is
     like the engine's step 1 and later: its peak is the run's peak. On a CUDA target of compute
@@ -326,9 +326,9 @@ def _simulate(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bigtune.plan.chatvlm import is_vlm_config, real_index_math
-    from bigtune.plan.kernels import cuda_attention, cuda_autocast, cuda_dropout
-    from bigtune.plan.roofline import scale
+    from bigtune.plan.device.kernels import cuda_attention, cuda_autocast, cuda_dropout
+    from bigtune.plan.device.roofline import scale
+    from bigtune.plan.step.chatvlm import is_vlm_config, real_index_math
 
     cfg = _shallow_config(config, depths, recipe)
     family = recipe.model.family
@@ -365,7 +365,7 @@ def _simulate(
         wrapped = fabric.setup_module(model)
         pipeline = None
         if stage is not None:
-            from bigtune.plan.pipeline import emulated_runner
+            from bigtune.plan.step.emulated import emulated_runner
 
             pipeline = emulated_runner(r, fabric, wrapped, stage, cfg)
         try:
@@ -598,8 +598,10 @@ def _fake_model(r: Recipe, recipe: Recipe, cfg, quantize: str) -> tuple[torch.nn
     if family == "image-to-text":
         freeze_parts(model, r.model)
     model.train()
-    if r.tensor_parallel > 1 and r.sequence_parallel:  # one rank's layout of the sequence (plan/tensor_parallel.py)
-        from bigtune.plan.tensor_parallel import emulate_sequence_parallel
+    if (
+        r.tensor_parallel > 1 and r.sequence_parallel
+    ):  # one rank's layout of the sequence (plan/layout/tensor_parallel.py)
+        from bigtune.plan.step.emulated import emulate_sequence_parallel
 
         emulate_sequence_parallel(model, r.tensor_parallel)
     if r.train.activation_checkpointing:
@@ -767,7 +769,7 @@ def _measured_step(built, model, wrapped, batches: list, tokens: int, round_to: 
     from bigtune.engine.loop import LoopState, train_step
     from bigtune.memory.monitor import MemoryMonitor
     from bigtune.models.build import decoder_blocks
-    from bigtune.plan.roofline import OpCounter
+    from bigtune.plan.device.roofline import OpCounter
 
     monitor = MemoryMonitor(torch.device("cpu"), round_to=round_to)
     state = LoopState(step=1)
@@ -796,7 +798,7 @@ def _replay_steady(events: list, step1: int, config: Optional[AllocatorConfig] =
     does not after that). The least capacity is the smallest device on which that sequence runs, the
     allocator emptying its cache and retrying where it must (allocator.least_capacity). ``config``: the
     PYTORCH_CUDA_ALLOC_CONF settings replayed (train.cuda_alloc_conf; None: PyTorch's defaults)."""
-    from bigtune.plan.allocator import least_capacity, replay
+    from bigtune.plan.device.allocator import least_capacity, replay
 
     step = events[step1:]
     born = {e[1]: e[2] for e in step if e[0] == "alloc"}
@@ -1166,3 +1168,42 @@ def zero_masters(recipe: Recipe, strategy: str) -> bool:
     of the gradient partition) and writes the 16-bit weights back.
     """
     return strategy.startswith("deepspeed") and recipe.precision != "32-true"
+
+
+def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
+    """The recipe whose single-device step the simulation runs for ``strategy``.
+
+    Under DeepSpeed a 16-bit mixed precision runs as true 16-bit (see zero_masters), and an
+    offloaded ZeRO always steps with DeepSpeed's CPU Adam (the engine allows nothing else there).
+    Where the strategy changes the step itself (step_kind), the copy carries it: simulate() reads it.
+    """
+    mixed = zero_masters(recipe, strategy) and recipe.precision.endswith("-mixed")
+    adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
+    # ZeRO frees its gradients in its own step, whatever order optim.zero_grad asks for.
+    late = strategy.startswith("deepspeed") and recipe.optim.zero_grad != "after_step"
+    same_step = step_kind(recipe, recipe.strategy) == step_kind(recipe, strategy) and _same_base(recipe, strategy)
+    # Tensor parallelism runs on FSDP2's mesh only: under any other strategy the whole model is simulated.
+    whole = strategy != "fsdp" and recipe.tensor_parallel > 1
+    if not (mixed or adam or late or whole) and same_step:
+        return recipe
+    r = copy.deepcopy(recipe)
+    r.strategy = strategy
+    if whole:
+        r.tensor_parallel = 1
+    if mixed:
+        r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
+    if adam:
+        r.optim.name = "adamw"
+    if late:
+        r.optim.zero_grad = "after_step"
+    return r
+
+
+def _same_base(recipe: Recipe, strategy: str) -> bool:
+    """Whether ``strategy`` keeps the recipe's quantized base (model.quant_backend=auto: torchao's NF4 under
+    FSDP, bitsandbytes elsewhere)."""
+    if recipe.model.quantize == "none":
+        return True
+    other = copy.copy(recipe)
+    other.strategy = strategy
+    return quant_backend(recipe) == quant_backend(other)

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from bigtune.plan.constants import PlanError
+from bigtune.plan.base.constants import PlanError
 from bigtune.recipe import Recipe
 
 # An evaluation batch runs the forward only: about 2 of the 6 FLOPs per parameter and token of a training

@@ -37,3 +37,6 @@ PCIE_GBS = 25.0  # GB/s one direction, PCIe 4 x16 in practice (assumed)
 
 class PlanError(ValueError):
     """The recipe cannot be planned as given (unknown model config, unsupported family...)."""
+
+
+HOST_BASE_BYTES = 2 * GIB  # interpreter, torch, tokenizer/processor, data

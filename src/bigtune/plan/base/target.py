@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from bigtune.plan.constants import FIT_UNCERTAINTY, GIB
+from bigtune.plan.base.constants import FIT_UNCERTAINTY, GIB
 
 
 @dataclass

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from bigtune.plan.constants import HOST_UPDATE_GBS, PCIE_GBS
-from bigtune.plan.sharding import shard_layout
-from bigtune.plan.simulate import Sim
-from bigtune.plan.target import Target
+from bigtune.plan.base.constants import HOST_UPDATE_GBS, PCIE_GBS
+from bigtune.plan.base.target import Target
+from bigtune.plan.layout.sharding import shard_layout
+from bigtune.plan.step.simulate import Sim
 from bigtune.recipe import Recipe
 
 
@@ -22,10 +22,10 @@ def step_time(
     parallelism (``config``: the model one rank computes), the all-reduces within each group.
     Under tensor parallelism ``sim`` is one rank's step and ``target.data_parallel`` ranks read different
     micro-batches."""
-    from bigtune.plan.pipeline import pipeline_seconds
-    from bigtune.plan.roofline import scale, step_seconds
-    from bigtune.plan.simulate import total_blocks
-    from bigtune.plan.tensor_parallel import tensor_parallel_seconds
+    from bigtune.plan.device.roofline import scale, step_seconds
+    from bigtune.plan.layout.pipeline import pipeline_seconds
+    from bigtune.plan.layout.tensor_parallel import tensor_parallel_seconds
+    from bigtune.plan.step.simulate import total_blocks
 
     tokens = recipe.train.micro_batch_size * recipe.data.max_seq_length * recipe.accumulate
     if target.gpu is None:

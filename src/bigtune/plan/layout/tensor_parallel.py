@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import copy
 
-from bigtune.plan.constants import PlanError
-from bigtune.plan.target import Target
+from bigtune.plan.base.constants import PlanError
+from bigtune.plan.base.target import Target
 from bigtune.recipe import Recipe
 
 # The config sizes the engine's plan splits (tensor_parallel_plan refuses a model where tp does not divide one).
@@ -54,7 +54,7 @@ def with_tensor_parallel(recipe: Recipe, target: Target) -> Target:
 def tensor_parallel_layout(recipe: Recipe, target: Target, config) -> tuple[Target, object, Recipe]:
     """(``target`` with the planned tensor-parallel size, the model config one rank computes, the recipe its
     step is simulated as: simulation_recipe's, carrying that size, which its sim_key includes)."""
-    from bigtune.plan.sharding import simulation_recipe
+    from bigtune.plan.step.simulate import simulation_recipe
 
     target = with_tensor_parallel(recipe, target)
     sim_recipe = simulation_recipe(recipe, target.strategy)
@@ -140,49 +140,3 @@ def sequence_parallel_note(tp: int) -> str:
 
 # The Llama block's row-wise projections, whose outputs sequence parallelism reduce-scatters (the engine's
 # sequence_parallel_block_plan refuses a block laid out otherwise).
-_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-
-
-def emulate_sequence_parallel(model, tp: int) -> None:
-    """Hooks that lay out the simulated rank model as the engine's sequence_parallel_block_plan and
-    sequence_parallel_stack_plan do, one rank of ``tp``: the first block's input cut to s / tp rows (a new
-    tensor, as DTensor's Replicate → Shard(1) clones its chunk), each self_attn / mlp input gathered to s rows,
-    each row-wise output cut back to s / tp rows, the final norm's input gathered. The collectives become local
-    copies of the sizes the real ones allocate (their backward too: a cut's gradient is s rows, a gather's
-    s / tp). The causal mask and positions still cover s rows: the stack computes them before the first block.
-    With activation checkpointing the cut happens inside the first block's checkpoint here (the engine cuts
-    before the block), which can count at most (1 - 1/tp) × b × s × h more, once (the tiny Llama's peak: equal)."""
-    import torch
-
-    from bigtune.models.build import decoder_blocks
-
-    def cut(x):
-        return x.narrow(1, 0, x.shape[1] // tp).clone()
-
-    def gather(x):
-        return torch.cat([x] * tp, dim=1)
-
-    def on_hidden(fn):  # the hidden states, passed positionally (mlp, decoder layers) or by keyword (self_attn)
-        def hook(module, args, kwargs):
-            if args:
-                return (fn(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-
-        return hook
-
-    blocks = decoder_blocks(model)
-    try:
-        parts = [
-            (b.get_submodule("self_attn"), b.get_submodule("mlp"), [b.get_submodule(k) for k in _ROWWISE])
-            for b in blocks
-        ]
-        norm = model.get_decoder().get_submodule("norm")
-    except AttributeError as e:
-        raise PlanError(f"sequence_parallel: the model is not laid out like Llama's decoder ({e})") from None
-    blocks[0].register_forward_pre_hook(on_hidden(cut), with_kwargs=True)
-    for attn, mlp, rowwise in parts:
-        attn.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
-        mlp.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)
-        for linear in rowwise:
-            linear.register_forward_hook(lambda module, args, out: cut(out))
-    norm.register_forward_pre_hook(on_hidden(gather), with_kwargs=True)

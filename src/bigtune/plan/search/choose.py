@@ -2,7 +2,7 @@
 
 For every offer (a catalog GPU with its price, or a cluster partition) and every GPU count it allows, the
 fastest variant that fits, found by the same search as ``--alternatives``; the whole run's time is that
-variant's step time × the run's steps (from the data's size, plan/runlength.py) plus its evaluations, and
+variant's step time × the run's steps (from the data's size, plan/search/runlength.py) plus its evaluations, and
 its cost that time × GPUs × the price per GPU-hour. Rows are ranked by cost and by time, one row per offer.
 
 Speed: ``alternatives()`` simulates each distinct step (precision, micro batch, optimizer...) once per
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from bigtune.core.gpus import compute_capability
-from bigtune.plan.constants import GIB, PlanError
-from bigtune.plan.offers import Offer, format_slurm_time
-from bigtune.plan.runlength import DataSize, RunLength, hours, run_length, run_seconds
-from bigtune.plan.target import Plan, Target, run_strategy
+from bigtune.plan.base.constants import GIB, PlanError
+from bigtune.plan.base.target import Plan, Target, run_strategy
+from bigtune.plan.search.offers import Offer, format_slurm_time
+from bigtune.plan.search.runlength import DataSize, RunLength, hours, run_length, run_seconds
 from bigtune.recipe import Recipe, load_recipe
 
 # The Slurm --time of a chosen job: the estimate × (1 + TIME_MARGIN) + TIME_STARTUP_S. The time model is
@@ -292,7 +292,7 @@ def compare(
     """Every offer × GPU count: the fastest fitting variant, the whole run's time and cost (see module doc).
     ``skip``: why a strategy cannot be used (e.g. DeepSpeed not installed where the job is written), or None."""
     from bigtune.models.configs import resolve_config
-    from bigtune.plan.alternatives import alternatives
+    from bigtune.plan.search.alternatives import alternatives
 
     config = config if config is not None else resolve_config(recipe)
     choices, unfit = [], {}

@@ -8,11 +8,11 @@ import copy
 from dataclasses import dataclass
 
 from bigtune.core.stepmath import human_bytes
-from bigtune.plan.constants import GIB
-from bigtune.plan.simulate import Sim, step_kind, zero_masters
-from bigtune.plan.target import Target
-from bigtune.plan.tensor_parallel import sequence_parallel_note, tensor_parallel_note
-from bigtune.recipe import Recipe, quant_backend
+from bigtune.plan.base.constants import GIB
+from bigtune.plan.base.target import Target
+from bigtune.plan.layout.tensor_parallel import sequence_parallel_note, tensor_parallel_note
+from bigtune.plan.step.simulate import Sim, zero_masters
+from bigtune.recipe import Recipe
 
 STATES = ("parameters", "gradients", "optimizer_device")
 
@@ -37,45 +37,6 @@ def shard_layout(strategy: str, fsdp_cpu_offload: bool = False) -> tuple[set[str
         moved = ({"optimizer_device"} if off_opt else set()) | ({"parameters"} if off_params else set())
         return split, moved
     return set(), set()
-
-
-def simulation_recipe(recipe: Recipe, strategy: str) -> Recipe:
-    """The recipe whose single-device step the simulation runs for ``strategy``.
-
-    Under DeepSpeed a 16-bit mixed precision runs as true 16-bit (see zero_masters), and an
-    offloaded ZeRO always steps with DeepSpeed's CPU Adam (the engine allows nothing else there).
-    Where the strategy changes the step itself (step_kind), the copy carries it: simulate() reads it.
-    """
-    mixed = zero_masters(recipe, strategy) and recipe.precision.endswith("-mixed")
-    adam = strategy.startswith("deepspeed") and strategy.endswith("_offload") and recipe.optim.name != "adamw"
-    # ZeRO frees its gradients in its own step, whatever order optim.zero_grad asks for.
-    late = strategy.startswith("deepspeed") and recipe.optim.zero_grad != "after_step"
-    same_step = step_kind(recipe, recipe.strategy) == step_kind(recipe, strategy) and _same_base(recipe, strategy)
-    # Tensor parallelism runs on FSDP2's mesh only: under any other strategy the whole model is simulated.
-    whole = strategy != "fsdp" and recipe.tensor_parallel > 1
-    if not (mixed or adam or late or whole) and same_step:
-        return recipe
-    r = copy.deepcopy(recipe)
-    r.strategy = strategy
-    if whole:
-        r.tensor_parallel = 1
-    if mixed:
-        r.precision = "bf16-true"  # fp16 and bf16 have the same sizes
-    if adam:
-        r.optim.name = "adamw"
-    if late:
-        r.optim.zero_grad = "after_step"
-    return r
-
-
-def _same_base(recipe: Recipe, strategy: str) -> bool:
-    """Whether ``strategy`` keeps the recipe's quantized base (model.quant_backend=auto: torchao's NF4 under
-    FSDP, bitsandbytes elsewhere)."""
-    if recipe.model.quantize == "none":
-        return True
-    other = copy.copy(recipe)
-    other.strategy = strategy
-    return quant_backend(recipe) == quant_backend(other)
 
 
 def _phase_high(ph: dict) -> int:

@@ -10,12 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from bigtune.models.configs import resolve_config
-from bigtune.plan.constants import CATEGORIES, FIT_UNCERTAINTY, ZERO_ALTERNATIVE
+from bigtune.plan.base.constants import CATEGORIES, FIT_UNCERTAINTY, ZERO_ALTERNATIVE
+from bigtune.plan.base.target import Plan, Target, target_arch
+from bigtune.plan.layout.tensor_parallel import SPLIT_SIZES, rank_config
 from bigtune.plan.planner import count_parameters, plan, state_bytes_lower_bound
-from bigtune.plan.sharding import simulation_recipe
-from bigtune.plan.simulate import RESERVED_DEPTHS, Sim, estimate_reserved, sim_key, simulate_full_depth
-from bigtune.plan.target import Plan, Target, target_arch
-from bigtune.plan.tensor_parallel import SPLIT_SIZES, rank_config
+from bigtune.plan.step.simulate import (
+    RESERVED_DEPTHS,
+    Sim,
+    estimate_reserved,
+    sim_key,
+    simulate_full_depth,
+    simulation_recipe,
+)
 from bigtune.recipe import Recipe, RecipeError, load_recipe
 
 
@@ -319,7 +325,7 @@ def _pipeline_plans(recipe: Recipe, target: Target, config, max_gpus: int, worke
     """Pipeline parallelism over the target's GPUs (one stage each, where training would run it: a Llama-style
     causal LM whose layers split evenly, full fine-tuning): the whole global batch in one schedule step, as
     pipeline micro-batches of one row (the smallest bubble). 1F1B only: GPipe has the same bubble and holds
-    more activations. Planned stage by stage (plan/pipeline.py), not through the shared simulations."""
+    more activations. Planned stage by stage (plan/layout/pipeline.py), not through the shared simulations."""
     from bigtune.engine.pipeline import PIPELINE_MODEL_TYPES
 
     p, g = target.gpus, recipe.global_batch_size

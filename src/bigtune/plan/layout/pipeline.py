@@ -23,99 +23,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Optional
 
-import torch
-
+from bigtune.plan.step.emulated import boundary_dtype
 from bigtune.recipe import Recipe
-
-
-def boundary_dtype() -> torch.dtype:
-    """The dtype of the hidden states the stages exchange: Fabric's module wrapper returns every output in the
-    default dtype (float32) under every precision, so torch's schedule sizes its buffers in it."""
-    return torch.get_default_dtype()
-
-
-class EmulatedSchedule:
-    """torch's ScheduleGPipe / Schedule1F1B for stage ``index`` of ``stages`` in one process: the same order of
-    forwards and backwards, the same caches and receive buffers, no communication (the received activations and
-    gradients are the buffers' contents, which fake tensors do not have anyway)."""
-
-    def __init__(self, model, index: int, stages: int, n: int, kind: str, runner, act_shape, dtype):
-        self.model, self.index, self.stages, self.n, self.kind = model, index, stages, n, kind
-        self.runner = runner  # its loss, and its loop state, whose phase the time model files each operator under
-        self.first, self.last = index == 0, index == stages - 1
-        self.acts = [] if self.first else [torch.empty(act_shape, dtype=dtype, requires_grad=True) for _ in range(n)]
-        self.grads = [] if self.last else [torch.empty(act_shape, dtype=dtype) for _ in range(n)]
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [*self.acts, *self.grads]
-
-    def order(self) -> list[tuple[str, int]]:
-        """("F" | "B", micro-batch) in the order this stage runs them."""
-        n = self.n
-        if self.kind == "gpipe":
-            return [("F", j) for j in range(n)] + [("B", j) for j in range(n)]
-        warmup = min(n, self.stages - self.index)  # torch's Schedule1F1B
-        ops = [("F", j) for j in range(warmup)]
-        for j in range(n):
-            ops.append(("B", j))
-            if warmup + j < n:
-                ops.append(("F", warmup + j))
-        return ops
-
-    def step(self, *args, target=None, losses: Optional[list] = None, return_outputs: bool = False) -> None:
-        for a in self.acts:  # as torch's clear_runtime_states: last step's input gradients go now
-            a.grad = None
-        inputs = args[0].tensor_split(self.n) if self.first else self.acts
-        targets = target.tensor_split(self.n) if self.last else None
-        cache: dict[int, torch.Tensor] = {}
-        computed: list[torch.Tensor] = []
-        sending: list[torch.Tensor] = []  # input gradients on their way to the previous stage
-        order = self.order()
-        output = None  # torch's schedule keeps the latest forward's output in a local until the next forward returns
-        # 1F1B sends the first warm-up forward's output alone and keeps that send until its steady loop ends
-        warm_send = None
-        for k, (op, j) in enumerate(order):
-            self.runner.state.phase = "forward" if op == "F" else "backward"
-            if op == "F":
-                output = cache[j] = self.model(inputs[j])
-                if j == 0 and self.kind != "gpipe" and not self.last and min(self.n, self.stages - self.index) > 1:
-                    warm_send = output
-                if self.last:
-                    computed.append(self.runner.loss(cache[j], targets[j]))
-                continue
-            out = cache.pop(j)
-            if self.last:
-                computed[j].backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=self.grads[j])
-            del out
-            if not self.first:
-                # torch takes the gradient out of the buffer into its send. GPipe waits for every backward send
-                # at the end of the step; 1F1B's list of send ops keeps the latest until the next backward's.
-                if self.kind != "gpipe":
-                    sending.clear()
-                sending.append(inputs[j].grad)
-                inputs[j].grad = None
-            if all(o == "B" for o, _ in order[k + 1 :]):  # the backward that ends 1F1B's steady loop
-                warm_send = None
-        sending.clear()
-        del output, warm_send
-        if losses is not None:
-            losses.extend(computed)
-
-
-def emulated_runner(recipe: Recipe, fabric, wrapped, stage: int, config):
-    """The engine's PipelineRunner for stage ``stage``, on the emulated schedule (call under FakeTensorMode)."""
-    from bigtune.engine.pipeline import PipelineRunner
-
-    rows = recipe.train.micro_batch_size // recipe.pipeline_microbatches
-    shape = (rows, recipe.data.max_seq_length, config.hidden_size)
-    dtype = boundary_dtype()
-    p, m, kind = recipe.pipeline_parallel, recipe.pipeline_microbatches, recipe.pipeline_schedule
-    make = lambda runner: EmulatedSchedule(wrapped, stage, p, m, kind, runner, shape, dtype)  # noqa: E731
-    return PipelineRunner(recipe, fabric, wrapped, make_schedule=make, stage=stage)
 
 
 def stage_config(config, stages: int):
@@ -163,7 +73,7 @@ def stage_sims(recipe: Recipe, config, cuda: bool, arch=None, workers: int = 1) 
 
 
 def _stage_sim(args: tuple):
-    from bigtune.plan.simulate import simulate_full_depth
+    from bigtune.plan.step.simulate import simulate_full_depth
 
     recipe, cfg, cuda, arch, stage = args
     return simulate_full_depth(recipe, cfg, cuda, arch=arch, stage=stage, trace=cuda)
@@ -179,7 +89,7 @@ def _more_pipeline_microbatches(sim, recipe: Recipe, config, stage: int, more: i
     last stage's float32 scalars, kept from their forward to the step's end) and their operators."""
     if not more:
         return sim
-    from bigtune.plan.roofline import scale
+    from bigtune.plan.device.roofline import scale
 
     p, m = recipe.pipeline_parallel, recipe.pipeline_microbatches
     rows = recipe.train.micro_batch_size // m

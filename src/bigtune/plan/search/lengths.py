@@ -43,7 +43,7 @@ class DataLengths:
 def _examples(recipe: Recipe):
     """The training examples as ``train`` builds them, and the per-sample length in max_seq_length's unit."""
     from bigtune.models.build import load_tokenizer_or_processor
-    from bigtune.plan.constants import PlanError
+    from bigtune.plan.base.constants import PlanError
 
     try:
         tok = load_tokenizer_or_processor(recipe.model)
@@ -112,7 +112,7 @@ def _largest_image(recipe: Recipe, examples: list) -> Optional[tuple[int, int, i
     """A chat vision-language model's grid of the data's image with the most tokens (None for BLIP-2, whose
     images are all one size). Only the images' headers are read."""
     from bigtune.models.configs import resolve_config_name
-    from bigtune.plan.chatvlm import image_geometry, image_pixels, is_chat_vlm_config
+    from bigtune.plan.step.chatvlm import image_geometry, image_pixels, is_chat_vlm_config
 
     config = resolve_config_name(recipe.model)
     if not is_chat_vlm_config(config):
@@ -125,12 +125,11 @@ def _largest_image(recipe: Recipe, examples: list) -> Optional[tuple[int, int, i
 def plan_at_data_lengths(recipe: Recipe, target, config=None, workers: int = 1, lengths: Optional[DataLengths] = None):
     """``planner.plan`` with the peak at the data's longest sample and the time at its mean padded batch."""
     from bigtune.models.configs import resolve_config
+    from bigtune.plan.base.target import target_arch
+    from bigtune.plan.layout.tensor_parallel import rank_config, with_tensor_parallel
+    from bigtune.plan.layout.time import step_time
     from bigtune.plan.planner import plan
-    from bigtune.plan.sharding import simulation_recipe
-    from bigtune.plan.simulate import simulate_full_depth
-    from bigtune.plan.target import target_arch
-    from bigtune.plan.tensor_parallel import rank_config, with_tensor_parallel
-    from bigtune.plan.time import step_time
+    from bigtune.plan.step.simulate import simulate_full_depth, simulation_recipe
 
     if recipe.data.packing:
         p = plan(recipe, target, config=config, workers=workers)
