@@ -3,7 +3,8 @@
 A page holds a marker line such as ``<!-- generated: recipe-keys -->``; ``on_page_markdown`` replaces it
 with Markdown built from bigtune itself, so the reference cannot drift from the code:
 
-- ``recipe-keys``: every recipe key, from ``bigtune.recipe.schema_markdown()``;
+- ``recipe-keys``: every recipe key, a section per recipe block and an anchor per key (``recipe.md#train.max_steps``),
+  from ``bigtune.recipe.schema_markdown(anchors=True)``;
 - ``cli``: every command and flag, from the argparse parser (``bigtune.cli.build_parser``);
 - ``exit-codes``: the exit codes the CLI defines;
 - ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus``);
@@ -24,8 +25,8 @@ MARKER = re.compile(r"^<!--\s*generated:\s*([a-z0-9-]+)\s*-->\s*$", re.MULTILINE
 def _recipe_keys() -> str:
     from bigtune.recipe import schema_markdown
 
-    text = schema_markdown()
-    # The page has its own title and introduction: drop the generated H1 and keep the table.
+    text = schema_markdown(anchors=True)
+    # The page has its own title and introduction: drop the generated H1 and keep the index and the sections.
     lines = text.splitlines()
     while lines and (lines[0].startswith("# ") or not lines[0].strip()):
         lines.pop(0)

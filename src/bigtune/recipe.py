@@ -1483,15 +1483,53 @@ def schema_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def schema_markdown() -> str:
+# The heading id of the keys outside any block; a block's heading id is its name, a key's anchor the key itself.
+TOP_LEVEL = "top-level"
+
+
+def schema_blocks() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
+    """(block, intro, rows) per recipe block (``model``, ``data``, ...) in schema order, then ``TOP_LEVEL``:
+    the keys outside any block. The intro is the block's own doc; rows are ``schema_rows()``'s."""
+    rows = schema_rows()
+    blocks = []
+    for f in dataclasses.fields(Recipe):
+        if f.name in _SECTIONS:
+            blocks.append((f.name, f.metadata["doc"], [r for r in rows if r[0].startswith(f.name + ".")]))
+    top = [r for r in rows if "." not in r[0]]
+    blocks.append(
+        (TOP_LEVEL, "Keys outside any block: the run's name and folder, precision, devices, parallelism.", top)
+    )
+    return blocks
+
+
+def schema_markdown(anchors: bool = False) -> str:
+    """The recipe reference: an index of the blocks, then one table per block.
+
+    ``anchors``: for the docs site (mkdocs with attr_list): every block heading gets its name as id and every
+    key an ``<a id="train.max_steps">``, so ``recipe.md#train.max_steps`` links to the key's row; the
+    terminal (``bigtune recipe --docs``) gets the plain Markdown."""
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    blocks = schema_blocks()
     lines = [
         "# Recipe reference",
         "",
         "Generated from `src/bigtune/recipe.py` (`bigtune recipe --docs`). Override any key with `--set key=value`.",
         "",
-        "| key | type | default | what it does |",
-        "|---|---|---|---|",
+        "| block | what it sets | keys |",
+        "|---|---|---|",
     ]
-    for key, tp, default, doc in schema_rows():
-        lines.append(f"| `{key}` | {tp} | `{default}` | {doc} |")
+    for name, intro, rows in blocks:
+        title = "top level" if name == TOP_LEVEL else f"`{name}`"
+        lines.append(f"| [{title}](#{name}) | {cell(intro)} | {len(rows)} |")
+    for name, intro, rows in blocks:
+        title = "Top-level keys" if name == TOP_LEVEL else f"`{name}`"
+        lines += ["", f"## {title}" + (f" {{#{name}}}" if anchors else ""), "", cell(intro), ""]
+        lines += ["| key | type | default | what it does |", "|---|---|---|---|"]
+        for key, tp, default, doc in rows:
+            # the key links to itself, so its address can be copied from the page
+            shown = f'<a id="{key}"></a>[`{key}`](#{key})' if anchors else f"`{key}`"
+            lines.append(f"| {shown} | {cell(tp)} | `{default}` | {cell(doc)} |")
     return "\n".join(lines) + "\n"
