@@ -103,7 +103,31 @@ def test_sweep_runs_every_variant_and_records_failures(swept):
     assert not list(out.glob(".*.tmp"))
 
 
-def test_report_writes_markdown_csv_and_self_contained_html(swept):
+NS = {"s": "http://www.w3.org/2000/svg"}
+
+
+def tagged(svg: ET.Element) -> dict[str, dict[str, ET.Element]]:
+    """The groups of a plot's SVG that carry a variant's id (``variant-<name>:<part>``): {name: {part: group}}."""
+    out: dict[str, dict[str, ET.Element]] = {}
+    for g in svg.iterfind(".//s:g[@id]", NS):
+        if g.get("id").startswith("variant-"):
+            name, part = g.get("id").removeprefix("variant-").split(":", 1)
+            out.setdefault(name, {})[part] = g
+    return out
+
+
+def height(group: ET.Element) -> float:
+    """The vertical extent of the paths drawn in ``group``, in the SVG's units."""
+    ys = [float(y) for p in group.iterfind(".//s:path", NS) for y in re.findall(r"[-\d.]+ ([-\d.]+)", p.get("d"))]
+    return max(ys) - min(ys) if ys else 0.0
+
+
+def shown(group: ET.Element) -> str:
+    """The text ``group`` draws (its <title>, the hover text, left out)."""
+    return "".join(t.text or "" for t in group.iterfind(".//s:text", NS))
+
+
+def test_report_writes_markdown_csv_and_self_contained_html(swept, tmp_path):
     _, out, _ = swept
     res = write_report(out)
     for key in ("markdown", "csv", "html"):
@@ -128,31 +152,42 @@ def test_report_writes_markdown_csv_and_self_contained_html(swept):
     page = (out / "report.html").read_text()
     assert page.count("<svg") == 3 and page.count("</svg>") == 3
     assert not re.search(r"https?://", page), "the report must not refer to anything on the network"
-    assert not re.search(r"(src|href)\s*=|url\(|@import", page, re.I)
+    # the plots refer only to their own parts (a clip path, a tick mark), by an id the page holds, once
+    assert not re.search(r"""(src|href)\s*=\s*(?!["']?#)|url\((?!#)|@import""", page, re.I)
+    ids = re.findall(r' id="([^"]+)"', page)
+    assert len(ids) == len(set(ids)), "ids repeat across the inline plots"
+    assert set(re.findall(r'(?:href="|url\()#([^")]+)', page)) <= set(ids)
 
-    # (a) memory: every variant that measured something has a stacked bar of positive height
-    mem = ET.parse(out / "memory.svg").getroot()
-    ns = {"s": "http://www.w3.org/2000/svg"}
-    groups = {g.get("data-variant"): g for g in mem.iterfind(".//s:g[@data-variant]", ns)}
-    assert set(groups) == {"base", "act-ckpt", "capped", "broken-data", "slow"}
-    for name in ("base", "act-ckpt", "capped"):
-        heights = [float(x.get("height")) for x in groups[name].iterfind("s:rect", ns) if x.get("fill") != "none"]
-        assert any(h > 0 for h in heights), name
-    assert "OOM" in "".join(groups["capped"].itertext())
-    assert groups["capped"].find("s:line[@class='capacity']", ns) is not None
+    # (a) memory: every variant has its marks; the ones that measured something a stacked bar of positive height
+    mem = tagged(ET.parse(out / "memory.svg").getroot())
+    assert set(mem) == {"base", "act-ckpt", "capped", "broken-data", "slow"}
+    for name in ("base", "act-ckpt"):
+        assert {"measured:parameters", "measured:activations", "plan:parameters", "name"} <= set(mem[name]), name
+        assert all(height(mem[name][k]) > 0 for k in mem[name] if k.startswith(("measured:", "plan:"))), name
+        assert mem[name]["measured:parameters"].findtext("s:title", namespaces=NS).startswith(f"{name}: parameters")
+    capped = mem["capped"]
+    assert any(height(g) > 0 for k, g in capped.items() if k.startswith("measured:") or k == "oom:nothing-measured")
+    assert shown(capped["oom"]).startswith("OOM") and "capacity" in capped
+    assert shown(mem["broken-data"]["status"]) == "crashed" and shown(mem["slow"]["status"]) == "timeout"
     # (b) throughput bars for the variants that trained
-    tp = ET.parse(out / "throughput.svg").getroot()
-    bars = [x for x in tp.iterfind(".//s:rect", ns) if "tokens_per_s" in (x.get("class") or "")]
-    assert len(bars) == 2 and all(float(b.get("height")) > 0 for b in bars)
-    # (c) one curve per variant that logged a loss
-    loss = ET.parse(out / "loss.svg").getroot()
-    curves = {g.get("data-variant"): g.find("s:polyline", ns) for g in loss.iterfind(".//s:g[@data-variant]", ns)}
+    tp = tagged(ET.parse(out / "throughput.svg").getroot())
+    bars = [parts["tokens_per_s"] for parts in tp.values() if "tokens_per_s" in parts]
+    assert len(bars) == 2 and all(height(b) > 0 for b in bars)
+    # (c) one curve per variant that logged a loss, a marker per logged step
+    loss = tagged(ET.parse(out / "loss.svg").getroot())
+    curves = {name: parts["loss"] for name, parts in loss.items() if "loss" in parts}
     assert set(curves) == {"base", "act-ckpt"}
     for c in curves.values():
-        assert len(c.get("points").split()) == 3
+        assert len(c.findall(".//s:use", NS)) == 3
     # the inline copies carry the same content
     inline = page[page.index("<svg") : page.index("</svg>")]
-    assert inline.count('data-variant="base"') == 1 and "<rect" in inline
+    assert 'class="plot memory"' in inline and inline.count('id="variant-base:measured:parameters"') == 1
+    assert "<path" in inline
+
+    # the same results draw the same plots, byte for byte
+    again = write_report(out, out_dir=tmp_path / "again")
+    for first, second in zip(sorted(res["svgs"]), sorted(again["svgs"])):
+        assert Path(first).read_bytes() == Path(second).read_bytes(), Path(first).name
 
 
 def test_rerun_skips_finished_variants_and_rerun_runs_them(swept, capsys):
@@ -320,7 +355,7 @@ def test_report_renders_in_headlesschromium(swept, tmp_path):
     assert dom.returncode == 0 and not console_messages(dom.stderr)
     plots = re.findall(r'<svg[^>]*class="plot (\w+)".*?</svg>', dom.stdout, re.S)
     assert plots == ["memory", "throughput", "loss"]
-    marks = {"memory": 'class="measured ', "throughput": 'class="bar ', "loss": 'class="curve"'}
+    marks = {"memory": ":measured:", "throughput": ':tokens_per_s"', "loss": ':loss"'}
     for kind, svg in zip(plots, re.findall(r'<svg[^>]*class="plot \w+".*?</svg>', dom.stdout, re.S)):
         assert svg.count(marks[kind]) >= 2, f"{kind}: too few data marks in the rendered DOM"
 

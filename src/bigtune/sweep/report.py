@@ -1,10 +1,9 @@
-"""The comparison report of a sweep (or of one run): report.md, results.csv, report.html and .svg plots.
+"""The comparison report of a sweep (or of one run): report.md, results.csv, report.html and the plots.
 
-The SVG plots are drawn here as text, with no plotting library; report.html carries its CSS and its
-plots inline and refers to nothing outside itself, so it can be mailed or attached to an issue as is.
-The same three plots are also written as standalone ``memory.svg``, ``throughput.svg`` and
-``loss.svg`` beside the report, and drawn again with matplotlib (Agg) as ``memory.png``,
-``throughput.png`` and ``loss.png`` for READMEs and slides, which do not all show SVG.
+Each plot (memory, throughput, loss) is drawn once with matplotlib and saved twice: as ``<plot>.svg``,
+which report.html also carries inline, and as ``<plot>.png`` for READMEs and slides, which do not all
+show SVG. report.html carries its CSS and its plots inline and refers to nothing outside itself, so it
+can be mailed or attached to an issue as is; hovering over a bar shows its exact figure.
 
 Memory bars. Snapshots are taken at the boundaries of a step's phases, so no snapshot sees the
 categories *at* the peak itself. A bar therefore stacks the categories at the phase boundary with
@@ -21,7 +20,9 @@ import io
 import json
 import math
 import os
+import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -63,13 +64,11 @@ SERIES = (
     "#8c564b",
 )
 
-DASHES = ("", "7 4", "2 3", "9 3 2 3", "4 4", "1 4")
+DASHES = ((), (7, 4), (2, 3), (9, 3, 2, 3), (4, 4), (1, 4))  # on/off lengths in points; () is a solid line
 
 OOM_COLOR = "#d62728"
 
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
-
-SVG_NS = "http://www.w3.org/2000/svg"
 
 FINISHED = ("ok", "oom")
 
@@ -400,421 +399,77 @@ def _e(s: Any) -> str:
     return html.escape(str(s), quote=True)
 
 
-def _f(x: float) -> str:
-    return f"{x:.1f}".rstrip("0").rstrip(".") if abs(x - round(x)) > 1e-9 else str(int(round(x)))
+# --- Charts: each drawn once as a matplotlib Figure, then saved as SVG (standalone and inline in
+# report.html) and as PNG. The figures are built without pyplot, so no backend or global state is touched.
+
+# Text stays <text> in the SVG (searchable, and "OOM" readable by a test or a screen reader); a fixed
+# hash salt gives the same ids for the same results, one salt per chart keeps the three charts' ids
+# apart inside one page. A shorter sans-serif list than matplotlib's keeps every <text> short.
+_SVG_RC = {"svg.fonttype": "none", "font.sans-serif": ["DejaVu Sans", "Helvetica", "Arial"]}
+# No <metadata> block: its date changes on every run, its creator and type are web addresses.
+_SVG_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
 
 
-class Svg:
-    """Just enough SVG: shapes and text appended as strings, rendered inline or standalone."""
+@dataclass
+class Chart:
+    """One chart: its figure, and the hover text of each artist given an id by ``tag``."""
 
-    def __init__(self, width: float, height: float, title: str, css_class: str):
-        self.w, self.h, self.title, self.css_class = width, height, title, css_class
-        self.parts: list[str] = []
+    kind: str  # memory, throughput or loss: names the files and the inline SVG's class
+    label: str
+    fig: Any  # matplotlib.figure.Figure
+    tips: dict[str, str] = field(default_factory=dict)
 
-    def add(self, s: str) -> None:
-        self.parts.append(s)
+    def tag(self, artist: Any, variant: Optional[str], part: str, tip: Optional[str] = None) -> Any:
+        """Give ``artist`` the SVG id ``variant-<variant>:<part>`` (or ``part`` alone) and a hover text."""
+        gid = part if variant is None else f"variant-{variant}:{part}"  # ':' is never in a sweep's variant name
+        artist.set_gid(gid)
+        if tip:
+            self.tips[gid] = tip
+        return artist
 
-    def rect(self, x, y, w, h, fill, tip=None, extra="") -> None:
-        t = f"<title>{_e(tip)}</title>" if tip else ""
-        self.add(f'<rect x="{_f(x)}" y="{_f(y)}" width="{_f(w)}" height="{_f(h)}" fill="{fill}"{extra}>{t}</rect>')
+    def svg(self) -> str:
+        """The standalone SVG file's text, with a <title> (the browser's tooltip) in each tagged group."""
+        from matplotlib import rc_context
 
-    def line(self, x1, y1, x2, y2, stroke="#999", extra="", tip=None) -> None:
-        end = f"><title>{_e(tip)}</title></line>" if tip else "/>"
-        self.add(f'<line x1="{_f(x1)}" y1="{_f(y1)}" x2="{_f(x2)}" y2="{_f(y2)}" stroke="{stroke}"{extra}{end}')
+        buf = io.StringIO()
+        with rc_context({**_SVG_RC, "svg.hashsalt": f"bigtune-{self.kind}"}):
+            self.fig.savefig(buf, format="svg", metadata=_SVG_METADATA)
 
-    def text(self, x, y, s, size=11, anchor="start", fill="#222", extra="") -> None:
-        self.add(
-            f'<text x="{_f(x)}" y="{_f(y)}" font-size="{size}" text-anchor="{anchor}" fill="{fill}"{extra}>'
-            f"{_e(s)}</text>"
-        )
+        def titled(m: re.Match) -> str:
+            tip = self.tips.get(html.unescape(m.group(1)))
+            return m.group(0) + (f"<title>{_e(tip)}</title>" if tip else "")
 
-    def render(self, standalone: bool) -> str:
-        ns = f' xmlns="{SVG_NS}"' if standalone else ""
-        head = (
-            f'<svg{ns} class="{self.css_class}" width="{_f(self.w)}" height="{_f(self.h)}" '
-            f'viewBox="0 0 {_f(self.w)} {_f(self.h)}" role="img" aria-label="{_e(self.title)}" '
-            f'font-family="{_e(FONT)}">'
-        )
-        body = (
-            f'<title>{_e(self.title)}</title><rect x="0" y="0" width="{_f(self.w)}" height="{_f(self.h)}" '
-            f'fill="#ffffff"/>' + "".join(self.parts)
-        )
-        xml = '<?xml version="1.0" encoding="UTF-8"?>\n' if standalone else ""
-        return xml + head + body + "</svg>" + ("\n" if standalone else "")
+        return re.sub(r'<g id="([^"]*)">', titled, buf.getvalue())
+
+    def save_png(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        self.fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
 
 
-def nice_ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
-    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 × 10^k; whole steps if ``integer``)."""
-    if not math.isfinite(lo) or not math.isfinite(hi):
-        return [0.0, 1.0]
-    if hi <= lo:
-        hi = lo + (abs(lo) or 1.0)
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    mults = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
-    step = next(m * mag for m in mults if raw <= m * mag * 1.0000001)
-    if integer:
-        step = max(1.0, round(step))
-    start = math.floor(lo / step + 1e-9) * step
-    ticks, t = [], start
-    while t < hi - 1e-9 * step:
-        ticks.append(t)
-        t += step
-    ticks.append(t)
-    return [round(x, 12) for x in ticks]
+def inline_svg(svg: str, kind: str, label: str) -> str:
+    """A chart's SVG file as an element of report.html.
 
-
-def _tick_label(v: float) -> str:
-    return f"{v:,.0f}" if abs(v) >= 100 or v == int(v) else f"{v:.3g}"
-
-
-def _y_axis(
-    svg: Svg, left: float, top: float, height: float, width: float, ticks: list[float], unit: str, scale=lambda v: v
-) -> None:
-    lo, hi = ticks[0], ticks[-1]
-    for t in ticks:
-        y = top + height - (t - lo) / (hi - lo) * height
-        svg.line(left, y, left + width, y, "#e6e6e6")
-        svg.text(left - 6, y + 4, _tick_label(scale(t)), 10, "end", "#555")
-    svg.line(left, top, left, top + height, "#888")
-    svg.line(left, top + height, left + width, top + height, "#888")
-    svg.text(14, top + height / 2, unit, 11, "middle", "#555", f' transform="rotate(-90 14 {_f(top + height / 2)})"')
-
-
-def _variant_labels(svg: Svg, rows: list[dict], centers: list[float], y: float) -> None:
-    for r, cx in zip(rows, centers):
-        color = OOM_COLOR if r.get("status") not in ("ok", None) else "#222"
-        name = r["variant"] if len(r["variant"]) <= 30 else r["variant"][:29] + "…"
-        svg.text(cx, y, name, 11, "end", color, f' transform="rotate(-35 {_f(cx)} {_f(y)})"')
-
-
-def _label_depth(rows: list[dict]) -> float:
-    """Vertical room the rotated variant names need below the axis."""
-    longest = max(min(len(r["variant"]), 30) for r in rows)
-    return 6.4 * longest * math.sin(math.radians(35)) + 14
-
-
-def _legend(svg: Svg, x: float, y: float, items: list[tuple[str, str]], max_x: float) -> float:
-    """Colour swatches left to right, wrapping at max_x; returns the y below the legend."""
-    cx, cy = x, y
-    for label, color in items:
-        w = 18 + 6.3 * len(label) + 14
-        if cx + w > max_x and cx > x:
-            cx, cy = x, cy + 18
-        svg.rect(cx, cy - 9, 12, 12, color)
-        svg.text(cx + 17, cy + 1, label, 11)
-        cx += w
-    return cy + 18
-
-
-def memory_svg(rows: list[dict], title: str) -> Svg:
-    """(a) Stacked measured categories per variant beside the plan's prediction, capacity, OOM marks.
-
-    Long because it draws one figure top to bottom (axes, stacked bars, predictions, capacity, legend);
-    its helpers (_y_axis, _legend, _variant_labels) hold what is shared with the other plots.
+    No XML prolog or namespace declarations (HTML's parser supplies the namespaces, and the page names
+    no web address); the size in CSS pixels; matplotlib's automatic group ids (figure_1, axes_1, ...),
+    which every chart repeats and nothing refers to, dropped so that the page's ids stay unique.
     """
-    n = len(rows)
-    bw, left, right = 34, 76, 24
-    gw = min(180.0, max(104.0, (680 - left - right) / n))
-    width = left + n * gw + right
-    svg = Svg(width, 0, f"Memory per variant: {title}", "plot memory")
-    svg.text(left, 20, f"Peak memory per variant (measured | plan) — {title}", 14, extra=' font-weight="600"')
-    items = [(CAT_LABELS[c], CAT_COLORS[c]) for c in DEVICE_CATS + ("transient",)]
-    top = _legend(svg, left, 42, items, width - right)
-    svg.text(
-        left,
-        top + 2,
-        "left bar: measured · right bar (faded): plan · dashed red: capacity · red outline: out of memory",
-        10,
-        fill="#555",
+    body = svg[svg.index("<svg") :]
+    root_end = body.index(">") + 1
+    view = re.search(r'viewBox="([^"]*)"', body[:root_end]).group(1)
+    w_pt, h_pt = (float(x) for x in view.split()[2:])
+    inner = re.sub(r' id="[\w.]+_\d+"', "", body[root_end:])
+    px = 96 / 72  # matplotlib's SVG unit is the point
+    return (
+        f'<svg class="plot {kind}" width="{w_pt * px:.0f}" height="{h_pt * px:.0f}" viewBox="{view}" '
+        f'role="img" aria-label="{_e(label)}">' + inner.rstrip() + "\n"
     )
-    top += 22
-    ph = 280
-    values = [1.0]
-    for r in rows:
-        b, p = r.get("breakdown"), r.get("predicted")
-        if b:
-            values.append(b["peak_allocated"])
-        if p:
-            values += [p["peak_allocated"], p.get("total") or 0]
-        if r.get("peak_reserved_bytes"):
-            values.append(r["peak_reserved_bytes"])
-        if r.get("capacity_bytes"):
-            values.append(r["capacity_bytes"])
-    unit, size = _unit_for(max(values))
-    ticks = nice_ticks(0, max(values) / size * 1.04)
-    vmax = ticks[-1] * size
-
-    def y(v: float) -> float:
-        return top + ph - v / vmax * ph
-
-    _y_axis(svg, left, top, ph, n * gw, ticks, unit)
-    caps = [r.get("capacity_bytes") for r in rows]
-    shared_cap = caps[0] if caps and caps[0] and all(c == caps[0] for c in caps) else None
-    if shared_cap:
-        svg.line(
-            left,
-            y(shared_cap),
-            left + n * gw,
-            y(shared_cap),
-            OOM_COLOR,
-            ' stroke-width="1.5" stroke-dasharray="6 4" class="capacity"',
-        )
-        svg.text(left + n * gw - 4, y(shared_cap) - 4, f"capacity {fmt_bytes(shared_cap)}", 10, "end", OOM_COLOR)
-    centers = []
-    for i, r in enumerate(rows):
-        gx = left + i * gw + (gw - 2 * bw - 6) / 2
-        centers.append(gx + bw + 3)
-        name = r["variant"]
-        svg.add(f'<g class="variant" data-variant="{_e(name)}" data-status="{_e(r.get("status"))}">')
-        b = r.get("breakdown")
-        status = r.get("status")
-        bar_top = y(0)
-        if b:
-            acc = 0
-            for c in DEVICE_CATS + ("transient",):
-                v = b.get(c) or 0
-                if v <= 0:
-                    continue
-                y1, y0 = y(acc + v), y(acc)
-                tip = f"{name}: {CAT_LABELS[c]} {fmt_bytes(v)} ({b['phase']}, step {b['step']}; {b['source']})"
-                svg.rect(gx, y1, bw, max(0.5, y0 - y1), CAT_COLORS[c], tip, f' class="measured {c}"')
-                acc += v
-            bar_top = y(acc)
-            if b.get("optimizer_cpu"):
-                svg.text(gx + bw / 2, y(0) + 22, f"+{fmt_bytes(b['optimizer_cpu'])} CPU", 8, "middle", "#555")
-            if r.get("peak_reserved_bytes"):
-                yr = y(r["peak_reserved_bytes"])
-                svg.line(
-                    gx - 3,
-                    yr,
-                    gx + bw + 3,
-                    yr,
-                    "#333",
-                    ' stroke-width="2" class="reserved"',
-                    f"{name}: peak reserved {fmt_bytes(r['peak_reserved_bytes'])}",
-                )
-        if status == "oom":
-            o = r.get("oom") or {}
-            cap = r.get("capacity_bytes")
-            reach = max(cap or 0, (r.get("predicted") or {}).get("peak_allocated") or 0)
-            if reach and y(reach) < bar_top - 1:
-                svg.rect(
-                    gx,
-                    y(reach),
-                    bw,
-                    bar_top - y(reach),
-                    "none",
-                    f"{name}: ran out of memory; capacity {fmt_bytes(cap)}, plan "
-                    f"{fmt_bytes((r.get('predicted') or {}).get('peak_allocated'))}",
-                    f' stroke="{OOM_COLOR}" stroke-width="1.5" stroke-dasharray="4 3" class="oom-reach"',
-                )
-                bar_top = y(reach)
-            if not b:
-                svg.rect(gx, y(0) - 3, bw, 3, OOM_COLOR, f"{name}: nothing measured before the OOM", ' class="oom"')
-            svg.text(gx + bw / 2, bar_top - 16, "OOM", 11, "middle", OOM_COLOR, ' font-weight="700" class="oom-label"')
-            svg.text(gx + bw / 2, bar_top - 5, f"{o.get('phase')} @ {o.get('step')}", 9, "middle", OOM_COLOR)
-        elif b:
-            svg.text(gx + bw / 2, bar_top - 4, f"{b['peak_allocated'] / size:.3g}", 9, "middle", "#222")
-        elif status not in FINISHED:
-            svg.text(
-                gx + bw / 2,
-                y(0) - 8,
-                status or "?",
-                10,
-                "start",
-                OOM_COLOR,
-                f' transform="rotate(-90 {_f(gx + bw / 2)} {_f(y(0) - 8)})"',
-            )
-        p = r.get("predicted")
-        px = gx + bw + 6
-        if p:
-            if p.get("stacked"):
-                acc = 0
-                for c in DEVICE_CATS + ("transient",):
-                    v = p.get(c) or 0
-                    if v <= 0:
-                        continue
-                    y1, y0 = y(acc + v), y(acc)
-                    svg.rect(
-                        px,
-                        y1,
-                        bw,
-                        max(0.5, y0 - y1),
-                        CAT_COLORS[c],
-                        f"{name}: plan {CAT_LABELS[c]} {fmt_bytes(v)}",
-                        f' opacity="0.45" class="predicted {c}"',
-                    )
-                    acc += v
-            else:
-                svg.rect(
-                    px,
-                    y(p["peak_allocated"]),
-                    bw,
-                    y(0) - y(p["peak_allocated"]),
-                    "#9aa5b1",
-                    f"{name}: plan peak allocated {fmt_bytes(p['peak_allocated'])}",
-                    ' opacity="0.6" class="predicted"',
-                )
-            svg.rect(
-                px,
-                y(p["peak_allocated"]),
-                bw,
-                y(0) - y(p["peak_allocated"]),
-                "none",
-                None,
-                ' stroke="#555" stroke-width="0.8"',
-            )
-            err = (r.get("plan") or {}).get("peak_error_pct")
-            label = f"{p['peak_allocated'] / size:.3g}" + ("" if err is None else f" ({err:+.1f}%)")
-            svg.text(px + bw / 2, y(p["peak_allocated"]) - 4, label, 8, "middle", "#555")
-            if p.get("total") and p["total"] > p["peak_allocated"] * 1.001:
-                yt = y(p["total"])
-                svg.line(
-                    px - 2,
-                    yt,
-                    px + bw + 2,
-                    yt,
-                    "#555",
-                    ' stroke-width="1.5" stroke-dasharray="2 2"',
-                    f"{name}: plan total incl. reserved and CUDA context {fmt_bytes(p['total'])}",
-                )
-        svg.text(gx + bw / 2, y(0) + 11, "meas", 8, "middle", "#777")
-        svg.text(px + bw / 2, y(0) + 11, "plan", 8, "middle", "#777")
-        cap = r.get("capacity_bytes")
-        if cap and not shared_cap:
-            svg.line(
-                gx - 6,
-                y(cap),
-                px + bw + 6,
-                y(cap),
-                OOM_COLOR,
-                ' stroke-width="1.5" stroke-dasharray="6 4" class="capacity"',
-                f"{name}: capacity {fmt_bytes(cap)}",
-            )
-        svg.add("</g>")
-    _variant_labels(svg, rows, centers, top + ph + 34)
-    svg.h = top + ph + 34 + _label_depth(rows)
-    return svg
 
 
-def _bar_panel(
-    svg: Svg,
-    rows: list[dict],
-    key: str,
-    label: str,
-    fmt: str,
-    left: float,
-    top: float,
-    ph: float,
-    gw: float,
-    color: str,
-) -> None:
-    vals = [r.get(key) for r in rows]
-    present = [v for v in vals if isinstance(v, (int, float)) and v > 0]
-    ticks = nice_ticks(0, max(present) * 1.08 if present else 1.0)
-    vmax = ticks[-1]
-    _y_axis(svg, left, top, ph, len(rows) * gw, ticks, label)
-    bw = min(46, gw * 0.55)
-    for i, (r, v) in enumerate(zip(rows, vals)):
-        cx = left + i * gw + gw / 2
-        svg.add(f'<g class="variant" data-variant="{_e(r["variant"])}">')
-        if isinstance(v, (int, float)) and v > 0:
-            h = v / vmax * ph
-            svg.rect(
-                cx - bw / 2,
-                top + ph - h,
-                bw,
-                h,
-                color,
-                f"{r['variant']}: {label} {fmt.format(v)}",
-                f' class="bar {key}"',
-            )
-            svg.text(cx, top + ph - h - 4, fmt.format(v), 9, "middle")
-        else:
-            st = r.get("status")
-            word = "OOM" if st == "oom" else (st if st not in ("ok", None) else "n/a")
-            svg.text(cx, top + ph - 6, word, 10, "middle", OOM_COLOR if st != "ok" else "#777")
-        svg.add("</g>")
+def _figure(width_in: float, height_in: float) -> Any:
+    from matplotlib.figure import Figure  # here: importing matplotlib would slow down `bigtune --help`
 
-
-def throughput_svg(rows: list[dict], title: str) -> Svg:
-    """(b) Tokens per second and seconds per optimizer step, one bar per variant."""
-    n = len(rows)
-    left, right = 86, 24
-    gw = min(160.0, max(84.0, (600 - left - right) / n))
-    width = left + n * gw + right
-    svg = Svg(width, 0, f"Throughput per variant: {title}", "plot throughput")
-    svg.text(left, 20, f"Throughput — {title}", 14, extra=' font-weight="600"')
-    ph = 150
-    svg.text(left, 44, "tokens per second (higher is better)", 11, fill="#555")
-    _bar_panel(svg, rows, "tokens_per_s", "tokens/s", "{:,.0f}", left, 56, ph, gw, "#4e79a7")
-    top2 = 56 + ph + 40
-    svg.text(left, top2 - 12, "seconds per optimizer step (lower is better)", 11, fill="#555")
-    _bar_panel(svg, rows, "step_time_s", "s / step", "{:.3g}", left, top2, ph, gw, "#f28e2b")
-    centers = [left + i * gw + gw / 2 for i in range(n)]
-    _variant_labels(svg, rows, centers, top2 + ph + 18)
-    svg.h = top2 + ph + 18 + _label_depth(rows)
-    return svg
-
-
-def loss_svg(rows: list[dict], title: str) -> Svg:
-    """(c) Training loss against optimizer step, one curve per variant that logged any."""
-    left, top, pw, ph, legend_w = 70, 40, 560, 300, 230
-    svg = Svg(left + pw + 20 + legend_w, top + ph + 50, f"Loss curves: {title}", "plot loss")
-    svg.text(left, 20, f"Training loss — {title}", 14, extra=' font-weight="600"')
-    pts = [p for r in rows for p in r.get("loss_curve") or []]
-    if pts:
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        xt = nice_ticks(min(0, min(xs)), max(xs) if max(xs) > min(0, min(xs)) else 1, 6, integer=True)
-        lo, hi = min(ys), max(ys)
-        pad = (hi - lo) * 0.05 or abs(hi) * 0.05 or 0.5
-        yt = nice_ticks(lo - pad, hi + pad)
-    else:
-        xt, yt = [0.0, 1.0], [0.0, 1.0]
-        svg.text(left + pw / 2, top + ph / 2, "no variant logged a loss", 12, "middle", "#777")
-
-    def X(v: float) -> float:
-        return left + (v - xt[0]) / (xt[-1] - xt[0]) * pw
-
-    def Y(v: float) -> float:
-        return top + ph - (v - yt[0]) / (yt[-1] - yt[0]) * ph
-
-    _y_axis(svg, left, top, ph, pw, yt, "loss")
-    for t in xt:
-        svg.line(X(t), top + ph, X(t), top + ph + 4, "#888")
-        svg.text(X(t), top + ph + 16, _tick_label(t), 10, "middle", "#555")
-    svg.text(left + pw / 2, top + ph + 36, "optimizer step", 11, "middle", "#555")
-    ly = top + 4
-    for i, r in enumerate(rows):
-        color = SERIES[i % len(SERIES)]
-        # Curves often coincide (e.g. activation checkpointing does not change the maths): later ones are
-        # thinner and dashed so the earlier ones stay visible underneath.
-        width = max(1.4, 3.2 - 0.45 * i)
-        dash = DASHES[i % len(DASHES)]
-        style = f' stroke-width="{width:.2f}"' + (f' stroke-dasharray="{dash}"' if dash else "")
-        curve = r.get("loss_curve") or []
-        name = r["variant"] if len(r["variant"]) <= 28 else r["variant"][:27] + "…"
-        if curve:
-            points = " ".join(f"{_f(X(s))},{_f(Y(v))}" for s, v in curve)
-            svg.add(f'<g class="variant" data-variant="{_e(r["variant"])}">')
-            svg.add(
-                f'<polyline class="curve" points="{points}" fill="none" stroke="{color}"{style} '
-                f'stroke-linejoin="round"><title>{_e(r["variant"])}: loss {curve[0][1]:.4f} → '
-                f"{curve[-1][1]:.4f}</title></polyline>"
-            )
-            if len(curve) <= 40:
-                for s, v in curve:
-                    svg.add(f'<circle cx="{_f(X(s))}" cy="{_f(Y(v))}" r="2.5" fill="{color}"/>')
-            svg.add("</g>")
-            svg.line(left + pw + 14, ly, left + pw + 40, ly, color, style)
-            svg.text(left + pw + 46, ly + 4, name, 11)
-        else:
-            st = r.get("status")
-            svg.text(left + pw + 46, ly + 4, f"{name} (no loss: {st})", 11, fill="#999")
-        ly += 18
-    svg.h = max(svg.h, ly + 10)
-    return svg
+    return Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
 
 
 def _short(name: str, n: int = 28) -> str:
@@ -826,10 +481,21 @@ def _status_word(r: dict) -> str:
     return "OOM" if st == "oom" else (st if st not in ("ok", None) else "n/a")
 
 
-def _png_memory(plt, rows: list[dict], title: str, path: Path) -> None:
-    """The memory figure of ``memory_svg`` drawn with matplotlib, for the PNG copy.
+def _variant_ticks(chart: Chart, ax: Any, rows: list[dict], tag: bool) -> None:
+    """Variant names under the bars, red for those that did not finish ok."""
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([_short(r["variant"]) for r in rows], rotation=35, ha="right", fontsize=8)
+    for lbl, r in zip(ax.get_xticklabels(), rows):
+        if r.get("status") not in ("ok", None):
+            lbl.set_color(OOM_COLOR)
+        if tag:
+            chart.tag(lbl, r["variant"], "name", f"{r['variant']}: {_reason(r) or r.get('status')}")
 
-    Long because it draws one figure top to bottom, as memory_svg does.
+
+def memory_chart(rows: list[dict], title: str) -> Chart:
+    """(a) Stacked measured categories per variant beside the plan's prediction, capacity, OOM marks.
+
+    Long because it draws one figure bar by bar, each mark with its id and hover text.
     """
     from matplotlib.patches import Patch
 
@@ -841,13 +507,15 @@ def _png_memory(plt, rows: list[dict], title: str, path: Path) -> None:
         values += [p["peak_allocated"], p.get("total") or 0] if p else []
         values += [r.get("peak_reserved_bytes") or 0, r.get("capacity_bytes") or 0]
     unit, size = _unit_for(max(values))
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.0 + 0.75 * n), 5.6), dpi=100)
+    chart = Chart("memory", f"Memory per variant: {title}", _figure(max(7.0, 1.0 + 0.75 * n), 5.6))
+    ax = chart.fig.subplots()
     bw = 0.36
     top = max(values) / size * 1.12
     caps = [r.get("capacity_bytes") for r in rows]
     shared_cap = caps[0] if caps and caps[0] and all(c == caps[0] for c in caps) else None
     if shared_cap:
-        ax.axhline(shared_cap / size, color=OOM_COLOR, ls=(0, (6, 4)), lw=1.3)
+        line = ax.axhline(shared_cap / size, color=OOM_COLOR, ls=(0, (6, 4)), lw=1.3)
+        chart.tag(line, None, "capacity", f"capacity {fmt_bytes(shared_cap)}")
         ax.text(
             n - 0.5,
             shared_cap / size,
@@ -858,17 +526,17 @@ def _png_memory(plt, rows: list[dict], title: str, path: Path) -> None:
             va="bottom",
         )
     for i, r in enumerate(rows):
-        b, p, st = r.get("breakdown"), r.get("predicted"), r.get("status")
+        name, b, p, st = r["variant"], r.get("breakdown"), r.get("predicted"), r.get("status")
         xm, xp = i - bw / 2 - 0.02, i + bw / 2 + 0.02
         bar_top = 0.0
         if b:
-            acc = 0.0
             for c in DEVICE_CATS + ("transient",):
                 v = (b.get(c) or 0) / size
                 if v > 0:
-                    ax.bar(xm, v, bw, bottom=acc, color=CAT_COLORS[c], edgecolor="white", linewidth=0.3)
-                    acc += v
-            bar_top = acc
+                    bar = ax.bar(xm, v, bw, bottom=bar_top, color=CAT_COLORS[c], edgecolor="white", linewidth=0.3)
+                    tip = f"{name}: {CAT_LABELS[c]} {fmt_bytes(b[c])} ({b['phase']}, step {b['step']}; {b['source']})"
+                    chart.tag(bar[0], name, f"measured:{c}", tip)
+                    bar_top += v
             if b.get("optimizer_cpu"):
                 ax.annotate(
                     f"+{fmt_bytes(b['optimizer_cpu'])} CPU",
@@ -882,38 +550,56 @@ def _png_memory(plt, rows: list[dict], title: str, path: Path) -> None:
                     rotation=90,
                 )
             if r.get("peak_reserved_bytes"):
-                ax.hlines(r["peak_reserved_bytes"] / size, xm - bw / 2 - 0.04, xm + bw / 2 + 0.04, color="#333", lw=2)
+                tick = ax.hlines(
+                    r["peak_reserved_bytes"] / size, xm - bw / 2 - 0.04, xm + bw / 2 + 0.04, color="#333", lw=2
+                )
+                chart.tag(tick, name, "reserved", f"{name}: peak reserved {fmt_bytes(r['peak_reserved_bytes'])}")
         if p:
+            peak = p["peak_allocated"] / size
             if p.get("stacked"):
                 acc = 0.0
                 for c in DEVICE_CATS + ("transient",):
                     v = (p.get(c) or 0) / size
                     if v > 0:
-                        ax.bar(xp, v, bw, bottom=acc, color=CAT_COLORS[c], alpha=0.45, edgecolor="white", lw=0.3)
+                        bar = ax.bar(xp, v, bw, bottom=acc, color=CAT_COLORS[c], alpha=0.45, edgecolor="white", lw=0.3)
+                        chart.tag(bar[0], name, f"plan:{c}", f"{name}: plan {CAT_LABELS[c]} {fmt_bytes(p[c])}")
                         acc += v
             else:
-                ax.bar(xp, p["peak_allocated"] / size, bw, color="#9aa5b1", alpha=0.6)
-            ax.bar(xp, p["peak_allocated"] / size, bw, fill=False, edgecolor="#555", lw=0.8)
+                bar = ax.bar(xp, peak, bw, color="#9aa5b1", alpha=0.6)
+                chart.tag(bar[0], name, "plan:peak", f"{name}: plan peak allocated {fmt_bytes(p['peak_allocated'])}")
+            ax.bar(xp, peak, bw, fill=False, edgecolor="#555", lw=0.8)
             err = (r.get("plan") or {}).get("peak_error_pct")
             ax.text(
                 xp,
-                p["peak_allocated"] / size,
-                f"{p['peak_allocated'] / size:.3g}" + ("" if err is None else f"\n({err:+.1f}%)"),
+                peak,
+                f"{peak:.3g}" + ("" if err is None else f"\n({err:+.1f}%)"),
                 ha="center",
                 va="bottom",
                 fontsize=6.5,
                 color="#555",
             )
+            if p.get("total") and p["total"] > p["peak_allocated"] * 1.001:
+                tick = ax.hlines(
+                    p["total"] / size, xp - bw / 2 - 0.02, xp + bw / 2 + 0.02, color="#555", ls=(0, (2, 2)), lw=1.5
+                )
+                tip = f"{name}: plan total incl. reserved and CUDA context {fmt_bytes(p['total'])}"
+                chart.tag(tick, name, "plan:total", tip)
+        cap = r.get("capacity_bytes")
+        if cap and not shared_cap:
+            line = ax.hlines(cap / size, i - 0.45, i + 0.45, color=OOM_COLOR, ls=(0, (6, 4)), lw=1.3)
+            chart.tag(line, name, "capacity", f"{name}: capacity {fmt_bytes(cap)}")
         if st == "oom":
             o = r.get("oom") or {}
-            cap = r.get("capacity_bytes")
-            if cap and not shared_cap:
-                ax.hlines(cap / size, i - 0.45, i + 0.45, color=OOM_COLOR, ls=(0, (6, 4)), lw=1.3)
             reach = max(cap or 0, (p or {}).get("peak_allocated") or 0) / size
             if reach > bar_top:
-                ax.bar(xm, reach - bar_top, bw, bottom=bar_top, fill=False, edgecolor=OOM_COLOR, ls="--", lw=1.2)
+                bar = ax.bar(xm, reach - bar_top, bw, bottom=bar_top, fill=False, edgecolor=OOM_COLOR, ls="--", lw=1.2)
+                tip = f"{name}: ran out of memory; capacity {fmt_bytes(cap)}, plan {fmt_bytes((p or {}).get('peak_allocated'))}"
+                chart.tag(bar[0], name, "oom:reach", tip)
                 bar_top = reach
-            ax.text(
+            if not b:
+                bar = ax.bar(xm, top * 0.01, bw, color=OOM_COLOR)
+                chart.tag(bar[0], name, "oom:nothing-measured", f"{name}: nothing measured before the OOM")
+            label = ax.text(
                 xm,
                 bar_top,
                 f"OOM\n{o.get('phase')} @ {o.get('step')}",
@@ -923,43 +609,33 @@ def _png_memory(plt, rows: list[dict], title: str, path: Path) -> None:
                 color=OOM_COLOR,
                 fontweight="bold",
             )
+            chart.tag(label, name, "oom", f"{name}: {_reason(r)}")
         elif b:
             ax.text(xm, bar_top, f"{b['peak_allocated'] / size:.3g}", ha="center", va="bottom", fontsize=7)
         elif st not in FINISHED:
-            ax.text(i, top * 0.02, _status_word(r), rotation=90, ha="center", va="bottom", fontsize=9, color=OOM_COLOR)
-    ax.set_xticks(range(n))
-    ax.set_xticklabels([_short(r["variant"]) for r in rows], rotation=35, ha="right", fontsize=8)
-    for lbl, r in zip(ax.get_xticklabels(), rows):
-        if r.get("status") not in ("ok", None):
-            lbl.set_color(OOM_COLOR)
+            word = ax.text(
+                i, top * 0.02, _status_word(r), rotation=90, ha="center", va="bottom", fontsize=9, color=OOM_COLOR
+            )
+            chart.tag(word, name, "status", f"{name}: {_reason(r) or st}")
+    _variant_ticks(chart, ax, rows, tag=True)
     ax.set_xlim(-0.6, n - 0.4)
     ax.set_ylim(0, top)
     ax.set_ylabel(unit)
     ax.grid(axis="y", color="#e6e6e6")
     ax.set_axisbelow(True)
     planned = any(r.get("predicted") for r in rows)
-    ax.set_title(
-        f"Peak memory per variant ({'left: measured, right faded: plan' if planned else 'measured; no plan'})"
-        f" — {title}",
-        fontsize=10,
-    )
+    how = "left: measured, right faded: plan" if planned else "measured; no plan"
+    ax.set_title(f"Peak memory per variant ({how}) — {title}", fontsize=10)
     handles = [Patch(color=CAT_COLORS[c], label=CAT_LABELS[c]) for c in DEVICE_CATS + ("transient",)]
-    ax.legend(
-        handles=handles,
-        fontsize=7,
-        ncol=5,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.32 if n > 4 else -0.2),
-        frameon=False,
-    )
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    chart.fig.legend(handles=handles, fontsize=7, ncol=5, loc="outside lower center", frameon=False)
+    return chart
 
 
-def _png_throughput(plt, rows: list[dict], title: str, path: Path) -> None:
+def throughput_chart(rows: list[dict], title: str) -> Chart:
+    """(b) Tokens per second and seconds per optimizer step, one bar per variant."""
     n = len(rows)
-    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.0 + 0.7 * n), 6.0), dpi=100, sharex=True)
+    chart = Chart("throughput", f"Throughput per variant: {title}", _figure(max(7.0, 1.0 + 0.7 * n), 6.0))
+    axes = chart.fig.subplots(2, 1, sharex=True)
     for ax, key, label, fmt, color in (
         (axes[0], "tokens_per_s", "tokens/s (higher is better)", "{:,.0f}", "#4e79a7"),
         (axes[1], "step_time_s", "s / step (lower is better)", "{:.3g}", "#f28e2b"),
@@ -969,10 +645,11 @@ def _png_throughput(plt, rows: list[dict], title: str, path: Path) -> None:
         vmax = max(present) * 1.18 if present else 1.0
         for i, (r, v) in enumerate(zip(rows, vals)):
             if isinstance(v, (int, float)) and v > 0:
-                ax.bar(i, v, 0.55, color=color)
+                bar = ax.bar(i, v, 0.55, color=color)
+                chart.tag(bar[0], r["variant"], key, f"{r['variant']}: {label.split(' (')[0]} {fmt.format(v)}")
                 ax.text(i, v, fmt.format(v), ha="center", va="bottom", fontsize=7)
             else:
-                ax.text(
+                word = ax.text(
                     i,
                     vmax * 0.03,
                     _status_word(r),
@@ -981,70 +658,53 @@ def _png_throughput(plt, rows: list[dict], title: str, path: Path) -> None:
                     fontsize=8,
                     color=OOM_COLOR if r.get("status") != "ok" else "#777",
                 )
+                chart.tag(word, r["variant"], f"{key}:none", f"{r['variant']}: no {key} ({r.get('status')})")
         ax.set_ylim(0, vmax)
         ax.set_ylabel(label, fontsize=8)
         ax.grid(axis="y", color="#e6e6e6")
         ax.set_axisbelow(True)
-    axes[1].set_xticks(range(n))
-    axes[1].set_xticklabels([_short(r["variant"]) for r in rows], rotation=35, ha="right", fontsize=8)
+    _variant_ticks(chart, axes[1], rows, tag=False)
     axes[0].set_title(f"Throughput — {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    return chart
 
 
-def _png_loss(plt, rows: list[dict], title: str, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(9.0, 4.6), dpi=100)
+def loss_chart(rows: list[dict], title: str) -> Chart:
+    """(c) Training loss against optimizer step, one curve per variant that logged any."""
+    from matplotlib.ticker import MaxNLocator
+
+    chart = Chart("loss", f"Loss curves: {title}", _figure(9.0, 4.6))
+    ax = chart.fig.subplots()
     drawn = 0
     for i, r in enumerate(rows):
         curve = r.get("loss_curve") or []
-        color = SERIES[i % len(SERIES)]
         dash = DASHES[i % len(DASHES)]
-        style = (0, tuple(float(x) for x in dash.split())) if dash else "-"
         if curve:
-            ax.plot(
+            # Curves often coincide (activation checkpointing does not change the maths): later ones are
+            # thinner and dashed so that the earlier ones stay visible underneath.
+            (line,) = ax.plot(
                 [s for s, _ in curve],
                 [v for _, v in curve],
-                color=color,
-                ls=style,
+                color=SERIES[i % len(SERIES)],
+                ls=(0, dash) if dash else "-",
                 lw=max(1.2, 2.6 - 0.3 * i),
                 marker="o" if len(curve) <= 40 else None,
                 ms=3,
                 label=_short(r["variant"]),
             )
+            tip = f"{r['variant']}: loss {curve[0][1]:.4f} → {curve[-1][1]:.4f}"
+            chart.tag(line, r["variant"], "loss", tip)
             drawn += 1
         else:
             ax.plot([], [], color="#bbb", label=f"{_short(r['variant'])} (no loss: {r.get('status')})")
     if not drawn:
         ax.text(0.5, 0.5, "no variant logged a loss", ha="center", va="center", transform=ax.transAxes, color="#777")
-    from matplotlib.ticker import MaxNLocator
-
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.grid(color="#e6e6e6")
     ax.set_title(f"Training loss — {title}", fontsize=10)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-
-
-def write_pngs(rows: list[dict], title: str, out: Path) -> list[str]:
-    """memory.png, throughput.png and loss.png (matplotlib, Agg): the SVG plots' content as pictures."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)  # no display; never opens a window
-    import matplotlib.pyplot as plt
-
-    written = []
-    for name, draw in (("memory", _png_memory), ("throughput", _png_throughput), ("loss", _png_loss)):
-        final = out / f"{name}.png"
-        tmp = out / f".{name}.png.tmp"
-        draw(plt, rows, title, tmp)
-        os.replace(tmp, final)
-        written.append(str(final))
-    return written
+    chart.fig.legend(fontsize=7, loc="outside right center", frameon=False)
+    return chart
 
 
 def _phase_table(r: dict) -> Optional[tuple[int, list[list[str]], str]]:
@@ -1218,8 +878,8 @@ def _status_html(r: dict) -> str:
     return out
 
 
-def html_report(data: dict, svgs: dict[str, Svg]) -> str:
-    """The self-contained report.html: tables, inline SVG plots and each run's phase table.
+def html_report(data: dict, plots: dict[str, str]) -> str:
+    """The self-contained report.html: tables, the inline SVG ``plots`` (by kind) and each run's phase table.
 
     Long because it writes one HTML page in reading order; each part is a few lines of markup.
     """
@@ -1264,10 +924,7 @@ def html_report(data: dict, svgs: dict[str, Svg]) -> str:
         "loss": "Training loss per logged optimizer step.",
     }
     for key, title in (("memory", "Memory"), ("throughput", "Throughput"), ("loss", "Loss")):
-        h.append(
-            f"<h2>{title}</h2><figure>{svgs[key].render(standalone=False)}"
-            f"<figcaption>{captions[key]}</figcaption></figure>"
-        )
+        h.append(f"<h2>{title}</h2><figure>{plots[key]}<figcaption>{captions[key]}</figcaption></figure>")
     details = []
     for r in rows:
         items = []
@@ -1324,7 +981,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_report(path: str | Path, out_dir: str | Path | None = None) -> dict:
-    """Write report.md, results.csv, report.html and memory/throughput/loss .svg for a sweep or run folder.
+    """Write report.md, results.csv, report.html and memory/throughput/loss .svg and .png for a sweep or run folder.
 
     Returns the paths written and ``text``, the summary ``bigtune report`` prints.
     """
@@ -1332,21 +989,23 @@ def write_report(path: str | Path, out_dir: str | Path | None = None) -> dict:
     out = Path(out_dir) if out_dir is not None else Path(path)
     out.mkdir(parents=True, exist_ok=True)
     rows, title = data["rows"], data["title"]
-    svgs = {"memory": memory_svg(rows, title), "throughput": throughput_svg(rows, title), "loss": loss_svg(rows, title)}
-    names = {k: f"{k}.svg" for k in svgs}
-    written = []
-    for k, svg in svgs.items():
-        p = out / names[k]
-        _atomic_write(p, svg.render(standalone=True))
-        written.append(str(p))
+    charts = [memory_chart(rows, title), throughput_chart(rows, title), loss_chart(rows, title)]
+    names = {c.kind: f"{c.kind}.svg" for c in charts}
+    plots, written, pngs = {}, [], []
+    for c in charts:
+        svg = c.svg()
+        _atomic_write(out / names[c.kind], svg)
+        written.append(str(out / names[c.kind]))
+        plots[c.kind] = inline_svg(svg, c.kind, c.label)
+        c.save_png(out / f"{c.kind}.png")
+        pngs.append(str(out / f"{c.kind}.png"))
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(CSV_COLUMNS), lineterminator="\n")
     w.writeheader()
     w.writerows(csv_rows(rows))
     _atomic_write(out / "results.csv", buf.getvalue())
     _atomic_write(out / "report.md", markdown(data, names))
-    _atomic_write(out / "report.html", html_report(data, svgs))
-    pngs = write_pngs(rows, title, out)
+    _atomic_write(out / "report.html", html_report(data, plots))
     return {
         "markdown": str(out / "report.md"),
         "csv": str(out / "results.csv"),
