@@ -24,7 +24,10 @@ dense-peak floor: the step's matmul and attention FLOPs at the card's catalog pe
 published step faster than that floor cannot be the stated setup; such rows are named and kept out of the
 step_time statistic.
 
-Every number is cited to the notes in bench/research/published-notes.md (source repo, path, commit). Rows whose
+The rows are data: bench/published_rows.yaml holds each one (citation, published figure, the recipe overrides that
+state its setup, and why they are set so), loaded and checked here into Row objects (a bad entry stops the
+script with the row's id and the field). Every number is cited to the notes in bench/research/published-notes.md
+(source repo, path, commit). Rows whose
 implementation differs materially from bigtune's engine carry a flag (``impl``): those gaps are what a user
 comparing with the source sees, not errors of the planner for bigtune's own engine. Nothing here is tuned:
 a row states the published setup as a recipe, and the planner's answer is printed as it is.
@@ -36,6 +39,7 @@ command, the date); rows are written as they finish, so an interrupted run keeps
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import functools
@@ -51,102 +55,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 
-# -- sources (as recorded in bench/research/published-notes.md) -------------------------------------------
-LAB_A100 = "teaching-on-testbeds/llm-chi: snippets/multi_gpu_a100.md @5bb926bb0ac9d95ac6aa7901762b4a9825d2cd4e"
-LAB_V100 = "teaching-on-testbeds/llm-chi: snippets/multi_gpu_v100.md @5bb926bb0ac9d95ac6aa7901762b4a9825d2cd4e"
-LAB_SINGLE = "teaching-on-testbeds/llm-chi: snippets/single_gpu_a100.md (commit not recorded in the notes)"
-LAB_BLIP = "teaching-on-testbeds/llm-chi: single/snippets/single_gpu.md (commit not recorded in the notes)"
-RESOURCE = "Lightning-AI/litgpt: tutorials/resource-tables.md @4839345a (prefix as recorded)"
-HUB = "Lightning-AI/litgpt: config_hub/finetune/README.md @03ffc551 (prefix as recorded)"
-TORCHTUNE = "pytorch/torchtune: README.md @0031bfb0 (prefix as recorded)"
-HF_PERF = (
-    "huggingface/transformers: docs perf_train_gpu_one / model_memory_anatomy, older version "
-    "(stored Korean translation, id 37018384513; English identical for these rows)"
-)
-PEFT_DS = "huggingface/peft: docs/source/accelerate/deepspeed.md (commit not recorded in the notes)"
-FMS = (
-    "foundation-model-stack/fms-acceleration: scripts/benchmarks/refs/a100_80gb.csv "
-    "@0aab2c6f64e3e19d137efe2b8f7a4c65c23a2059"
-)
-# The CSV keeps only the columns that differ between its rows (benchmark.py gather_report(raw=False)); the rest
-# are benchmark.py's defaults and defaults.yaml (stored versions @0055a36b and @1adc652c, not at the CSV's
-# commit): packing on at 4096 tokens (the CSV's own tokens/s over samples/s is 4095-4098 per sample),
-# gradient checkpointing on, flash-attn 2, accumulation 1, HF's default optimizer (adamw_torch). Versions:
-# refs/requirements.txt (torch 2.4.1, transformers 4.45.2, peft 0.13.2, trl 0.11.4, flash-attn 2.6.3).
-FMS_IMPL = (
-    "HF Trainer (transformers 4.45) + PEFT 0.13 + TRL packing: flash-attn 2 over each packed 4096-token row "
-    "(bigtune plans SDPA, whose flash kernel keeps the same output and log-sum-exp); that transformers' loss "
-    "keeps fp32 logits and a shifted fp32 copy (logits.float(), then logits[..., :-1, :].contiguous()), where "
-    "transformers 5 casts once inside the loss and shifts the labels instead"
-)
-FMS_NOTE = (
-    "peak_allocated: HF Trainer's memory metrics summed (before_init + init + train deltas: "
-    "torch.cuda.max_memory_allocated over train()); device_used: nvidia-smi memory.used sampled every second, "
-    "peak minus the first reading (taken before the run started), so reserved + the CUDA context, planned with "
-    "the planner's assumed context; the GPU is named only by the file name"
-)
-FMS_LORA = {
-    "peft.method": "lora",
-    "peft.r": 16,
-    "peft.alpha": 16,
-    "peft.dropout": 0.1,
-    "peft.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
-# litgpt config_hub/finetune/<model>/*.yaml as stored (the table's commit 03ffc551 is not stored for them):
-# the setup of the HUB rows below is read from these versions, named per row.
-HUB_YAML = "Lightning-AI/litgpt: config_hub/finetune/{} @{} (stored version)"
+# -- the rows: bench/published_rows.yaml holds every published data point with its citation, its recipe
+# overrides and why they are set so; this script loads it into Row objects and plans them -------------------
+ROWS_FILE = ROOT / "bench" / "published_rows.yaml"
 
-# Sources that ran a Hugging Face transformers model in an eager training loop (statistics_of: hf_eager_reserved)
-HF_EAGER_SOURCES = (HF_PERF, PEFT_DS, FMS)
-
-# -- implementation flags: how the source's engine differs from bigtune's ----------------------------------
-LITGPT = (
-    "litgpt's own GPT model code (fused qkv, its own attention/MLP) and chunked cross-entropy, "
-    "Lightning; not HF transformers"
-)
-LITGPT_LORA = LITGPT + "; LoRA forward with lm_head_chunk_size=128 (the full logits are never held)"
-LITGPT_QLORA = LITGPT_LORA + (
-    "; bnb.nf4 through Fabric replaces every Linear, the output head too (planned so: litgpt-nf4-head; "
-    "bigtune, like HF loading, keeps the head 16-bit); bitsandbytes < 0.43.2 of its day kept each "
-    "4-bit layer's input (planned so: legacy_bnb); bnb's PagedAdamW (finetune/lora.py under bnb precision) "
-    "keeps the adapters' moments in CUDA managed memory, outside the allocator's counter (planned as torch "
-    "AdamW: the plan holds them)"
-)
-# torchtune's CEWithChunkedOutputLoss: the output projection and the loss in 8 chunks of the 2 × 2048 tokens;
-# bigtune's nearest setting (its chunks are also checkpointed, so even their logits are not kept).
-TT_CHUNKED_CE = {"train.loss_chunk_tokens": 512}
-TORCHTUNE_IMPL = (
-    "torchtune: torch.compile, chunked cross-entropy (8 output chunks), its own model code (LoRA "
-    "weights in bf16, as peft.adapter_dtype=bfloat16); the planner plans bigtune's eager step"
-)
-# Lightning's automatic optimization zeroes gradients after training_step, so the lab's mid-step print still
-# holds the previous step's gradients; bigtune's engine frees them at its optimizer step (set_to_none).
-# The lab's 4-GPU runs: Lightning's DDPStrategy() keeps gradient_as_bucket_view=False, so DDP's reducer buckets
-# hold a second copy of the gradients beside .grad (bigtune's default is true: ddp_bucket_view).
-LIGHTNING_DDP_KEYS = {"devices": 4, "strategy": "ddp", "ddp_bucket_view": False}
-HF_TRAINER = (
-    "HF Trainer on an older transformers (eager attention); nvidia-smi total: reserved + the 1343 MB the "
-    "source measured after its first tiny tensor (its CUDA context then; planned so: src-context); the "
-    "Trainer's model.zero_grad() (set_to_none defaulted to False before PyTorch 2.0) kept every gradient "
-    "allocated, also through forward at acc 1 (planned so: kept-grads); the run (January 2022: PyTorch < "
-    "1.11) kept each softmax input for backward (planned so: legacy_softmax)"
-)
-# The doc's print_gpu_utilization (pynvml used // 1024**2, so MiB) read 1343 after torch.ones((1, 1)).to("cuda"):
-# the CUDA context and kernels of that 2022 stack plus the 2 MiB small-pool segment of that one tensor. The
-# rows' totals are reserved + context, so the context is 1343 - 2 MiB; the planner's own 0.5 GiB is an
-# assumption for today's stacks (CUDA loads kernels lazily since 11.7), not for this one.
-HF_PERF_CONTEXT_MIB = 1343 - 2
-# Why legacy_softmax (the doc's nvidia-smi printout is dated 11 January 2022, before PyTorch 1.11), per
-# BERT-large layer and sample at 512 tokens: the planner's simulation of today's
-# eager BertLayer holds 69 MiB (fp32) / 49 MiB (fp16 AMP) after forward, the same tensors as transformers 4.x
-# (same ops; fused dropout's uint8 mask then, a bool mask now, both 1 byte), except that PyTorch < 1.11's
-# SoftmaxBackward also saved the softmax input (pytorch issue #64000; 1.11 passes only its dtype to
-# _softmax_backward_data, see transformers' is_torch_less_than_1_11 branch). That input is the scores plus
-# the fp32 extended mask: 16 heads × 512 × 512 fp32 = 16 MiB, in fp32 and in fp16 AMP (the fp32 mask
-# promoted the fp16 scores), 24 layers × 16 MiB = 0.375 GiB per sample.
+# Notes printed under the table for the bench-only emulations of litgpt's own code (Row.litgpt_emulations).
 # litgpt's model and loss, from its source (litgpt/model.py CausalSelfAttention.forward; litgpt/utils.py
 # chunked_cross_entropy as finetune/full.py and the LLM API call it):
 # - attention: with fewer key/value heads than query heads, k and v are repeat_interleave'd to every query
@@ -175,29 +93,6 @@ LITGPT_UNTIED_HEAD_NOTE = (
     "planned with litgpt's output head, its own weight beside the embeddings (transformers ties the two for Gemma)"
 )
 LITGPT_NF4_HEAD_NOTE = "planned with the output head in 4 bits, as Fabric's bnb.nf4 quantizes every Linear"
-LEGACY_SOFTMAX_NOTE = (
-    "planned with PyTorch < 1.11's softmax, which saved its 16 MiB fp32 input per layer and sample "
-    "(0.375 GiB per sample over 24 layers); today's PyTorch does not"
-)
-
-# -- base settings shared by rows -------------------------------------------------------------------------
-OPENLLAMA7B, OPENLLAMA3B, OPENLLAMA13B = (
-    "openlm-research/open_llama_7b",
-    "openlm-research/open_llama_3b",
-    "openlm-research/open_llama_13b",
-)
-TINYLLAMA = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
-LLAMA2_7B, LLAMA2_13B, LLAMA2_70B = (
-    "meta-llama/Llama-2-7b-hf",
-    "meta-llama/Llama-2-13b-hf",
-    "meta-llama/Llama-2-70b-hf",
-)
-LLAMA3_8B, LLAMA31_8B = "meta-llama/Meta-Llama-3-8B", "meta-llama/Llama-3.1-8B"
-# litgpt/lab full fine-tunes: bf16-true weights, torch AdamW with the lab's betas.
-LIT_FULL = {"precision": "bf16-true", "optim.name": "adamw", "optim.betas": [0.9, 0.95]}
-# PyTorch Lightning's Trainer (the lab's scripts) frees the gradients after the next training_step, just
-# before its backward: the recipe key that runs (and plans) the same order.
-PL_ORDER = {"optim.zero_grad": "before_backward"}
 
 # The lab's fine-tune-blip.py (single/workspace, stored @5488cf1c) builds its text with the processor's tokenizer
 # alone: processor.tokenizer(captions, padding=True, truncation=True, max_length=50) and labels=input_ids, so
@@ -214,64 +109,9 @@ LAB_BLIP_INPUTS_NOTE = (
 )
 
 
-# litgpt LoRA: r, alpha, targets per row; dropout 0.05 (litgpt's default in every config cited).
-def lit_lora(r: int, alpha: int, targets: list[str], quantize: str = "none", double_quant: bool = False) -> dict:
-    # litgpt creates its LoRA weights in the model's dtype (bf16 under bf16-true), as peft.adapter_dtype=bfloat16
-    over = {
-        **LIT_FULL,
-        "peft.method": "lora",
-        "peft.r": r,
-        "peft.alpha": alpha,
-        "peft.dropout": 0.05,
-        "peft.target_modules": targets,
-        "peft.adapter_dtype": "bfloat16",
-    }
-    if quantize != "none":  # litgpt bnb.nf4 / bnb.nf4-dq: 4-bit base, bf16 compute (bf16-true)
-        # Fabric's BitsandbytesPrecision swaps the Linear classes and builds everything else in bf16 (its
-        # tensor_init_context): no fp32 cast of norms/embeddings as peft's k-bit preparation does.
-        over.update({"model.quantize": quantize, "model.double_quant": double_quant, "model.upcast_unquantized": False})
-    return over
-
-
-# lit-gpt's 2023 multi-GPU lora.py: FSDP1 (per Block, use_orig_params) over a batch of 128 in micro-batches,
-# accumulated under Fabric's no_backward_sync (FSDP1's no_sync: every rank keeps the unsharded gradients
-# through the window; any window longer than one needs the same memory).
-LIT_FSDP1 = (
-    "FSDP1 per Block (lit-gpt 2023), not FSDP2: each Block is one flat unit holding the frozen weights "
-    "and the LoRA ones, so it keeps a gradient for all of them (planned so: fsdp1_units)"
-)
-
-
-def LIT_FSDP_ACCUMULATION(devices: int, micro_batch: int) -> dict:  # noqa: N802 (a table constant)
-    return {"train.accumulate_grad_batches": max(1, 128 // devices // micro_batch), "fsdp_grad_sync": "step"}
-
-
-QV = ["q_proj", "v_proj"]
-# litgpt lora_query/key/value/projection/mlp/head all on, in HF module names (phi-2 and Phi-3 name theirs apart)
-PHI2_ALL_AND_HEAD = ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2", "lm_head"]
-PHI3_ALL_AND_HEAD = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"]
-LLAMA_ALL_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-# The longest Alpaca sample decides litgpt's resource-table peak (batches padded to the longest):
-ALPACA_LONGEST_LLAMA2, ALPACA_LONGEST_PHI15 = 1304, 1044
-
-BLIP_OPT27, BLIP_OPT67, BLIP_XXL = (
-    "recipes/blip2-opt-2.7b.yaml",
-    "recipes/blip2-opt-6.7b.yaml",
-    "recipes/blip2-flan-t5-xxl.yaml",
-)
-BERT_BASE = "recipes/distilbert-sst2.yaml"  # a sequence-classification recipe; the model is overridden
-BERT = {
-    "model.name": "bert-large-uncased",
-    "data.max_seq_length": 512,
-    "model.attn_implementation": "eager",
-    "optim.implementation": "for-loop",
-}  # transformers' adamw_hf steps parameter by parameter
-TT_LORA = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # q,v,output_proj + MLP
-
-
 @dataclass(frozen=True)
 class Row:
-    """One published data point and how to state it as a bigtune recipe."""
+    """One published data point and how to state it as a bigtune recipe (a mapping of bench/published_rows.yaml)."""
 
     id: str
     source: str
@@ -353,1349 +193,165 @@ class Row:
         return json.dumps([self.recipe, self.over, self.gpu, self.gpus, self.strategy, *legacy], sort_keys=True)
 
 
-def _lab7b(**over) -> dict:
-    return {
-        "model.name": OPENLLAMA7B,
-        **LIT_FULL,
-        **PL_ORDER,
-        "data.max_seq_length": 512,
-        "train.micro_batch_size": 4,
-        **over,
-    }
+class RowsFileError(ValueError):
+    """A bad entry in bench/published_rows.yaml; the message names the row and the field."""
 
 
-def _tiny_lab(**over) -> dict:
-    return {
-        "model.name": TINYLLAMA,
-        **LIT_FULL,
-        **PL_ORDER,
-        "data.max_seq_length": 512,
-        "train.micro_batch_size": 8,
-        "train.accumulate_grad_batches": 4,
-        **over,
-    }
+METRICS = ("peak_allocated", "after_forward_allocated", "reserved", "device_used", "fit")
+UNITS = ("GB", "GiB", "MiB", "-")
+SPEED_UNITS = ("tokens/s", "samples/s")
+_REQUIRED = ("id", "source", "setup", "metric", "value", "unit", "gpu")
+_TEXT_FIELDS = ("source", "setup", "impl", "note")
 
 
-# The lab's FSDPStrategy(sharding_strategy="FULL_SHARD") names no auto_wrap_policy: one flat unit.
-LAB_FSDP_KEYS = {"devices": 4, "strategy": "fsdp", "fsdp_wrap": "none"}
-LAB_FSDP_IMPL = (
-    "; Lightning FSDPStrategy (FSDP1, one flat parameter, gradients reduced every micro-batch), "
-    "planned as bigtune's FSDP2 with the root as its only unit"
-)
-LAB_NOTE = (
-    "Alpaca2k truncated at 512 and padded to the batch's longest; planned at full 512-token rows "
-    "(the printed step's batch may be shorter)"
-)
-RANKS = "max of the ranks shown"
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-ROWS: list[Row] = [
-    # ---- the course lab, LitGPT Python API under Lightning (mid-step prints, GiB) ----
-    Row(
-        "L1",
-        LAB_A100,
-        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, acc 4, 1×A100-80",
-        "after_forward_allocated",
-        61.99,
-        "GiB",
-        "a100-80gb",
-        _lab7b(**{"train.accumulate_grad_batches": 4}),
-        impl=LITGPT,
-        note=LAB_NOTE,
-    ),
-    Row(
-        "L1.res",
-        LAB_A100,
-        "as L1: reserved",
-        "reserved",
-        73.30,
-        "GiB",
-        "a100-80gb",
-        _lab7b(**{"train.accumulate_grad_batches": 4}),
-        impl=LITGPT,
-        note=LAB_NOTE,
-    ),
-    Row(
-        "L2",
-        LAB_A100,
-        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80",
-        "after_forward_allocated",
-        61.97,
-        "GiB",
-        "a100-80gb",
-        _lab7b(),
-        impl=LITGPT,
-        note=LAB_NOTE,
-    ),
-    Row(
-        "L2.res",
-        LAB_A100,
-        "as L2: reserved",
-        "reserved",
-        71.35,
-        "GiB",
-        "a100-80gb",
-        _lab7b(),
-        impl=LITGPT,
-        note=LAB_NOTE,
-    ),
-    Row(
-        "L3",
-        LAB_A100,
-        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 4×A100-80 DDP",
-        "after_forward_allocated",
-        73.98,
-        "GiB",
-        "a100-80gb",
-        _lab7b(**LIGHTNING_DDP_KEYS),
-        gpus=4,
-        strategy="ddp",
-        impl=LITGPT,
-        note=f"{RANKS} (70.44 / 69.62 / 73.98); " + LAB_NOTE,
-    ),
-    Row(
-        "L3.res",
-        LAB_A100,
-        "as L3: reserved",
-        "reserved",
-        78.30,
-        "GiB",
-        "a100-80gb",
-        _lab7b(**LIGHTNING_DDP_KEYS),
-        gpus=4,
-        strategy="ddp",
-        impl=LITGPT,
-        note=f"{RANKS} (78.06 / 78.12 / 78.30)",
-    ),
-    Row(
-        "L6",
-        LAB_V100,
-        "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 1×V100-32",
-        "after_forward_allocated",
-        23.92,
-        "GiB",
-        "v100-32gb",
-        _tiny_lab(),
-        impl=LITGPT,
-        note=LAB_NOTE,
-    ),
-    Row(
-        "L6.res",
-        LAB_V100,
-        "as L6: reserved",
-        "reserved",
-        25.16,
-        "GiB",
-        "v100-32gb",
-        _tiny_lab(),
-        impl=LITGPT,
-        note=LAB_NOTE,
-    ),
-    Row(
-        "L7",
-        LAB_V100,
-        "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 DDP",
-        "after_forward_allocated",
-        25.27,
-        "GiB",
-        "v100-32gb",
-        _tiny_lab(**LIGHTNING_DDP_KEYS),
-        gpus=4,
-        strategy="ddp",
-        impl=LITGPT,
-        note=f"{RANKS} (23.75 / 23.10 / 25.27); " + LAB_NOTE,
-    ),
-    Row(
-        "L7.res",
-        LAB_V100,
-        "as L7: reserved",
-        "reserved",
-        31.22,
-        "GiB",
-        "v100-32gb",
-        _tiny_lab(**LIGHTNING_DDP_KEYS),
-        gpus=4,
-        strategy="ddp",
-        impl=LITGPT,
-        note=f"{RANKS} (31.22 / 27.19 / 28.74)",
-    ),
-    *[
-        Row(
-            i,
-            LAB_A100,
-            f"OpenLLaMA-7B full, bf16-true, AdamW, {b}×≤512, 4×A100-80 FSDP, no wrap policy",
-            m,
-            v,
-            "GiB",
-            "a100-80gb",
-            _lab7b(**LAB_FSDP_KEYS, **{"train.micro_batch_size": b}),
-            gpus=4,
-            strategy="fsdp",
-            impl=LITGPT + LAB_FSDP_IMPL,
-            note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""),
-        )
-        for i, b, m, v, ranks in (
-            ("L4", 4, "after_forward_allocated", 36.33, "31.96 / 32.79 / 36.33"),
-            ("L4.res", 4, "reserved", 56.00, "56.00 / 55.98 / 55.76"),
-            ("L5", 8, "after_forward_allocated", 62.95, "62.95 / 59.51 / 62.95"),
-            ("L5.res", 8, "reserved", 67.67, "67.67 / 62.71 / 64.74"),
-        )
-    ],
-    *[
-        Row(
-            i,
-            LAB_V100,
-            "TinyLlama-1.1B full, bf16-true, AdamW, 8×≤512, acc 4, 4×V100-32 FSDP, no wrap policy",
-            m,
-            v,
-            "GiB",
-            "v100-32gb",
-            _tiny_lab(**LAB_FSDP_KEYS),
-            gpus=4,
-            strategy="fsdp",
-            impl=LITGPT + LAB_FSDP_IMPL,
-            note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""),
-        )
-        for i, m, v, ranks in (
-            ("L8", "after_forward_allocated", 21.35, "19.13 / 20.65 / 21.35"),
-            ("L8.res", "reserved", 26.12, "26.12 / 25.27 / 24.99"),
-        )
-    ],
-    *[
-        Row(
-            i,
-            LAB_V100,
-            "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 4×V100-32 FSDP, no wrap policy",
-            m,
-            v,
-            "GiB",
-            "v100-32gb",
-            {
-                "model.name": OPENLLAMA3B,
-                **LIT_FULL,
-                **PL_ORDER,
-                "data.max_seq_length": 512,
-                "train.micro_batch_size": 1,
-                **LAB_FSDP_KEYS,
-            },
-            gpus=4,
-            strategy="fsdp",
-            impl=LITGPT + LAB_FSDP_IMPL,
-            note=f"{RANKS} ({ranks})" + ("; " + LAB_NOTE if m != "reserved" else ""),
-        )
-        for i, m, v, ranks in (
-            ("L9", "after_forward_allocated", 13.27, "13.12 / 13.26 / 13.27"),
-            ("L9.res", "reserved", 28.35, "28.35 / 27.56 / 27.54"),
-        )
-    ],
-    Row(
-        "L9.1dev",
-        LAB_V100,
-        "OpenLLaMA-3B full, bf16-true, AdamW, 1×≤512, 1×V100-32",
-        "fit",
-        None,
-        "-",
-        "v100-32gb",
-        {"model.name": OPENLLAMA3B, **LIT_FULL, **PL_ORDER, "data.max_seq_length": 512, "train.micro_batch_size": 1},
-        expect="oom",
-        impl=LITGPT,
-        note="v100_llama3b_1device.py is stated to run out of memory",
-    ),
-    # older LitGPT-CLI lab (litgpt finetune_full, 1×A100 80GB, Alpaca2k max_seq_length 512)
-    Row(
-        "LF1",
-        LAB_SINGLE,
-        "TinyLlama-1.1B full, 32-true, AdamW, 32×≤512, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {
-            "model.name": TINYLLAMA,
-            **LIT_FULL,
-            "precision": "32-true",
-            "data.max_seq_length": 512,
-            "train.micro_batch_size": 32,
-        },
-        expect="oom",
-        impl=LITGPT,
-    ),
-    Row(
-        "LF2",
-        LAB_SINGLE,
-        "TinyLlama-1.1B full, 32-true, AdamW, 8×≤512, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {
-            "model.name": TINYLLAMA,
-            **LIT_FULL,
-            "precision": "32-true",
-            "data.max_seq_length": 512,
-            "train.micro_batch_size": 8,
-        },
-        expect="fit",
-        impl=LITGPT,
-        note="stated to fit easily",
-    ),
-    Row(
-        "LF3",
-        LAB_SINGLE,
-        "OpenLLaMA-13B full, bf16-true, AdamW, 1×≤512, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {"model.name": OPENLLAMA13B, **LIT_FULL, "data.max_seq_length": 512, "train.micro_batch_size": 1},
-        expect="oom",
-        impl=LITGPT,
-    ),
-    Row(
-        "LF4",
-        LAB_SINGLE,
-        "OpenLLaMA-13B full, bf16-true, SGD, 1×≤512, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {
-            "model.name": OPENLLAMA13B,
-            **LIT_FULL,
-            "optim.name": "sgd",
-            "data.max_seq_length": 512,
-            "train.micro_batch_size": 1,
-        },
-        expect="fit",
-        impl=LITGPT,
-    ),
-    Row(
-        "LF5",
-        LAB_SINGLE,
-        "OpenLLaMA-7B full, bf16-true, AdamW, 4×≤512, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        _lab7b(**{"optim.zero_grad": "after_step"}),
-        expect="fit",
-        impl=LITGPT,
-    ),  # LitGPT's CLI: Fabric's order
-    # ---- the lab's BLIP-2 fine-tune (HF Blip2ForConditionalGeneration under Lightning, as bigtune; captions
-    # ≤ 50 tokens, planned at 50; every part trained, as the recipes) ----
-    Row(
-        "B1a",
-        LAB_BLIP,
-        "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 32, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {**PL_ORDER, "train.micro_batch_size": 32},
-        BLIP_OPT27,
-        expect="oom",
-    ),
-    Row(
-        "B1b",
-        LAB_BLIP,
-        "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 64, 1×H100 94GB",
-        "fit",
-        None,
-        "-",
-        "h100-nvl-94gb",
-        {**PL_ORDER, "train.micro_batch_size": 64},
-        BLIP_OPT27,
-        expect="oom",
-        note="the lab's H100 is described as 94 GB VRAM (g1.h100.pci.1); planned on the catalog's H100 NVL 94GB",
-    ),
-    Row(
-        "B2",
-        LAB_BLIP,
-        "BLIP-2 OPT-2.7b all parts, 32-true, AdamW, bs 16, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {**PL_ORDER, "train.micro_batch_size": 16},
-        BLIP_OPT27,
-        expect="fit",
-    ),
-    Row(
-        "B3",
-        LAB_BLIP,
-        "BLIP-2 OPT-6.7b all parts, bf16-true, AdamW, 16/4, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {**PL_ORDER, "precision": "bf16-true", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
-        BLIP_OPT67,
-        expect="fit",
-    ),
-    Row(
-        "B4a",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1},
-        BLIP_XXL,
-        expect="oom",
-    ),
-    Row(
-        "B4b",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL all parts, bf16-true, AdamW, bs 1, 1×H100 94GB",
-        "fit",
-        None,
-        "-",
-        "h100-nvl-94gb",
-        {**PL_ORDER, "train.micro_batch_size": 1, "train.accumulate_grad_batches": 1},
-        BLIP_XXL,
-        expect="oom",
-    ),
-    Row(
-        "B5",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL all parts, bf16-true, SGD, 16/4, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {**PL_ORDER, "optim.name": "sgd", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
-        BLIP_XXL,
-        expect="fit",
-    ),
-    Row(
-        "B6a",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL all parts, bf16-true, Adam8bit, 2/2, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {**PL_ORDER, "optim.name": "adam8bit", "train.micro_batch_size": 2, "train.accumulate_grad_batches": 2},
-        BLIP_XXL,
-        expect="fit",
-    ),
-    Row(
-        "B6b",
-        LAB_BLIP,
-        "as B6a + activation checkpointing",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {
-            **PL_ORDER,
-            "optim.name": "adam8bit",
-            "train.micro_batch_size": 2,
-            "train.accumulate_grad_batches": 2,
-            "train.activation_checkpointing": True,
-        },
-        BLIP_XXL,
-        expect="fit",
-    ),
-    Row(
-        "B7",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL all parts, bf16-true, ZeRO-2 offload (CPU Adam), 16/4, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {"strategy": "deepspeed_stage_2_offload", "train.micro_batch_size": 16, "train.accumulate_grad_batches": 4},
-        BLIP_XXL,
-        strategy="deepspeed_stage_2_offload",
-        expect="fit",
-    ),
-    Row(
-        "B8",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL LoRA r16/α32, 32-true, AdamW, 32/2, 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {
-            **PL_ORDER,
-            "precision": "32-true",
-            "peft.method": "lora",
-            "peft.r": 16,
-            "peft.alpha": 32,
-            "peft.dropout": 0.05,
-            "train.micro_batch_size": 32,
-            "train.accumulate_grad_batches": 2,
-        },
-        BLIP_XXL,
-        expect="fit",
-        note="stated to fit easily; the lab's captions are shorter than 50 tokens",
-    ),
-    Row(
-        "B9",
-        LAB_BLIP,
-        "BLIP-2 Flan-T5-XXL QLoRA (nf4) r16/α32, 32-true, AdamW, bs 64, checkpointed (peft k-bit prep), 1×A100-80",
-        "fit",
-        None,
-        "-",
-        "a100-80gb",
-        {
-            **PL_ORDER,
-            "precision": "32-true",
-            "model.quantize": "nf4",
-            "peft.method": "lora",
-            "peft.r": 16,
-            "peft.alpha": 32,
-            "peft.dropout": 0.05,
-            "train.micro_batch_size": 64,
-            "train.accumulate_grad_batches": 1,
-            # fine-tune-blip-lora.py calls prepare_model_for_kbit_training(model) with peft's defaults, and
-            # use_gradient_checkpointing=True is one: the 4-bit run checkpoints every layer though its cfg
-            # says act_ckpt False (that key only drives gradient_checkpointing_enable() further down)
-            "train.activation_checkpointing": True,
-        },
-        BLIP_XXL,
-        expect="fit",
-        note="act_ckpt False in the cfg, yet peft's prepare_model_for_kbit_training turns checkpointing on",
-    ),
-    # ---- litgpt tutorials/resource-tables.md (A100-SXM4-40GB, Alpaca padded to the longest sample) ----
-    Row(
-        "R1",
-        RESOURCE,
-        "phi-1.5 LoRA r8 q,v, bf16-true, 1×1044, 1×A100-40",
-        "peak_allocated",
-        4.82,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": "microsoft/phi-1_5",
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_PHI15,
-        },
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R2",
-        RESOURCE,
-        "phi-1.5 LoRA r8 q,v, bf16-true, 4×1044, 1×A100-40",
-        "peak_allocated",
-        10.68,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": "microsoft/phi-1_5",
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 4,
-            "data.max_seq_length": ALPACA_LONGEST_PHI15,
-        },
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R3",
-        RESOURCE,
-        "phi-1.5 QLoRA nf4 r8 q,v, bf16-true, 1×1044, 1×A100-40",
-        "peak_allocated",
-        3.78,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": "microsoft/phi-1_5",
-            **lit_lora(8, 16, QV, "nf4"),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_PHI15,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-    ),
-    Row(
-        "R6",
-        RESOURCE,
-        "Llama-2-7B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40",
-        "peak_allocated",
-        21.30,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_7B,
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R7",
-        RESOURCE,
-        "Llama-2-7B LoRA r8 q,v, bf16-true, 2×1304, 1×A100-40",
-        "peak_allocated",
-        29.07,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_7B,
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 2,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R8",
-        RESOURCE,
-        "Llama-2-7B LoRA r8 q,v, bf16-true, 4×1304, 1×A100-40",
-        "fit",
-        None,
-        "-",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_7B,
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 4,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        expect="oom",
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R9a",
-        RESOURCE,
-        "Llama-2-7B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40",
-        "peak_allocated",
-        14.14,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_7B,
-            **lit_lora(8, 16, QV, "nf4"),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-    ),
-    Row(
-        "R9b",
-        RESOURCE,
-        "Llama-2-7B QLoRA nf4-dq r8 q,v, bf16-true, 1×1304, 1×A100-40",
-        "peak_allocated",
-        13.84,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_7B,
-            **lit_lora(8, 16, QV, "nf4", double_quant=True),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-    ),
-    Row(
-        "R10",
-        RESOURCE,
-        "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 1×A100-40",
-        "peak_allocated",
-        38.12,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_13B,
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R11",
-        RESOURCE,
-        "Llama-2-13B QLoRA nf4 r8 q,v, bf16-true, 1×1304, 1×A100-40",
-        "peak_allocated",
-        23.14,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_13B,
-            **lit_lora(8, 16, QV, "nf4"),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-    ),
-    *[
-        Row(
-            f"R12{s}",
-            RESOURCE,
-            f"Llama-2-7B LoRA r8 q,v, bf16-true, {b}×1304, 2×A100-40 FSDP + act. ckpt",
-            "peak_allocated",
-            v,
-            "GB",
-            "a100-sxm-40gb",
-            {
-                "model.name": LLAMA2_7B,
-                **lit_lora(8, 16, QV),
-                "train.micro_batch_size": b,
-                "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-                "train.activation_checkpointing": True,
-                "devices": 2,
-                "strategy": "fsdp",
-                **LIT_FSDP_ACCUMULATION(2, b),
-            },
-            gpus=2,
-            strategy="fsdp",
-            impl=LITGPT_LORA + "; " + LIT_FSDP1,
-            fsdp1_units=True,
-            note="multi-GPU lora.py: FSDP wrapping and checkpointing each Block (litgpt's devices>1 setup)",
-        )
-        for s, b, v in (("a", 1, 22.18), ("b", 2, 22.47), ("c", 4, 23.39))
-    ],
-    Row(
-        "R13",
-        RESOURCE,
-        "Llama-2-13B LoRA r8 q,v, bf16-true, 1×1304, 4×A100-40 FSDP + act. ckpt",
-        "peak_allocated",
-        35.57,
-        "GB",
-        "a100-sxm-40gb",
-        {
-            "model.name": LLAMA2_13B,
-            **lit_lora(8, 16, QV),
-            "train.micro_batch_size": 1,
-            "data.max_seq_length": ALPACA_LONGEST_LLAMA2,
-            "train.activation_checkpointing": True,
-            "devices": 4,
-            "strategy": "fsdp",
-            **LIT_FSDP_ACCUMULATION(4, 1),
-        },
-        gpus=4,
-        strategy="fsdp",
-        impl=LITGPT_LORA + "; " + LIT_FSDP1,
-        fsdp1_units=True,
-    ),
-    # ---- litgpt config_hub/finetune/README.md (A10G 24GB, Alpaca2k max_seq_length 512) ----
-    Row(
-        "R22",
-        HUB,
-        "TinyLlama-1.1B full, bf16-true, AdamW, 4×512, 1×A10G",
-        "peak_allocated",
-        14.10,
-        "GB",
-        "a10g",
-        {
-            "model.name": TINYLLAMA,
-            **LIT_FULL,
-            "train.micro_batch_size": 4,
-            "train.accumulate_grad_batches": 8,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT,
-        note="config_hub tiny-llama/full.yaml: global_batch_size 32, micro_batch_size 4, 1 device: 8 micro-batches "
-        "per step, so the gradients are alive through every later forward",
-    ),
-    Row(
-        "R23",
-        HUB,
-        "TinyLlama-1.1B LoRA r32 all linear + head, bf16-true, 8×512, 1×A10G",
-        "peak_allocated",
-        13.50,
-        "GB",
-        "a10g",
-        {
-            "model.name": TINYLLAMA,
-            **lit_lora(32, 16, LLAMA_ALL_AND_HEAD),
-            "train.micro_batch_size": 8,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R24",
-        HUB,
-        "TinyLlama-1.1B QLoRA nf4 r32 all linear + head, bf16-true, 8×512, 1×A10G",
-        "peak_allocated",
-        16.24,
-        "GB",
-        "a10g",
-        {
-            "model.name": TINYLLAMA,
-            **lit_lora(32, 16, LLAMA_ALL_AND_HEAD, "nf4"),
-            "train.micro_batch_size": 8,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-        note="tiny-llama/qlora.yaml (stored version): lora.yaml's adapters + quantize bnb.nf4",
-    ),
-    Row(
-        "R25",
-        HUB,
-        "Llama-2-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G",
-        "peak_allocated",
-        19.77,
-        "GB",
-        "a10g",
-        {"model.name": LLAMA2_7B, **lit_lora(32, 16, QV), "train.micro_batch_size": 2, "data.max_seq_length": 512},
-        impl=LITGPT_LORA,
-    ),
-    Row(
-        "R26",
-        HUB,
-        "Llama-2-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G",
-        "peak_allocated",
-        13.68,
-        "GB",
-        "a10g",
-        {
-            "model.name": LLAMA2_7B,
-            **lit_lora(32, 16, QV, "nf4"),
-            "train.micro_batch_size": 2,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-        note="assumed: qlora.yaml = lora.yaml + bnb.nf4 (as the stored tiny-llama pair)",
-    ),
-    Row(
-        "R27",
-        HUB,
-        "Llama-2-7B full, bf16-true, AdamW, 4×512, 1×A10G",
-        "fit",
-        None,
-        "-",
-        "a10g",
-        {"model.name": LLAMA2_7B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
-        expect="oom",
-        impl=LITGPT,
-        note="table says 4xA10G; the README says all runs are single-GPU",
-    ),
-    Row(
-        "R28",
-        HUB,
-        "Llama-3-8B LoRA r32 q,v, bf16-true, 1×512, 1×A10G",
-        "peak_allocated",
-        19.73,
-        "GB",
-        "a10g",
-        {"model.name": LLAMA3_8B, **lit_lora(32, 16, QV), "train.micro_batch_size": 1, "data.max_seq_length": 512},
-        impl=LITGPT_LORA,
-        note="llama-3-8b/lora.yaml (stored version): r32 α16 q,v, mbs 1",
-    ),
-    Row(
-        "R29",
-        HUB,
-        "Llama-3-8B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G",
-        "peak_allocated",
-        17.41,
-        "GB",
-        "a10g",
-        {
-            "model.name": LLAMA3_8B,
-            **lit_lora(32, 16, QV, "nf4"),
-            "train.micro_batch_size": 2,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-        note="assumed: qlora.yaml = lora.yaml + bnb.nf4, mbs 2 as the table",
-    ),
-    Row(
-        "R30",
-        HUB,
-        "Llama-3.1-8B full, bf16-true, AdamW, 4×512, 1×A10G",
-        "fit",
-        None,
-        "-",
-        "a10g",
-        {"model.name": LLAMA31_8B, **LIT_FULL, "train.micro_batch_size": 4, "data.max_seq_length": 512},
-        expect="oom",
-        impl=LITGPT,
-    ),
-    Row(
-        "R31",
-        HUB,
-        "phi-2 full, bf16-true, AdamW, 4×512, 2×A10G FSDP + act. ckpt",
-        "peak_allocated",
-        14.44,
-        "GB",
-        "a10g",
-        {
-            "model.name": "microsoft/phi-2",
-            **LIT_FULL,
-            "train.micro_batch_size": 4,
-            "data.max_seq_length": 512,
-            "train.activation_checkpointing": True,
-            "devices": 2,
-            "strategy": "fsdp",
-        },
-        gpus=2,
-        strategy="fsdp",
-        impl=LITGPT + "; FSDP1 per Block",
-        note="planned on the 2 devices of the stored phi-2/full.yaml (global "
-        "batch 8 = 2 × 4: no accumulation). The table's GPU column names the machine (4xA10G; an older version "
-        "1xA10G): its LoRA configs (devices 1) print the same memory on 1xA10G and 4xA10G, and 2.78 B × 8 bytes "
-        "of states cannot fit one 24 GB card",
-    ),
-    Row(
-        "R34a",
-        HUB,
-        "Mistral-7B LoRA r32 q,v, bf16-true, 2×512, 1×A10G",
-        "peak_allocated",
-        20.66,
-        "GB",
-        "a10g",
-        {
-            "model.name": "mistralai/Mistral-7B-v0.1",
-            **lit_lora(32, 16, QV),
-            "train.micro_batch_size": 2,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT_LORA,
-        note="mistral-7b/lora.yaml (stored version)",
-    ),
-    Row(
-        "R34b",
-        HUB,
-        "Mistral-7B QLoRA nf4 r32 q,v, bf16-true, 2×512, 1×A10G",
-        "peak_allocated",
-        14.29,
-        "GB",
-        "a10g",
-        {
-            "model.name": "mistralai/Mistral-7B-v0.1",
-            **lit_lora(32, 16, QV, "nf4"),
-            "train.micro_batch_size": 2,
-            "data.max_seq_length": 512,
-        },
-        impl=LITGPT_QLORA,
-        legacy_bnb=True,
-        note="assumed: qlora.yaml = lora.yaml + bnb.nf4",
-    ),
-    # ---- torchtune README (current): bs 2, packed 2048, compile, GiB. Checkpointing is not in the table's
-    # note; the 4090 rows must have it (the step without it is planned at 40-45 GiB), so they are planned so. ----
-    *[
-        Row(
-            f"T{n}",
-            TORCHTUNE,
-            f"Llama-3.1-8B full, bf16, PagedAdamW8bit, 2×2048 packed, ckpt, 1×{g}",
-            "reserved",
-            v,
-            "GiB",
-            gpu,
-            {
-                "model.name": LLAMA31_8B,
-                "precision": "bf16-true",
-                "optim.name": "paged_adamw8bit",
-                "train.micro_batch_size": 2,
-                "data.max_seq_length": 2048,
-                "train.activation_checkpointing": True,
-                "optim.in_backward": True,
-                **TT_CHUNKED_CE,
-            },
-            impl=TORCHTUNE_IMPL,
-            note="optimizer_in_bwd=True in the config: optim.in_backward; "
-            "paged optimizer state lives in CUDA managed memory, outside the "
-            "allocator's counters (so outside max_memory_reserved) - planned likewise",
-            speed=(tok, "tokens/s"),
-        )
-        for n, g, gpu, v, tok in ((8, "4090", "rtx-4090", 18.9, 1650),)
-    ],
-    *[
-        Row(
-            f"T{n}",
-            TORCHTUNE,
-            f"Llama-3.1-8B LoRA r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×{g}",
-            "reserved",
-            v,
-            "GiB",
-            gpu,
-            {
-                "model.name": LLAMA31_8B,
-                "precision": "bf16-true",
-                "optim.name": "adamw",
-                "peft.method": "lora",
-                "peft.r": 8,
-                "peft.alpha": 16,
-                "peft.dropout": 0.0,
-                "peft.target_modules": TT_LORA,
-                "peft.adapter_dtype": "bfloat16",
-                "train.micro_batch_size": 2,
-                "data.max_seq_length": 2048,
-                "train.activation_checkpointing": True,
-                **TT_CHUNKED_CE,
-            },
-            impl=TORCHTUNE_IMPL,
-            note="config llama3_1/8B_lora_single_device (adapters, dropout 0 as recalled, not re-read)",
-            speed=(tok, "tokens/s"),
-        )
-        for n, g, gpu, v, tok in ((10, "4090", "rtx-4090", 16.2, 3083),)
-    ],
-    Row(
-        "T12",
-        TORCHTUNE,
-        "Llama-3.1-8B QLoRA nf4 r8 q,v,o + MLP, bf16, AdamW, 2×2048 packed, ckpt, 1×4090",
-        "reserved",
-        7.4,
-        "GiB",
-        "rtx-4090",
-        {
-            "model.name": LLAMA31_8B,
-            "precision": "bf16-true",
-            "optim.name": "adamw",
-            "peft.method": "lora",
-            "peft.r": 8,
-            "peft.alpha": 16,
-            "peft.dropout": 0.0,
-            "peft.target_modules": TT_LORA,
-            "peft.adapter_dtype": "bfloat16",
-            "model.quantize": "nf4",
-            "model.double_quant": True,
-            "model.upcast_unquantized": False,
-            "train.micro_batch_size": 2,
-            "data.max_seq_length": 2048,
-            "train.activation_checkpointing": True,
-            **TT_CHUNKED_CE,
-        },
-        impl=TORCHTUNE_IMPL + "; torchao NF4 tensors, not bitsandbytes",
-        speed=(2413, "tokens/s"),
-    ),
-    # ---- HF transformers perf docs: bert-large-uncased, seq 512, V100 16GB, nvidia-smi (MiB) ----
-    *[
-        Row(
-            f"H{n}",
-            HF_PERF,
-            f"BERT-large classifier full, {prec_label}, {opt_label}, {b}×512 acc {acc}"
-            + (", ckpt" if ckpt else "")
-            + ", 1×V100-16",
-            "device_used",
-            v,
-            "MiB",
-            "v100-16gb",
-            {
-                **BERT,
-                "precision": prec,
-                "optim.name": opt,
-                "train.micro_batch_size": b,
-                "train.accumulate_grad_batches": acc,
-                "train.activation_checkpointing": ckpt,
-            },
-            BERT_BASE,
-            impl=HF_TRAINER,
-            note=LEGACY_SOFTMAX_NOTE,
-            speed=(sps, "samples/s"),
-            legacy_softmax=True,
-            keep_gradients=True,
-            context_mib=HF_PERF_CONTEXT_MIB,
-        )
-        for n, b, acc, ckpt, prec, prec_label, opt, opt_label, v, sps in (
-            (1, 4, 1, False, "32-true", "fp32", "adamw", "AdamW", 14949, 8.86),
-            (2, 1, 4, False, "32-true", "fp32", "adamw", "AdamW", 8681, 7.75),
-            (3, 1, 4, True, "32-true", "fp32", "adamw", "AdamW", 6775, 5.99),
-            (4, 4, 1, False, "16-mixed", "fp16 amp", "adamw", "AdamW", 13939, 18.64),
-            (5, 1, 4, True, "16-mixed", "fp16 amp", "adamw", "AdamW", 7275, 10.09),
-            (8, 4, 1, False, "32-true", "fp32", "adam8bit", "Adam8bit", 13085, 9.15),
-            (9, 1, 4, True, "16-mixed", "fp16 amp", "adam8bit", "Adam8bit", 5363, 10.35),
-        )
-    ],
-    # ---- PEFT docs: Llama-2-70B LoRA under DeepSpeed ZeRO-3, 8×H100 80GB (TRL SFTTrainer) ----
-    Row(
-        "P5",
-        PEFT_DS,
-        "Llama-2-70B LoRA r8 all-linear, bf16, ZeRO-3, 8×2048 packed, ckpt, 8×H100-80",
-        "device_used",
-        64.0,
-        "GiB",
-        "h100-80gb",
-        {
-            "model.name": LLAMA2_70B,
-            "precision": "bf16-mixed",
-            "optim.name": "adamw",
-            "peft.method": "lora",
-            "peft.r": 8,
-            "peft.alpha": 16,
-            "peft.dropout": 0.1,
-            "peft.target_modules": ["all-linear"],
-            "train.micro_batch_size": 8,
-            "train.accumulate_grad_batches": 4,
-            "data.max_seq_length": 2048,
-            "train.activation_checkpointing": True,
-            "devices": 8,
-            "strategy": "deepspeed_stage_3",
-        },
-        gpus=8,
-        strategy="deepspeed_stage_3",
-        impl="TRL SFTTrainer + flash-attn 2 + DeepSpeed ZeRO-3 (HF Trainer integration)",
-        note="'64 GB (80%)' read off an nvidia-smi-style screenshot: 80% of an 80 GB H100 is 64 GiB, so read as "
-        "GiB; LoRA dropout 0.1 as the doc's script (assumed)",
-    ),
-    # ---- issue #25: more of litgpt config_hub/finetune/README.md @03ffc551 (A10G 24GB, Alpaca2k max_seq_length
-    # 512, bf16-true, torch AdamW betas 0.9/0.95, one device unless named; accumulation = global / micro batch).
-    # Gemma: litgpt's GPT holds lm_head and wte as two parameters, never tied (litgpt/model.py; HF ties them), and
-    # its bnb.nf4 quantizes that head too; planned with HF's tied head, so the LoRA rows lack ~1 GB (2B) and
-    # ~1.8 GB (9B) of bf16 head the source held. ----
-    *[
-        Row(
-            i,
-            HUB,
-            setup,
-            "peak_allocated",
-            v,
-            "GB",
-            "a10g",
-            {
-                "model.name": model,
-                **lit_lora(r, 16, targets, quant),
-                "peft.dropout": dropout,
-                "train.micro_batch_size": mbs,
-                "train.accumulate_grad_batches": acc,
-                "data.max_seq_length": 512,
-            },
-            impl=LITGPT_QLORA if quant != "none" else LITGPT_LORA,
-            legacy_bnb=quant != "none",
-            note=HUB_YAML.format(yaml, commit) + f": r{r} α16 dropout {dropout}, every linear + head, "
-            f"micro-batch {mbs}, global batch {mbs * acc}",
-        )
-        for i, setup, model, r, targets, quant, dropout, mbs, acc, v, yaml, commit in (
-            (
-                "R35a",
-                "Gemma-2B LoRA r8 all linear + head, bf16-true, 2×512 acc 3, 1×A10G",
-                "google/gemma-2b",
-                8,
-                LLAMA_ALL_AND_HEAD,
-                "none",
-                0.1,
-                2,
-                3,
-                12.62,
-                "gemma-2b/lora.yaml",
-                "3352a7aa",
-            ),
-            (
-                "R35b",
-                "Gemma-2B QLoRA nf4 r16 all linear + head, bf16-true, 2×512 acc 3, 1×A10G",
-                "google/gemma-2b",
-                16,
-                LLAMA_ALL_AND_HEAD,
-                "nf4",
-                0.1,
-                2,
-                3,
-                11.58,
-                "gemma-2b/qlora.yaml",
-                "0077627d",
-            ),
-            (
-                "R36a",
-                "Gemma-2-9B QLoRA nf4 r16 all linear + head, bf16-true, 1×512 acc 6, 1×A10G",
-                "google/gemma-2-9b",
-                16,
-                LLAMA_ALL_AND_HEAD,
-                "nf4",
-                0.1,
-                1,
-                6,
-                20.92,
-                "gemma2-9b/qlora.yaml",
-                "3fae864c",
-            ),
-            (
-                "R37a",
-                "phi-2 LoRA r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
-                "microsoft/phi-2",
-                8,
-                PHI2_ALL_AND_HEAD,
-                "none",
-                0.05,
-                4,
-                2,
-                13.98,
-                "phi-2/lora.yaml",
-                "14db26be",
-            ),
-            (
-                "R37b",
-                "phi-2 QLoRA nf4 r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
-                "microsoft/phi-2",
-                8,
-                PHI2_ALL_AND_HEAD,
-                "nf4",
-                0.05,
-                4,
-                2,
-                14.27,
-                "phi-2/qlora.yaml",
-                "3352a7aa",
-            ),
-            (
-                "R38a",
-                "Phi-3-mini-4k LoRA r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
-                "microsoft/Phi-3-mini-4k-instruct",
-                8,
-                PHI3_ALL_AND_HEAD,
-                "none",
-                0.05,
-                4,
-                2,
-                19.75,
-                "phi-3/lora.yaml",
-                "6ec34633",
-            ),
-            (
-                "R38b",
-                "Phi-3-mini-4k QLoRA nf4 r8 all linear + head, bf16-true, 4×512 acc 2, 1×A10G",
-                "microsoft/Phi-3-mini-4k-instruct",
-                8,
-                PHI3_ALL_AND_HEAD,
-                "nf4",
-                0.05,
-                4,
-                2,
-                19.13,
-                "phi-3/qlora.yaml",
-                "6ec34633",
-            ),
-        )
-    ],
-    Row(
-        "R36b",
-        HUB,
-        "Gemma-2-9B LoRA r16 all linear + head, bf16-true, 1×512 acc 6, 1×A10G",
-        "fit",
-        None,
-        "-",
-        "a10g",
-        {
-            "model.name": "google/gemma-2-9b",
-            **lit_lora(16, 16, LLAMA_ALL_AND_HEAD),
-            "peft.dropout": 0.1,
-            "train.micro_batch_size": 1,
-            "train.accumulate_grad_batches": 6,
-            "data.max_seq_length": 512,
-        },
-        expect="oom",
-        impl=LITGPT_LORA,
-        note=HUB_YAML.format("gemma2-9b/lora.yaml", "524bbb9e") + "; the table reports OOM on 1xA10G",
-    ),
-    Row(
-        "R35c",
-        HUB,
-        "Gemma-2B full, bf16-true, AdamW, 1×512 acc 4, 4×A10G FSDP + act. ckpt",
-        "peak_allocated",
-        17.43,
-        "GB",
-        "a10g",
-        {
-            "model.name": "google/gemma-2b",
-            **LIT_FULL,
-            "train.micro_batch_size": 1,
-            "train.accumulate_grad_batches": 4,
-            "data.max_seq_length": 512,
-            "train.activation_checkpointing": True,
-            "devices": 4,
-            "strategy": "fsdp",
-            "fsdp_grad_sync": "step",
-        },
-        gpus=4,
-        strategy="fsdp",
-        impl=LITGPT + "; FSDP1 per Block",
-        note=HUB_YAML.format("gemma-2b/full.yaml", "0fe99f85") + ": devices 4, global batch 16, micro-batch 1, "
-        "so 4 micro-batches per step under Fabric's no_backward_sync (unsharded gradients kept through the "
-        "window: fsdp_grad_sync step); litgpt's multi-device full.py wraps and checkpoints each Block",
-    ),
-    # ---- fms-acceleration's reference benchmark: HF Trainer + PEFT, Mistral-7B, one A100 80GB ----
-    *[
-        Row(
-            f"F{n}{suffix}",
-            FMS,
-            f"Mistral-7B {label}, bf16, AdamW, {b}×4096 packed, ckpt, 1×A100-80",
-            metric,
-            value,
-            unit,
-            "a100-80gb",
-            {
-                "model.name": "mistralai/Mistral-7B-v0.1",
-                "precision": "bf16-true",
-                "optim.name": "adamw",
-                "train.micro_batch_size": b,
-                "data.max_seq_length": 4096,
-                "train.activation_checkpointing": True,
-                **over,
-            },
-            impl=FMS_IMPL,
-            note=FMS_NOTE,
-            speed=(tok, "tokens/s") if metric == "peak_allocated" else None,
-        )
-        for n, label, b, over, alloc_b, smi_mib, tok in (
-            (1, "full", 4, {}, 72434853376, 76045, 3013.697),
-            (2, "full", 8, {}, 72435246592, 72725, 3090.877),
-            (3, "LoRA r16 q,k,v,o", 4, FMS_LORA, 25653881344, 28071, 3319.225),
-            (4, "LoRA r16 q,k,v,o", 8, FMS_LORA, 36643613184, 41407, 3352.459),
-        )
-        for suffix, metric, value, unit in (
-            ("", "peak_allocated", alloc_b / 1e9, "GB"),
-            (".smi", "device_used", float(smi_mib), "MiB"),
-        )
-    ],
-]
 
-# Published data points not planned, and why (ids as in the notes).
-SKIPPED: dict[str, str] = {
-    "R4, R5, R15-R18, R32, R33": "StableLM-Alpha 3B (GPT-NeoX) config not bundled",
-    "R14": "LLaMA-Adapter is not a bigtune method",
-    "R19": "bf16-mixed LoRA OOM on a GPU the doc does not name (fit/OOM needs the card)",
-    "R20, R21": "old lit-gpt finetune_lora.md: the sequence length that decides the peak (prepare_alpaca's "
-    "truncation at that commit) is not stated; 20.60 GB at mbs 4 vs 21.30 GB at mbs 1 × 1304 in R6 "
-    "implies much shorter rows than the longest sample",
-    "T1-T7": "older torchtune README: unit and counter not stated, whether the 2048 rows were packed or padded "
-    "not stated, compile/checkpointing per config at that commit unknown, paged optimizer on a 24 GB "
-    "card reported at 24.1 GB",
-    "T9, T11": "torchtune README's A6000 rows (full 37.4 GiB, LoRA 30.3 GiB): the table states batch, packing "
-    "and compile but not activation checkpointing, and on a 48 GB card both settings fit (planned 21.0 / 18.1 GiB "
-    "with it, -44 / -40 %; 44.6 / 39.7 GiB without, +19 / +31 %), so the setup is not stated exactly; their "
-    "4090 twins (T8, T10) are, since only the checkpointed step fits 24 GB. T11's 4699 tokens/s also needs "
-    "about 100 % of the A6000's dense bf16 peak even without checkpointing",
-    "T13": "70B full fine-tune with CPU offload and the optimizer fused into backward: not expressible",
-    "T14": "Llama-3.1-70B config not bundled (FSDP2 + LoRA across 8 GPUs)",
-    "T15": "Llama-3.1-405B config not bundled; QLoRA under FSDP is refused by bigtune",
-    "T16-T20": "A100 runs capped with set_per_process_memory_fraction to stand in for the named card: their "
-    "reserved depends on the cap (the allocator frees cached blocks near it), so not the uncapped "
-    "reserved the planner predicts",
-    "H6, H7": "Adafactor is not a bigtune optimizer",
-    "P1-P3": "T0_3B and mt0-xxl are seq2seq LLMs (bigtune trains causal LMs and BLIP-2 only); bloomz-7b1 config "
-    "not bundled; the 'GB' rows' batch shapes (short tweets padded per batch) are not stated",
-    "P4": "model ambiguous (the doc's script names bart-large, the number matches T0_3B)",
-    "P6": "QLoRA under ZeRO-3: bigtune refuses model.quantize with DeepSpeed",
-    "B10": "qualitative (DDP per-GPU memory larger than single-GPU, FSDP smaller): no number or fit boundary",
-    "lab 13B DeepSpeed": "torch/a100_llama13b_deepspeed.py: no recorded numbers",
-    # issue #25 (sources searched for fixed-shape HF + PEFT measurements; ids continue the notes' R series)
-    "R35-R38 siblings (config_hub falcon-7b, gemma-7b)": "falcon-7b and gemma-7b configs not bundled",
-    "R39 (config_hub phi-3/full.yaml)": "17.01 GB on 1xA10G cannot be the stated setup: the stored yaml trains "
-    "all 3.8 B weights on one device with AdamW under bf16-true, whose weights, gradients and two moments "
-    "alone are ~30 GB",
-    "R40 (config_hub llama-3.1-8b lora/qlora)": "the same numbers (19.73 / 17.41 GB), micro-batches and "
-    "adapters as R28/R29 on an architecture of the same shapes: a duplicate, not new evidence",
-    "R41 (config_hub gemma2-2b)": "the table's rows are placeholders (xxxxx), no number",
-    "PEFT MetaMathQA": "huggingface/peft method_comparison/MetaMathQA results: reserved is read after each "
-    "optimizer step and averaged over bucketed variable-length batches up to 768 tokens, and cuda_memory_max "
-    "includes generation-time evaluation: no counter answers one stated batch shape",
-    "PEFT DoRA optimization": "huggingface/peft docs developer_guides/lora.md (dora_finetuning.py on a 4090, "
-    "batch 16, padded to max_length 512): only runtimes are published, no memory; the script's default model "
-    "(huggyllama/llama-7b) is not bundled",
-    "PEFT EuroPython 2024 slides": "BenjaminBossan/presentations 2024-07-11-europython: the memory tables are "
-    "computed by its utils.py from parameter counts (weights + 3× trainable, no activations), not measured",
-    "peft #1142": "huggingface/peft issue #1142 (Llama-2-7B LoRA, 8×1024, checkpointing reentrant vs not): "
-    "the memory is shown only in chart images, no number to read",
-    "peft #1469": "huggingface/peft issue #1469: bert-base-uncased and ESM models, configs not bundled",
-    "unsloth context table": "unslothai/unsloth README (Llama 3.1 8B QLoRA r32, batch 1, padded to the "
-    "length, max length per VRAM size for 'HF + FA2'): the baseline's checkpointing, optimizer and counter "
-    "are not stated, and flash-attn 2 is not a bigtune attention; unsloth's own column uses its kernels",
-    "universal-llm-trainer": "ljm565/universal-llm-trainer README (H100, batch 2 × 8192 'fully filled', "
-    "checkpointing): the counter behind 'Peak Mem.' is not named, values are whole GiB, the note says both "
-    "torch and HF checkpointing were tested without saying which row used which, and the configs' data "
-    "(ai2_arc QA) is far shorter than 8192 tokens; the Phi-3 rows use the 128k model (not bundled)",
+# What each plain field must hold (the text fields and `over` are joined and merged by _row_of instead).
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "id": (lambda v: isinstance(v, str) and v.strip() == v != "", "a non-empty string without outer spaces"),
+    "metric": (lambda v: v in METRICS, "one of " + ", ".join(METRICS)),
+    "value": (lambda v: v is None or (_number(v) and v > 0), "a positive number, or null for a fit row"),
+    "unit": (lambda v: v in UNITS, "one of " + ", ".join(UNITS)),
+    "gpu": (lambda v: isinstance(v, str) and v != "", "a GPU catalog name (bigtune gpus)"),
+    "recipe": (lambda v: v is None or (isinstance(v, str) and v != ""), "a recipe path under the repository, or null"),
+    "gpus": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "a whole number ≥ 1"),
+    "strategy": (lambda v: isinstance(v, str) and v != "", "the planner's strategy (single, ddp, fsdp, deepspeed_*)"),
+    "expect": (lambda v: v in (None, "fit", "oom"), "fit, oom, or null"),
+    "speed": (
+        lambda v: v is None or (isinstance(v, list) and len(v) == 2 and _number(v[0]) and v[1] in SPEED_UNITS),
+        "[rate, tokens/s | samples/s], or null",
+    ),
+    "legacy_bnb": (lambda v: isinstance(v, bool), "true or false"),
+    "fsdp1_units": (lambda v: isinstance(v, bool), "true or false"),
+    "legacy_softmax": (lambda v: isinstance(v, bool), "true or false"),
+    "keep_gradients": (lambda v: isinstance(v, bool), "true or false"),
+    "context_mib": (lambda v: v is None or (_number(v) and v > 0), "MiB as a positive number, or null"),
 }
+
+
+def _flat(items: list) -> list:
+    """A YAML alias of a list inside a list arrives nested: flatten it."""
+    out: list = []
+    for x in items:
+        out.extend(_flat(x) if isinstance(x, list) else [x])
+    return out
+
+
+def _text(value: Any) -> Optional[str]:
+    """A string, or a list of strings (aliases of shared texts among them) joined without a separator."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(x, str) for x in _flat(value)):
+        return "".join(_flat(value))
+    return None
+
+
+def _overrides(value: Any) -> Optional[dict]:
+    """A mapping of dotted recipe keys, or a list of them applied in order: a later key replaces an earlier
+    one's value where it stands, as Python's ``{**a, **b}``, so the order of the keys is the order written."""
+    parts = _flat(value) if isinstance(value, list) else [value]
+    if not all(isinstance(p, dict) and all(isinstance(k, str) for k in p) for p in parts):
+        return None
+    out: dict = {}
+    for p in parts:
+        out.update(p)
+    return copy.deepcopy(out)  # YAML aliases share their objects: each row owns its values
+
+
+def _row_of(entry: Any, n: int, path: Path) -> Row:
+    """One mapping of the file's `rows:` as a Row, or RowsFileError naming the row, the field and the fix."""
+    rid = entry.get("id") if isinstance(entry, dict) else None
+    where = f"{path.name}: row {rid}" if isinstance(rid, str) and rid else f"{path.name}: row #{n} (no id)"
+    if not isinstance(entry, dict):
+        raise RowsFileError(f"{where}: expected a mapping of Row fields, got {entry!r}")
+    names = [f.name for f in dataclasses.fields(Row)]
+    unknown = [k for k in entry if k not in names]
+    if unknown:
+        raise RowsFileError(f"{where}: unknown field {unknown[0]!r}; a row's fields are {', '.join(names)}")
+    missing = [k for k in _REQUIRED if k not in entry]
+    if missing:
+        raise RowsFileError(f"{where}: field {missing[0]!r} is missing (every row states {', '.join(_REQUIRED)})")
+    fields: dict[str, Any] = {}
+    for k, v in entry.items():
+        if k in _TEXT_FIELDS:
+            got = _text(v)
+            want = "a string, or a list of strings joined"
+        elif k == "over":
+            got = _overrides(v)
+            want = "a mapping of recipe keys (model.name: ...), or a list of mappings applied in order"
+        else:
+            check, want = _CHECKS[k]
+            if not check(v):
+                raise RowsFileError(f"{where}: field {k!r}: expected {want}, got {v!r}")
+            fields[k] = tuple(v) if k == "speed" and v is not None else v  # Row.speed is a (rate, unit) pair
+            continue
+        if got is None:
+            raise RowsFileError(f"{where}: field {k!r}: expected {want}, got {v!r}")
+        fields[k] = got
+    row = Row(**fields)
+    # the pairs the runner relies on: a fit row states an outcome and no number, a measured row a number
+    if row.metric == "fit" and (row.value is not None or row.expect is None or row.unit != "-"):
+        raise RowsFileError(f"{where}: a fit row has value null, unit '-' and expect fit or oom")
+    if row.metric != "fit" and (row.value is None or row.expect is not None or row.unit == "-"):
+        raise RowsFileError(f"{where}: field 'value': a {row.metric} row needs a number in GB, GiB or MiB, no expect")
+    return row
+
+
+def _named_texts(doc: dict, key: str, path: Path) -> dict[str, str]:
+    out = {}
+    for name, v in (doc.get(key) or {}).items():
+        text = _text(v)
+        if text is None:
+            raise RowsFileError(f"{path.name}: {key}.{name}: expected a string, or a list of strings joined")
+        out[name] = text
+    return out
+
+
+def load_rows(path: Path = ROWS_FILE) -> tuple[list[Row], dict]:
+    """The rows of ``path`` (validated, ids unique) and the whole file with its shared texts joined:
+    ``sources`` and ``texts`` (name -> text) and ``skipped`` (data points not planned -> why)."""
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise RowsFileError(f"{path.name}: expected a mapping with a list under rows:")
+    rows: list[Row] = []
+    seen: dict[str, int] = {}
+    for n, entry in enumerate(doc["rows"], 1):
+        row = _row_of(entry, n, path)
+        if row.id in seen:
+            raise RowsFileError(f"{path.name}: row {row.id}: field 'id' is used by rows #{seen[row.id]} and #{n}")
+        seen[row.id] = n
+        rows.append(row)
+    skipped = doc.get("skipped") or {}
+    if not isinstance(skipped, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in skipped.items()):
+        raise RowsFileError(f"{path.name}: skipped: expected a mapping of data points to why they are not planned")
+    return rows, {
+        "sources": _named_texts(doc, "sources", path),
+        "texts": _named_texts(doc, "texts", path),
+        "skipped": skipped,
+    }
+
+
+try:
+    ROWS, _FILE = load_rows()
+except RowsFileError as e:
+    if __name__ != "__main__":
+        raise
+    # run as the script: one line saying what and where, not a traceback
+    raise SystemExit(f"error: {e}\n(the fields of a row: the header of {ROWS_FILE.relative_to(ROOT)})") from None
+SOURCES: dict[str, str] = _FILE["sources"]
+TEXTS: dict[str, str] = _FILE["texts"]
+# Published data points not planned, and why (ids as in the notes).
+SKIPPED: dict[str, str] = _FILE["skipped"]
+
+# The texts the runner itself tests rows against (their wording lives in the YAML, once)
+LAB_BLIP = SOURCES["LAB_BLIP"]  # Row.lab_blip_inputs, Row.shortest_over
+LITGPT = TEXTS["LITGPT"]  # Row.litgpt_emulations: rows whose impl starts with it
+LAB_FSDP_IMPL = TEXTS["LAB_FSDP_IMPL"]  # plan_row: FSDP1's flat side streams
+LEGACY_SOFTMAX_NOTE = TEXTS["LEGACY_SOFTMAX_NOTE"]  # printed under the table
+# Sources that ran a Hugging Face transformers model in an eager training loop (statistics_of: hf_eager_reserved)
+HF_EAGER_SOURCES = (SOURCES["HF_PERF"], SOURCES["PEFT_DS"], SOURCES["FMS"])
 
 
 def row_recipe(row: Row, check: bool = True):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -214,3 +215,87 @@ def test_an_open_rows_longest_fitting_length_is_bisected(monkeypatch):
     assert published.longest_fitting(row, 1, plans, "k") == 37
     assert len(asked) == len(set(asked)) <= 6 and all(2 < n < 50 for n in asked)
     assert published.longest_fitting(row, 1, plans, "k") == 37 and len(asked) == len(set(asked))
+
+
+def test_every_row_of_the_yaml_loads_into_a_row_with_a_unique_id():
+    """bench/published_rows.yaml is the table: each mapping under rows: becomes one Row, in its order."""
+    import yaml
+
+    entries = yaml.safe_load(published.ROWS_FILE.read_text(encoding="utf-8"))["rows"]
+    rows, texts = published.load_rows()
+    assert [r.id for r in rows] == [e["id"] for e in entries] == [r.id for r in published.ROWS]
+    assert all(isinstance(r, published.Row) for r in rows) and len({r.id for r in rows}) == len(rows)
+    # a shared text cited by alias arrives joined: the runner tests rows against it
+    assert published.LITGPT in texts["texts"]["LITGPT_LORA"] and texts["sources"]["LAB_BLIP"] == published.LAB_BLIP
+    # aliases share objects in YAML; a row's overrides are its own (plan_row copies and extends them)
+    assert all(a.over is not b.over for a, b in zip(rows, rows[1:]))
+
+
+_GOOD = {"id": "X1", "source": "s", "setup": "x", "metric": "reserved", "value": 1.5, "unit": "GiB", "gpu": "a10g"}
+
+
+def test_a_rows_lists_of_overrides_and_texts_merge_in_order(tmp_path):
+    """over: a list of mappings applied in order (a later key replaces the value where the key stands);
+    source/impl/note: a list of strings joined, so a row adds its words to a shared text."""
+    import yaml
+
+    base = {"precision": "bf16-true", "optim.name": "adamw"}
+    row = {**_GOOD, "over": [base, {"model.name": "m", "precision": "32-true"}], "note": ["shared; ", "own"]}
+    path = tmp_path / "rows.yaml"
+    path.write_text(yaml.safe_dump({"rows": [row]}, sort_keys=False))
+    (r,), _ = published.load_rows(path)
+    assert list(r.over.items()) == [("precision", "32-true"), ("optim.name", "adamw"), ("model.name", "m")]
+    assert r.note == "shared; own" and r.gpus == 1 and r.speed is None
+
+
+@pytest.mark.parametrize(
+    "field, bad, says",
+    [
+        ("value", "lots", "field 'value': expected a positive number"),
+        ("gpus", 0, "field 'gpus'"),
+        ("metric", "peak", "field 'metric': expected one of peak_allocated"),
+        ("over", ["model.name"], "field 'over'"),
+        ("speed", [10, "tokens/min"], "field 'speed'"),
+        ("note", 3, "field 'note'"),
+        ("legacy_softmax", "yes please", "field 'legacy_softmax'"),
+        ("colour", "red", "unknown field 'colour'"),
+        ("gpu", None, "field 'gpu'"),
+    ],
+)
+def test_a_bad_field_is_refused_naming_the_row_and_the_field(tmp_path, field, bad, says):
+    import yaml
+
+    path = tmp_path / "rows.yaml"
+    path.write_text(yaml.safe_dump({"rows": [_GOOD, {**_GOOD, "id": "X2", field: bad}]}, sort_keys=False))
+    with pytest.raises(published.RowsFileError) as e:
+        published.load_rows(path)
+    assert "row X2" in str(e.value) and says in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "second, says",
+    [
+        ({k: v for k, v in _GOOD.items() if k != "unit"}, "row X1: field 'unit' is missing"),
+        (_GOOD, "row X1: field 'id' is used by rows #1 and #2"),
+        ({**_GOOD, "id": "X3", "metric": "fit", "value": None, "unit": "-"}, "row X3: a fit row"),
+        ({k: v for k, v in _GOOD.items() if k != "id"}, "row #2 (no id)"),
+    ],
+)
+def test_a_missing_field_a_repeated_id_or_a_fit_row_without_outcome_is_refused(tmp_path, second, says):
+    import yaml
+
+    path = tmp_path / "rows.yaml"
+    path.write_text(yaml.safe_dump({"rows": [_GOOD, second]}, sort_keys=False))
+    with pytest.raises(published.RowsFileError, match=re.escape(says)):
+        published.load_rows(path)
+
+
+def test_a_bad_field_in_the_real_table_names_that_row(tmp_path):
+    """The same check on the shipped file: one row's field spoilt, the error points at that row."""
+    text = published.ROWS_FILE.read_text(encoding="utf-8")
+    spoilt = text.replace("  - id: R6\n", "  - id: R6\n    gpus: two\n", 1)
+    assert spoilt != text
+    path = tmp_path / "published_rows.yaml"
+    path.write_text(spoilt, encoding="utf-8")
+    with pytest.raises(published.RowsFileError, match=r"row R6: field 'gpus': expected a whole number"):
+        published.load_rows(path)
