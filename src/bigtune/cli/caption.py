@@ -29,7 +29,7 @@ def main_caption(args) -> int:
     if not paths:
         raise InferError("no images: give image files, folders or glob patterns")
     model, processor = load_captioner(args.model, dtype=args.dtype, device=args.device)
-    prompt = args.prompt or trained_prompt(args.model)  # a chat model is asked what it was trained to answer
+    prompt = args.prompt or trained_prompt(args.model, model)  # a chat VLM is asked what it was trained to answer
     rows, bad = caption_images(model, processor, paths, args.batch_size, args.max_new_tokens, prompt)
     if not rows:
         raise InferError(

@@ -147,11 +147,21 @@ def caption_images(
     return rows, bad
 
 
-def trained_prompt(path_or_run: str) -> str:
+def trained_prompt(path_or_run: str, model=None) -> str:
     """The data.prompt a bigtune run was trained with ('' when ``path_or_run`` is not a run directory
-    or its recipe sets none), so a chat model is asked what it learned to answer."""
+    or its recipe sets none), so a chat model is asked what it learned to answer.
+
+    ``model``: the loaded captioner; '' unless it is a chat VLM. BLIP-2 trains on the caption alone, and every
+    recipe.yaml holds data.prompt's default: continuing that text, never seen in training, the demo wrote the
+    same caption for every photo (issue #42)."""
     import yaml
 
+    from bigtune.data import vlm
+
+    if model is not None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not vlm.is_vlm(base.config):
+            return ""
     for folder in (Path(path_or_run), Path(path_or_run).parent):
         recipe = folder / "recipe.yaml"
         if recipe.is_file():
