@@ -2,9 +2,10 @@
 
 Each line of a ```bash block is one command. A line that can run offline on a CPU runs, in page order,
 in a fresh folder that holds the repository's files (so a page's later commands see its earlier runs),
-and must exit 0. A line that cannot (a GPU, the hub, the user's own files, minutes of time) ends with
-``# not run: <reason>``; a ``bigtune`` one is still parsed by the real command line, and the recipe it
-names must load, so a renamed flag or key fails here too. The README's Quick start is run by .ci/run.
+and must exit 0. A block whose lines cannot (a GPU, the hub, the user's own files, minutes of time) follows
+an HTML comment ``<!-- not run: <reason> -->``, which the reader does not see; a ``bigtune`` line there is
+still parsed by the real command line, and the recipe it names must load, so a renamed flag or key fails here
+too. The README's Quick start is run by .ci/run.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-NOT_RUN = re.compile(r"\s+#\s*not run:\s*(\S.*)$")
+NOT_RUN = re.compile(r"\s+#\s*not run:\s*(\S.*)$")  # the old visible form, refused below
+HIDDEN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 
 
@@ -38,12 +40,14 @@ def commands(page: Path) -> list[tuple[int, str, str | None]]:
         if m.start() == quick_block:
             continue  # the Quick start block: .ci/run runs it on a fresh clone
         first = text[: m.start(1)].count("\n") + 1
+        # The last line before the fence (blank lines aside): the block's hidden marker, if any.
+        hidden = HIDDEN.fullmatch(text[: m.start()].rstrip().rsplit("\n", 1)[-1].strip())
         for i, line in enumerate(m.group(1).splitlines()):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             reason = NOT_RUN.search(line)
             cmd = NOT_RUN.sub("", line).strip()
-            out.append((first + i, cmd, reason.group(1) if reason else None))
+            out.append((first + i, cmd, hidden.group(1) if hidden else reason.group(1) if reason else None))
     return out
 
 
@@ -82,8 +86,17 @@ def test_the_pages_show_commands_and_mark_the_ones_not_run():
     for page, cmds in found.items():
         for line, cmd, reason in cmds:
             assert cmd.startswith("bigtune ") or cmd == "bigtune" or reason, (
-                f"{page}:{line}: `{cmd}` is not a bigtune command; mark it `# not run: <reason>` or use a ```text block"
+                f"{page}:{line}: `{cmd}` is not a bigtune command; put `<!-- not run: <reason> -->` before its "
+                "block or use a ```text block"
             )
+        text = (ROOT / page).read_text()
+        for m in BLOCK.finditer(text):
+            for i, line in enumerate(m.group(1).splitlines()):
+                # What a reader copies carries no note for this check: the marker goes in the hidden comment.
+                assert not NOT_RUN.search(line), (
+                    f"{page}:{text[: m.start(1)].count(chr(10)) + 1 + i}: a visible `# not run:` note; move it into "
+                    "`<!-- not run: <reason> -->` on the line before the block"
+                )
 
 
 @pytest.mark.slow
