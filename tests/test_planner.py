@@ -420,8 +420,14 @@ def test_alternatives_fit_and_are_ranked():
     alts = alternatives(r, target, max_gpus=4)
     assert len(alts) >= 10
     assert all(a.fits for a in alts)
-    speeds = [a.tokens_per_s for a in alts]
-    assert speeds == sorted(speeds, reverse=True)
+    # the asked GPU count (one) first, then more GPUs; fastest first within a count
+    from bigtune.plan.search.choose import gpus_and_strategy
+
+    counts = [gpus_and_strategy(a)[0] for a in alts]
+    assert counts[0] == 1 and counts == sorted(counts)
+    for n in set(counts):
+        speeds = [a.tokens_per_s for a in alts if gpus_and_strategy(a)[0] == n]
+        assert speeds == sorted(speeds, reverse=True)
     assert all(a.peak_total <= target.capacity_bytes for a in alts)
     assert any("adamw8bit" in a.variant and "GPUs" not in a.variant for a in alts)  # 8-bit Adam on one GPU
 

@@ -114,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "recipe's strategy, auto meaning DDP as in training)",
     )
     pl.add_argument("--gpu-memory", type=float, metavar="GIB", help="override the GPU's memory (or give a custom GPU)")
-    pl.add_argument("--alternatives", action="store_true", help="also list the variants that fit, fastest first")
+    pl.add_argument(
+        "--alternatives",
+        action="store_true",
+        help="also list the variants that fit: on the GPU count asked first, then the other counts (fewest first), "
+        "fastest first within each",
+    )
     pl.add_argument("--max-gpus", type=int, default=64, help="largest GPU count tried by --alternatives")
     pl.add_argument(
         "--adapters",
@@ -404,7 +409,8 @@ def _cmd_plan(args) -> int:
         if alts is not None:
             print(
                 f"\n{len(alts)} of {alts.evaluated} variants fit on {target.gpu.key if target.gpu else 'cpu'}, "
-                "fastest first:"
+                f"{target.gpus} GPU{'s' if target.gpus > 1 else ''} as asked first, then other counts; fastest first "
+                "within each:"
             )
             print(format_alternatives(alts))
     return EXIT_OK

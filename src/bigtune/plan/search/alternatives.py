@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -142,6 +143,8 @@ def _run_sims(
     grouped = (
         [k for k, (r, _) in jobs.items() if r.peft.method != "none"] if ex.forked and "peft" not in sys.modules else []
     )
+    if len(grouped) == len(jobs):  # every job is an adapter's (a LoRA recipe): one worker would run them all in turn
+        grouped = []
     group = ex.submit(_sim_group, [(k, *jobs[k]) for k in grouped], config, cuda, arch) if grouped else None
     # the longest first (a rank's share of the batch), so no long one is left running alone at the end
     order = sorted((k for k in jobs if k not in grouped), key=lambda k: -jobs[k][1] / jobs[k][0].tensor_parallel)
@@ -198,7 +201,7 @@ def _own_plan(recipe: Recipe, target: Target, config, kwargs: dict) -> tuple[Pla
 
 
 class Alternatives(list):
-    """The fitting plans, fastest first; ``evaluated`` counts every variant considered; ``plan``: the recipe's
+    """The fitting plans, the asked GPU count first, fastest first within a count (_ranked); ``evaluated`` counts every variant considered; ``plan``: the recipe's
     own plan where alternatives() was asked for it (``own_plan``), else None."""
 
     def __init__(self, plans, evaluated: int, own: Optional[Plan] = None):
@@ -246,7 +249,9 @@ def alternatives(
     tensor_parallel: bool = True,
     own_plan: Optional[dict] = None,
 ) -> Alternatives:
-    """Variants of the recipe that fit, fastest first (predicted tokens/s; lower peak breaks ties).
+    """Variants of the recipe that fit: those on ``target``'s GPU count first, then the other counts from the
+    fewest GPUs up; within a count fastest first (predicted tokens/s; lower peak breaks ties). Each run once,
+    its overrides only the keys that change the recipe.
 
     Each keeps the global batch size. Single-GPU variants cross precision × activation checkpointing ×
     optimizer (AdamW, 8-bit AdamW, SGD) × micro batch, plus one GPU with ZeRO-2 and the optimizer
@@ -303,16 +308,64 @@ def alternatives(
             for label, o, gpus, strategy, k, _, _ in extra:
                 p = _plan_variant(recipe, o, target, gpus, strategy, label, config, sims[k])
                 if p.fits is None or p.fits:
-                    plans.append(p)
+                    plans.append((p, gpus, strategy))
         own_result = own.result() if own is not None else None
     if own_result is not None:
         for k, v in own_result[1].items():
             sims.setdefault(k, v)
     pipelined = _pipeline_plans(recipe, target, config, max_gpus, workers) if tensor_parallel else []
     n_evaluated += len(pipelined)
-    plans += [p for p in pipelined if p.fits is None or p.fits]
-    plans.sort(key=lambda p: (-(p.tokens_per_s or 0.0), p.peak_total))
-    return Alternatives(plans, evaluated=n_evaluated, own=own_result[0] if own_result is not None else None)
+    plans += [(p, target.gpus, "pipeline") for p in pipelined if p.fits is None or p.fits]
+    ranked = _ranked(recipe, plans, target.gpus)
+    return Alternatives(ranked, evaluated=n_evaluated, own=own_result[0] if own_result is not None else None)
+
+
+def _ranked(recipe: Recipe, found: list[tuple[Plan, int, str]], asked_gpus: int) -> list[Plan]:
+    """The (plan, GPUs, strategy) found, as the answer to the question asked: the asked GPU count first, then the
+    other counts from the fewest GPUs up, fastest first within each (the lower peak breaks ties). Each plan's
+    overrides keep only the keys that change the recipe, and a run found twice (the same GPUs, strategy and
+    overrides under two searches) is listed once."""
+    found = sorted(found, key=lambda f: (f[1] != asked_gpus, f[1], -(f[0].tokens_per_s or 0.0), f[0].peak_total))
+    seen: set[str] = set()
+    out = []
+    for p, gpus, strategy in found:
+        p.overrides = _changes_only(recipe, p.overrides)
+        key = json.dumps([gpus, strategy, p.overrides], sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    # Two different runs must not read the same: a label that repeats names the overrides that tell it apart.
+    first: dict[tuple[str, str], Plan] = {}
+    for p in out:
+        other = first.setdefault((p.target, p.variant), p)
+        differ = {k: v for k, v in p.overrides.items() if other.overrides.get(k, _ABSENT) != v}
+        if other is not p and differ:
+            p.variant += " (" + ", ".join(f"{k}={v}" for k, v in differ.items()) + ")"
+    return out
+
+
+def _changes_only(recipe: Recipe, over: dict) -> dict:
+    """``over`` without the keys that set the recipe's own value (the variants set every key they vary, e.g.
+    precision and optimizer, also where the recipe already has that one); all of ``over`` where dropping them
+    would make another recipe (a key that only holds beside another, as the accumulation beside the global batch)."""
+    own = recipe.to_dict()
+
+    def recipe_value(key: str) -> Any:
+        d: Any = own
+        for part in key.split("."):
+            if not isinstance(d, dict) or part not in d:
+                return _ABSENT
+            d = d[part]
+        return d
+
+    kept = {k: v for k, v in over.items() if recipe_value(k) != v}
+    if len(kept) == len(over):
+        return over
+    made = [load_recipe(own, {**o, "accelerator": "cpu"}, check=False).to_dict() for o in (kept, over)]
+    return kept if made[0] == made[1] else over
+
+
+_ABSENT = object()  # a key the recipe does not have (its value differs from any override's)
 
 
 def _missing(key: str, sims: dict[str, Sim], cuda: bool) -> bool:
@@ -357,30 +410,36 @@ def _pipeline_plans(recipe: Recipe, target: Target, config, max_gpus: int, worke
 def _single_gpu_variants(vs: _Variants) -> None:
     """One GPU: precision × activation checkpointing × optimizer, at the recipe's micro batch and smaller ones."""
     recipe, g, m0 = vs.recipe, vs.g, vs.m0
-    micro = [m for m in (1, 2, 4, 8, 16, 32, 64) if m < m0 and m0 % m == 0 and g % m == 0]
+    micro = _smaller_micros(vs)
     for precision in ("bf16-true", "bf16-mixed", "32-true"):
         for ckpt in (False, True):
             for optim in ("adamw", "adamw8bit", "sgd"):
-                over = {
-                    "precision": precision,
-                    "train.activation_checkpointing": ckpt,
-                    "optim.name": optim,
-                    "optim.momentum": 0.0,
-                }
+                over = {"precision": precision, "train.activation_checkpointing": ckpt, "optim.name": optim}
+                if optim == "sgd":  # plain SGD keeps no state at all; AdamW's kinds have no momentum to set
+                    over["optim.momentum"] = 0.0
                 base = f"{precision}, {'ckpt' if ckpt else 'no ckpt'}, {optim}"
                 try:
                     r_hi = simulation_recipe(_variant_recipe(recipe, over, cuda=vs.cuda), "single")
                 except RecipeError:
                     continue  # a combination training refuses (bf16 adapters in 32-true...) is no alternative
                 key_hi = vs.add(f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", r_hi, m0)
-                # The recipe's own accumulation regime must hold at both ends for interpolation.
-                if micro and (g // m0 >= 2):
-                    _smaller_micro_variants(vs, over, base, r_hi, key_hi, micro)
+                _smaller_micro_variants(vs, over, base, r_hi, key_hi, micro)
+
+
+def _smaller_micros(vs: _Variants) -> list[int]:
+    """The micro batches below the recipe's that keep its global batch on one GPU, where they can be interpolated:
+    the recipe's own accumulation regime (two micro-batches or more) must hold at both ends."""
+    m0, g = vs.m0, vs.g
+    if g // m0 < 2:
+        return []
+    return [m for m in (1, 2, 4, 8, 16, 32, 64) if m < m0 and m0 % m == 0 and g % m == 0]
 
 
 def _smaller_micro_variants(vs: _Variants, over: dict, base: str, r_hi: Recipe, key_hi: str, micro: list[int]) -> None:
     """Micro batch 1 simulated, those between 1 and the recipe's interpolated (the same global batch)."""
     g = vs.g
+    if not micro:
+        return
     key_lo = sim_key(r_hi, 1)
     vs.jobs[key_lo] = (r_hi, 1)
     for m in micro:
@@ -478,10 +537,13 @@ def _tensor_parallel_variants(vs: _Variants, max_gpus: int, config) -> None:
 
 
 def _adapter_variants(vs: _Variants) -> None:
-    """The same model through adapters, on one GPU, the recipe's micro batch: LoRA (frozen 16-bit base) and
-    QLoRA (4-bit NF4 base), AdamW on the adapters, with and without checkpointing; from a LoRA recipe, its
-    QLoRA form. Labelled by what changes: adapters train fewer weights, which is a choice about the result."""
+    """The same model through adapters, on one GPU: LoRA (frozen 16-bit base) and QLoRA (4-bit NF4 base), AdamW
+    on the adapters, with and without checkpointing, at the recipe's micro batch and the smaller ones (as the
+    full variants: a 4-bit base that does not fit at the recipe's micro batch often does at half of it); from a
+    LoRA recipe, its QLoRA form. Labelled by what changes: adapters train fewer weights, a choice about the
+    result."""
     recipe, g, m0 = vs.recipe, vs.g, vs.m0
+    micro = _smaller_micros(vs)
     if recipe.model.quantize != "none" or recipe.model.family == "sequence-classification":
         return
     kinds = [("QLoRA nf4", {"peft.method": "lora", "model.quantize": "nf4"})]
@@ -493,10 +555,9 @@ def _adapter_variants(vs: _Variants) -> None:
             over = {"precision": half, "train.activation_checkpointing": ckpt, "optim.name": "adamw", **extra}
             # (check=False: a QLoRA plan needs no bitsandbytes here)
             r_a = simulation_recipe(_variant_recipe(recipe, over, check=False), "single")
-            label = (
-                f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw, micro {m0} × acc {g // m0}"
-            )
-            vs.add(label, over, 1, "single", r_a, m0)
+            base = f"{half}, {name} r{recipe.peft.r}, {'ckpt' if ckpt else 'no ckpt'}, adamw"
+            key_hi = vs.add(f"{base}, micro {m0} × acc {g // m0}", over, 1, "single", r_a, m0)
+            _smaller_micro_variants(vs, over, base, r_a, key_hi, micro)
 
 
 def _qlora_fsdp_variants(vs: _Variants, max_gpus: int, adapters: bool) -> None:
@@ -670,7 +731,8 @@ def _plan_variant(
 
 
 def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim], ex) -> tuple[list[Plan], list]:
-    """(plans that fit or cannot tell, (GPUs, strategy) of the multi-GPU variants that ran out of memory)."""
+    """((plan, GPUs, strategy) of the variants that fit or cannot tell, (GPUs, strategy, tensor_parallel) of the
+    multi-GPU variants that ran out of memory, each once)."""
     # One-device variants whose shallow replays disagree get the deeper replay first, all at once (in
     # parallel where there are cores); kept in ``sims``: other variants and later calls share them. Not
     # where the peak allocated alone (+ context) is over the card: no replay needs less than that, so the
@@ -696,8 +758,10 @@ def _plan_variants(vs: _Variants, target: Target, config, sims: dict[str, Sim], 
         p = _plan_variant(vs.recipe, over, target, gpus, strategy, label, config, sim)
         key = (gpus, strategy, over.get("tensor_parallel", 1))
         if p.fits is None or p.fits:
-            plans.append(p)
-        elif key in vs.several:
+            plans.append((p, gpus, strategy))
+        elif key in vs.several and vs.several[key][0] == over and key not in oom_several:
+            # only the variant ``several`` holds: another one on the same GPUs and strategy (QLoRA over FSDP) that
+            # runs out of memory would otherwise ask for the same checkpointed retry again, a duplicate row
             oom_several.append(key)
     return plans, oom_several
 
