@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from bigtune.recipe import load_recipe
-from bigtune.run.launch import launch_shape, slurm_script
+from bigtune.run.launch import default_python, launch_shape, run_folder, slurm_script
 
 
 def _strategies() -> list[str]:
@@ -45,6 +46,18 @@ def add_cli(sub) -> None:
         "--samples", type=int, metavar="N", help="with --cluster: the data's size, instead of reading it as train does"
     )
     p.add_argument("--job-name")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="train on the nodes' CPU cores: no GPUs asked for, accelerator=cpu; --gpus-per-node then counts "
+        "processes (a small test job, or a cluster without GPUs)",
+    )
+    p.add_argument(
+        "--python",
+        metavar="PATH",
+        help="the interpreter the job runs `-m bigtune` with on the nodes (default: $VIRTUAL_ENV/bin/python in an "
+        "activated venv, else python3 on the job's PATH, which sbatch passes from the submitting shell)",
+    )
     p.add_argument("--out", help="script path (default: <output_dir>/job.sbatch)")
     p.add_argument("--submit", action="store_true", help="run sbatch on the script")
     p.set_defaults(func=main_launch)
@@ -72,6 +85,8 @@ def _script(args) -> str:
         args.mem,
         args.job_name,
         strategy,
+        python=args.python,
+        cpu=args.cpu,
     )
 
 
@@ -103,6 +118,8 @@ def _cluster_script(args) -> str:
     flags = ("partition", "nodes", "gpus_per_node", "strategy", "time", "mem", "cpus_per_task")
     if given := [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) is not None]:
         raise PlanError(f"--cluster fills {', '.join(given)} from the plan; drop them, or drop --cluster")
+    if args.cpu:
+        raise PlanError("--cluster chooses a GPU partition; drop --cpu, or drop --cluster")
     r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu"], check=False)
     if problems := gpu_plan_problems(r):
         raise RecipeError(problems, args.recipe)
@@ -135,18 +152,40 @@ def _cluster_script(args) -> str:
         c.strategy,
         gres=c.offer.partition.gres,
         notes=notes,
+        python=args.python,
     )
+
+
+def _python_warning(python: str) -> str | None:
+    """Why ``python`` here looks unable to run bigtune (None when it can): the job runs ``python -m bigtune``
+    on the nodes, which usually see the same environment. Only a warning: a node's PATH may differ."""
+    probe = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('bigtune', 'torch')))"
+    try:
+        ok = subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python} does not run here ({type(e).__name__})"
+    return None if ok else f"{python} here cannot import bigtune and torch"
 
 
 def main_launch(args) -> int:
     text = _script(args)
     r = load_recipe(args.recipe, list(args.overrides) + ["accelerator=cpu", "strategy=ddp"])  # for output_dir only
+    # Slurm opens the job's log in the run folder before the script runs and makes no folder for it: make it
+    # now, wherever the script itself goes.
+    folder = run_folder(r, Path.cwd())
+    folder.mkdir(parents=True, exist_ok=True)
     path = Path(args.out or Path(r.output_dir or f"runs/{r.name}") / "job.sbatch")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
     print(f"wrote {path}")
+    if problem := _python_warning(args.python or default_python()):
+        print(
+            f"warning: {problem}; the job runs it on the nodes: activate the environment bigtune is installed in "
+            f"before launch, or pass --python (this launch runs under {sys.executable})",
+            file=sys.stderr,
+        )
     if args.submit:
         return subprocess.run(["sbatch", str(path)]).returncode
     print(f"submit with: sbatch {path}")

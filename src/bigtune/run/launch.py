@@ -4,16 +4,40 @@ One Slurm task per GPU (`--ntasks-per-node=G`), started by `srun`: Lightning Fab
 ranks in Slurm's environment (SLURM_PROCID, SLURM_LOCALID, SLURM_NODELIST), so bigtune spawns nothing
 itself. The job asks for requeue and for SIGTERM two minutes before its time limit; bigtune answers a
 SIGTERM by writing a checkpoint and exiting, and the requeued job continues with `--auto-resume`.
+
+The script holds no path relative to where it is submitted from: the run folder, the log and the recipe
+file are absolute, and the job runs in the folder `launch` ran in (`--chdir`), so paths inside the recipe
+(data files, local models) resolve on the node as they did when the script was written and checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
-import sys
+from pathlib import Path
 from typing import Optional
 
-from bigtune.recipe import load_recipe
+from bigtune.recipe import Recipe, load_recipe
+
+
+def run_folder(r: Recipe, workdir: Path) -> Path:
+    """The run's folder, absolute: ``output_dir`` (default ``runs/<name>``) taken against ``workdir``."""
+    return Path(os.path.normpath(Path(workdir).absolute() / (r.output_dir or f"runs/{r.name}")))
+
+
+def default_python() -> str:
+    """The interpreter the job runs ``-m bigtune`` with when ``--python`` is not given.
+
+    In an activated virtual environment (VIRTUAL_ENV set) its ``bin/python``, absolute: a job started
+    with ``--export=NONE`` or a site's own job environment finds it all the same, and the venv has to sit
+    on a filesystem the nodes share anyway, as the run folder does. Otherwise ``python3`` as the job's PATH
+    finds it: sbatch passes the submitting shell's environment by default (``--export=ALL``), so a conda
+    environment or a ``module load`` done before sbatch carries over. Not ``sys.executable``: the
+    interpreter that happens to run ``launch`` (a pipx venv, a laptop's) need not exist on the nodes.
+    """
+    venv = os.environ.get("VIRTUAL_ENV")
+    return str(Path(venv) / "bin" / "python") if venv else "python3"
 
 
 def slurm_script(
@@ -28,27 +52,34 @@ def slurm_script(
     mem: Optional[str] = None,
     job_name: Optional[str] = None,
     strategy: str = "auto",
-    python: str = sys.executable,
+    python: Optional[str] = None,
     gres: Optional[str] = None,
     notes: Optional[list[str]] = None,
+    workdir: Optional[Path] = None,
+    cpu: bool = False,
 ) -> str:
     """The sbatch text. ``cpus_per_task`` / ``mem`` left None are taken from bigtune's host plan
     (``infer_plan.training_host_request``, one load per task); when the model cannot be planned, 8 cores and
     no --mem. ``gres`` (e.g. ``gpu:a100``) asks for the GPUs as ``--gres=<gres>:<G>`` instead of
     ``--gpus-per-node``; ``notes`` are written as comments at the top (where the directives came from).
+    ``workdir`` (default: the current folder) is where the job runs and what relative paths are taken
+    against; ``python`` the interpreter on the nodes (default ``default_python()``). ``cpu``: no GPUs, the
+    G tasks per node train on CPU cores (``accelerator=cpu``).
 
     Long because it writes one sbatch script in order, a few lines per directive, each with its reason.
     """
+    workdir = Path(workdir or Path.cwd()).absolute()
+    python = python or default_python()
     world_over = [
         f"devices={gpus_per_node}",
         f"num_nodes={nodes}",
         f"strategy={strategy}",
-        "accelerator=cuda",
+        "accelerator=cpu" if cpu else "accelerator=cuda",
         "checkpoint.enabled=true",
     ]
     # Validate now, not in the queue; this machine may have no GPU, so DeepSpeed (CUDA only) is
-    # checked as DDP plus its own rules as on a GPU.
-    deepspeed = strategy.startswith("deepspeed")
+    # checked as DDP plus its own rules as on a GPU. A CPU job is checked as it will run.
+    deepspeed = strategy.startswith("deepspeed") and not cpu
     check_as = [o.replace(f"strategy={strategy}", "strategy=ddp") for o in world_over] if deepspeed else world_over
     r = load_recipe(recipe, list(overrides) + check_as + ["accelerator=cpu"])
     if deepspeed:
@@ -57,7 +88,7 @@ def slurm_script(
         problems = check_deepspeed(dataclasses.replace(r, strategy=strategy), "cuda")
         if problems:
             raise RecipeError(problems, recipe)
-    out_dir = r.output_dir or f"runs/{r.name}"
+    out_dir = str(run_folder(r, workdir))
     if not r.checkpoint.every_steps:
         world_over.append("checkpoint.every_steps=100")
     world_over.append(f"output_dir={out_dir}")
@@ -74,16 +105,18 @@ def slurm_script(
         except Exception as e:  # noqa: BLE001 - no config to plan from (hub unreachable...): say so, use a default
             host_note = f"# host resources not planned ({type(e).__name__}); set --mem / --cpus-per-task yourself"
             cpus_per_task = cpus_per_task or 8
+    unit = "CPU process(es)" if cpu else "GPU(s)"
     lines = [
         "#!/bin/bash",
-        f"# bigtune: {r.name} on {nodes} node(s) x {gpus_per_node} GPU(s), strategy {strategy}",
+        f"# bigtune: {r.name} on {nodes} node(s) x {gpus_per_node} {unit}, strategy {strategy}",
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks-per-node={gpus_per_node}   # one task per GPU: Fabric reads the ranks from Slurm",
-        f"#SBATCH --gres={gres}:{gpus_per_node}" if gres else f"#SBATCH --gpus-per-node={gpus_per_node}",
-        f"#SBATCH --cpus-per-task={cpus_per_task}",
-        f"#SBATCH --time={time}",
+        f"#SBATCH --ntasks-per-node={gpus_per_node}   # one task per "
+        + ("process: Fabric reads the ranks from Slurm" if cpu else "GPU: Fabric reads the ranks from Slurm"),
     ]
+    if not cpu:
+        lines.append(f"#SBATCH --gres={gres}:{gpus_per_node}" if gres else f"#SBATCH --gpus-per-node={gpus_per_node}")
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}", f"#SBATCH --time={time}"]
     if host_note:
         lines.insert(2, host_note)
     lines[2:2] = [f"# {n}" for n in notes or []]
@@ -96,6 +129,9 @@ def slurm_script(
     lines += [
         "#SBATCH --requeue                 # preempted or timed out: back in the queue",
         "#SBATCH --signal=TERM@120         # SIGTERM to every task 2 min before the limit: checkpoint + exit",
+        # Where launch ran: the recipe's relative paths (data files, local models) resolve as they did there.
+        f"#SBATCH --chdir={workdir}",
+        # Slurm opens the log before the script runs and makes no folder for it: launch made this one.
         f"#SBATCH --output={out_dir}/slurm-%j.out",
         "",
         "set -euo pipefail",
@@ -104,7 +140,8 @@ def slurm_script(
         "export MASTER_PORT=${MASTER_PORT:-29500}",
         "",
     ]
-    cmd = [python, "-m", "bigtune", "train"] + ([recipe] if recipe else [])
+    recipe_arg = [str(Path(os.path.normpath(workdir / recipe)))] if recipe else []
+    cmd = [python, "-m", "bigtune", "train"] + recipe_arg
     for o in list(overrides) + world_over:
         cmd += ["--set", o]
     cmd.append("--auto-resume")
@@ -121,7 +158,7 @@ def launch_shape(
 ) -> tuple[int, int, str]:
     """(nodes, GPUs per node, strategy) of a job: the recipe's num_nodes, devices and strategy unless a flag
     gives them; a flag that contradicts a value the recipe sets (not its default) is a RecipeError."""
-    from bigtune.recipe import Recipe, RecipeError
+    from bigtune.recipe import RecipeError
 
     r = load_recipe(recipe, list(overrides) + ["accelerator=cpu"], check=False)
     default = Recipe()
