@@ -77,6 +77,11 @@ def test_every_input_and_the_code_are_in_the_key(monkeypatch):
     assert k != simcache.key(r, cfg, depths=2, cuda=True)
 
 
+def test_the_code_version_reads_the_whole_package():
+    names = {p.relative_to(simcache.package_root()).as_posix() for p in simcache.source_files()}
+    assert {"engine/loop.py", "recipe.py", "models/build.py", "plan/step/simulate.py"} <= names
+
+
 def test_a_damaged_file_is_simulated_again(tmp_path, monkeypatch):
     monkeypatch.setenv(simcache.ENV, str(tmp_path))
     calls = []

@@ -23,6 +23,13 @@ _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 _logging.getLogger("torchao").setLevel(_logging.ERROR)
 _logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 
+import warnings as _warnings  # noqa: E402
+
+# Lightning warns on every start, on any machine where Slurm's `srun` is installed (a cluster's login node, a
+# workstation with Slurm), that it is "available but not used". bigtune's Slurm jobs (`bigtune launch slurm`) run
+# under srun; a run started by hand is meant to run where it is, so the hint only misleads.
+_warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+
 
 def __getattr__(name):
     # Lazy so that `import bigtune` and `bigtune --help` stay fast (Lightning alone takes seconds).

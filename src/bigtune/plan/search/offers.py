@@ -23,7 +23,7 @@ import yaml
 from bigtune.core.gpus import CATALOG, GPU, UnknownGPUError, custom_gpu, find_gpu
 from bigtune.plan.base.constants import GIB, PlanError
 
-BUNDLED_PRICES = Path(__file__).resolve().parents[1] / "assets" / "gpu_prices.yaml"
+BUNDLED_PRICES = Path(__file__).resolve().parents[2] / "assets" / "gpu_prices.yaml"  # bigtune/assets
 CLOUD_GPUS_PER_NODE = 8  # the largest common cloud instance; more GPUs are counted as several nodes
 
 

@@ -44,12 +44,23 @@ def folder() -> Optional[Path]:
     return Path(value)
 
 
+def package_root() -> Path:
+    import bigtune
+
+    return Path(bigtune.__file__).resolve().parent
+
+
+def source_files() -> list[Path]:
+    """Every module of the bigtune package (the engine's step runs in the simulation, not only the planner)."""
+    return sorted(package_root().rglob("*.py"))
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
     """A digest of bigtune's own source and of the versions of the libraries the simulated step runs."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted(root.rglob("*.py")):
+    root = package_root()
+    for path in source_files():
         h.update(path.relative_to(root).as_posix().encode())
         h.update(path.read_bytes())
     for name in _LIBRARIES:
