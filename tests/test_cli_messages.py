@@ -226,3 +226,16 @@ def test_plan_verbose_flag(tmp_path, monkeypatch, capsys):
     assert short.splitlines()[1].startswith("FITS: 0.") and " of 79.1 GiB (" in short.splitlines()[1], short
     assert "CUDA context 0.5 GiB is an assumption" in full and "CUDA context 0.5 GiB is an assumption" not in short
     assert len(full.splitlines()) > len(short.splitlines())
+
+
+def test_verbs_that_load_a_model_turn_the_library_bars_off(tmp_path):
+    from transformers.utils import logging as hf_logging
+
+    from bigtune.cli.app import main
+
+    hf_logging.enable_progress_bar()
+    try:
+        assert main(["export", str(tmp_path / "no-such-run")]) != 0
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

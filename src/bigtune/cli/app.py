@@ -242,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _library_bars_off() -> None:
+    """transformers' own tqdm bars ("Loading weights", "Writing model shards") off for this command, as train
+    turns them off for a run: the verbs say what they load and write; the bars only interleave on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     # Plans on the command line keep their simulated steps on disk (plan/step/simcache.py): planning the same step
     # again, here or in a later train, sweep or launch, reads it back. BIGTUNE_SIM_CACHE=off turns that off.
@@ -262,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.verb == "plan":
             return _cmd_plan(args)
+        if args.verb in ("generate", "eval", "caption", "predict", "export"):
+            _library_bars_off()
         if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption", "predict"):
             return args.func(args)
         if args.verb == "export":
