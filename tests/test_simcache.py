@@ -55,7 +55,7 @@ def test_a_second_plan_reads_the_first_ones_simulations(tmp_path, monkeypatch):
     def no_simulation(*args, **kwargs):
         raise AssertionError("simulated again although the cache holds this step")
 
-    monkeypatch.setattr(sim_mod, "_simulate", no_simulation)
+    monkeypatch.setattr(sim_mod, "_run_steps", no_simulation)  # every simulated step runs it
     second = plan(r, Target("cpu")).to_dict()
     assert sorted(tmp_path.glob("*.json")) == stored
     for p in (first, second):

@@ -18,7 +18,9 @@ On for the command line (``bigtune plan`` and everything that plans), off for li
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -45,9 +47,8 @@ def folder() -> Optional[Path]:
 
 
 def package_root() -> Path:
-    import bigtune
-
-    return Path(bigtune.__file__).resolve().parent
+    """The bigtune package folder (this file is bigtune/plan/step/simcache.py)."""
+    return Path(__file__).resolve().parents[2]
 
 
 def source_files() -> list[Path]:
@@ -173,3 +174,23 @@ def _store(where: Path, path: Path, data: Any) -> None:
         files.sort(key=lambda f: f.stat().st_mtime)
         for f in files[: len(files) // 2]:
             f.unlink(missing_ok=True)
+
+
+def cached_by_inputs(ignore: tuple[str, ...] = ()):
+    """Decorate ``fn(recipe, config, ...)`` so that its result comes from cached() under its bound arguments
+    (those in ``ignore`` left out of the key); ``fn.__wrapped__`` still computes."""
+
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            inputs = {k: v for k, v in bound.arguments.items() if k not in ignore}
+            recipe, config = inputs.pop("recipe"), inputs.pop("config")
+            return cached(lambda: fn(*args, **kwargs), recipe, config, **inputs)
+
+        return wrapper
+
+    return decorate

@@ -19,6 +19,7 @@ import torch
 from bigtune.core.allocconf import AllocatorConfig
 from bigtune.memory.monitor import PHASES
 from bigtune.plan.base.constants import CATEGORIES, FIT_UNCERTAINTY
+from bigtune.plan.step import simcache
 from bigtune.plan.step.quantized import (
     EIGHT_BIT,
     NF4Base,
@@ -270,31 +271,8 @@ def _quiet_lightning():
             lg.setLevel(level)
 
 
+@simcache.cached_by_inputs(ignore=("splice",))
 def simulate(
-    recipe: Recipe,
-    config,
-    depths: "int | dict[Stack, int]",
-    cuda: bool,
-    micro_batch: Optional[int] = None,
-    padded: bool = False,
-    arch: Optional[tuple[int, int]] = None,
-    trace: bool = False,
-    images: Optional[tuple] = None,
-    stage: Optional[int] = None,
-    expandable: bool = True,
-    splice: bool = True,
-) -> Sim:
-    """_simulate's step, read from the simulation cache where the same step was simulated before (simcache:
-    keyed by every input and the code that runs; on for the command line)."""
-    from bigtune.plan.step import simcache
-
-    args = (recipe, config, depths, cuda, micro_batch, padded, arch, trace, images, stage, expandable, splice)
-    inputs = dict(depths=depths, cuda=cuda, micro_batch=micro_batch, padded=padded, arch=arch, trace=trace)
-    inputs.update(images=images, stage=stage, expandable=expandable)
-    return simcache.cached(lambda: _simulate(*args), recipe, config, **inputs)
-
-
-def _simulate(
     recipe: Recipe,
     config,
     depths: "int | dict[Stack, int]",
@@ -375,7 +353,7 @@ def _simulate(
         except _NoSplice:
             snaps = None
     if snaps is None:  # run again with a real step 0 (outside the fake mode and patches, which it sets up anew)
-        return _simulate(
+        return simulate.__wrapped__(  # the same step again, not a cache lookup
             recipe, config, depths, cuda, micro_batch, padded, arch, trace, images, stage, expandable, False
         )
     steady = {s.phase: {c: getattr(s, c) for c in CATEGORIES} for s in snaps}
