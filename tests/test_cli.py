@@ -83,7 +83,8 @@ def test_bad_records_are_reported_not_fatal(tmp_path):
     res = run_cli("train", "--data", str(data), *FAST, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "skipped record 2: missing 'output'" in res.stdout
-    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    # --data on the demo recipe names the run after the model and the data file
+    summary = json.loads((tmp_path / "runs" / "tiny-llama-data" / "summary.json").read_text())
     assert summary["data"]["skipped"] == 1 and summary["data"]["used"] == 6
 
 
@@ -98,7 +99,7 @@ def test_local_hf_folder_trains(tmp_path):
     tok.save_pretrained(folder)
     res = run_cli("train", "--model", str(folder), *FAST, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    summary = json.loads((tmp_path / "runs" / "demo" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "runs" / "my-model" / "summary.json").read_text())  # named after the folder
     assert summary["status"] == "ok" and summary["recipe"]["model"]["name"] == str(folder)
 
 

@@ -326,14 +326,20 @@ def _ranked(recipe: Recipe, found: list[tuple[Plan, int, str]], asked_gpus: int)
     overrides keep only the keys that change the recipe, and a run found twice (the same GPUs, strategy and
     overrides under two searches) is listed once."""
     found = sorted(found, key=lambda f: (f[1] != asked_gpus, f[1], -(f[0].tokens_per_s or 0.0), f[0].peak_total))
-    seen: set[str] = set()
+    seen: dict[str, Plan] = {}
     out = []
     for p, gpus, strategy in found:
         p.overrides = _changes_only(recipe, p.overrides)
-        key = json.dumps([gpus, strategy, p.overrides], sort_keys=True, default=str)
+        # devices and strategy are in the key already (some searches also set them as overrides, some do not)
+        same = {k: v for k, v in p.overrides.items() if k not in ("devices", "strategy")}
+        key = json.dumps([gpus, strategy, same], sort_keys=True, default=str)
         if key not in seen:
-            seen.add(key)
+            seen[key] = p
             out.append(p)
+        elif len(p.variant) > len(seen[key].variant):
+            # the same run found by two searches keeps its place and the label that says more of what it is
+            # (a QLoRA recipe at another GPU count reads "QLoRA nf4 ..., 4 GPUs fsdp", not "4 GPUs fsdp")
+            seen[key].variant, seen[key].overrides = p.variant, p.overrides
     # Two different runs must not read the same: a label that repeats names the overrides that tell it apart.
     first: dict[tuple[str, str], Plan] = {}
     for p in out:
