@@ -45,6 +45,7 @@ ACCELERATORS = ("auto", "cpu", "cuda")
 DATA_FORMATS = ("auto", "alpaca", "text", "jsonl-text", "classification", "chat")
 FAMILIES = ("causal-lm", "image-to-text", "sequence-classification")
 BEST_METRICS = ("val_loss", "accuracy", "macro_f1")
+TRACKING_BACKENDS = ("mlflow", "wandb", "tensorboard")
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
@@ -435,6 +436,50 @@ class MemoryConfig:
 
 
 @dataclass
+class TrackingConfig:
+    backends: list = _f(
+        [],
+        "Experiment trackers the run is also logged to, any of: mlflow, wandb, tensorboard (`bigtune train --track "
+        "NAME`, repeatable). Each gets the resolved recipe as parameters, the plan, every logged step's metrics, "
+        "memory per category at each measured phase, plan vs measured, the status and the run folder's files. "
+        "Rank 0 logs; a tracker that fails is warned about once and left off for the rest of the run, and the run "
+        "folder's own files are written either way. Each needs its extra: pip install 'bigtune[mlflow]' (or wandb, "
+        "tensorboard).",
+        item_choices=TRACKING_BACKENDS,
+    )
+    mlflow_uri: Optional[str] = _f(
+        None,
+        "MLflow tracking URI (http://host:5000 for a server, sqlite:///mlflow.db, a folder). null: the "
+        "MLFLOW_TRACKING_URI environment variable, else the folder ./mlruns.",
+    )
+    experiment: Optional[str] = _f(
+        None, "MLflow experiment (created when missing) and default W&B project. null: bigtune."
+    )
+    wandb_project: Optional[str] = _f(None, "W&B project. null: tracking.experiment, else bigtune.")
+    wandb_mode: Optional[Literal["online", "offline"]] = _f(
+        None,
+        "W&B mode: online uploads as it goes, offline writes the run under WANDB_DIR for `wandb sync` later. "
+        "null: W&B's own setting (WANDB_MODE, `wandb offline`), online by default.",
+    )
+    log_model: bool = _f(
+        True,
+        "Upload the trained model or adapter folder (checkpoint.save_model) to MLflow and W&B with the run's "
+        "files. false: the reports only (a full model can be many GiB).",
+    )
+    register_model: Optional[str] = _f(
+        None,
+        "MLflow: register the trained model (or adapter) as a new version of this registered model when the "
+        "run ends ok. Needs tracking.log_model and checkpoint.save_model.",
+    )
+    finish_timeout_s: float = _f(
+        300.0,
+        "How long the end of a run waits for the trackers to finish sending (uploads included). Past it the "
+        "run ends anyway, with a warning; the run folder is complete either way.",
+        gt=0.0,
+    )
+
+
+@dataclass
 class Recipe:
     name: str = _f("demo", "Run name (used for the default output_dir).")
     model: ModelConfig = _f(None, "Which model to fine-tune.")
@@ -445,6 +490,7 @@ class Recipe:
     eval: EvalConfig = _f(None, "Validation during training.")
     checkpoint: CheckpointConfig = _f(None, "Checkpoints and the final model.")
     memory: MemoryConfig = _f(None, "Memory measurement.")
+    tracking: TrackingConfig = _f(None, "Experiment tracking: MLflow, Weights & Biases, TensorBoard.")
     precision: Literal["32-true", "bf16-true", "bf16-mixed", "16-mixed", "16-true"] = _f(
         "32-true", "Numeric precision (Lightning Fabric names). Lab: precision."
     )
@@ -607,6 +653,7 @@ _SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
     "memory": MemoryConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -689,6 +736,15 @@ def _coerce(value: Any, tp: Any, key: str, meta: dict, problems: list[str]) -> A
             value = [value]  # `target_modules: all-linear` reads as PEFT's own string form does
         ok = isinstance(value, (list, tuple))
         out = list(value) if ok else value
+        if ok and "item_choices" in meta:
+            choices = meta["item_choices"]
+            for item in out:
+                if item not in choices:
+                    close = difflib.get_close_matches(str(item), choices, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    problems.append(f"{key}: {item!r} is not allowed; use any of {', '.join(choices)}{hint}")
+            if any(item not in choices for item in out):
+                return value
     if not ok:
         problems.append(f"{key}: got {value!r} ({type(value).__name__}); expected {_describe(tp)}")
         return value
@@ -873,6 +929,7 @@ HOST_ONLY_RULES = (
     "DeepSpeed needs CUDA GPUs",
     "needs DeepSpeed: pip install",
     "needs bitsandbytes",
+    "is not installed: pip install 'bigtune[",
 )
 
 
@@ -941,6 +998,7 @@ def check_combinations(r: Recipe) -> list[str]:
     if r.strategy == "single" and world > 1:
         p.append(f"strategy=single with {world} devices: use strategy=ddp or fsdp, or devices=1")
     p.extend(_check_quant_backend(r))
+    p.extend(_check_tracking(r))
     if r.strategy == "fsdp" and r.optim.name in ("cpu_offload_adamw", "deepspeed_cpu_adam"):
         p.append("strategy=fsdp with an offloaded optimizer: use fsdp_cpu_offload=true with optim.name=adamw")
     if r.fsdp_sharding == "hybrid" and r.num_nodes == 1 and r.strategy == "fsdp":
@@ -1403,6 +1461,24 @@ def _check_quant_backend(r: "Recipe") -> list[str]:
                 "(or pip install torchao)"
             ]
     return []
+
+
+def _check_tracking(r: "Recipe") -> list[str]:
+    t, p = r.tracking, []
+    for name in dict.fromkeys(t.backends):
+        if not _installed(name):  # the backends' packages are named as the backends (tensorboard: torch's writer)
+            p.append(
+                f"tracking.backends: {name} is not installed: pip install 'bigtune[{name}]' (or pip install {name}), "
+                f"or leave {name} out of tracking.backends"
+            )
+    if t.register_model and "mlflow" not in t.backends:
+        p.append("tracking.register_model registers in MLflow's model registry: add mlflow to tracking.backends")
+    elif t.register_model and not (t.log_model and r.checkpoint.save_model):
+        p.append(
+            "tracking.register_model needs the model uploaded: set tracking.log_model=true and "
+            "checkpoint.save_model=true (or tracking.register_model=null)"
+        )
+    return p
 
 
 def _installed(module: str) -> bool:

@@ -36,6 +36,8 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args) -> list[str]:
     out = list(args.overrides)
+    if getattr(args, "track", None):  # train --track NAME ...: after --set, so the flag wins
+        out.append(f"tracking.backends=[{', '.join(dict.fromkeys(args.track))}]")
     model, data = getattr(args, "model", None), getattr(args, "data", None)
     if model:
         out.append(f"model.name={model}")
@@ -76,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--auto-resume",
         action="store_true",
         help="resume from output_dir's newest checkpoint if there is one, else start there (for requeued Slurm jobs)",
+    )
+    t.add_argument(
+        "--track",
+        action="append",
+        choices=["mlflow", "wandb", "tensorboard"],
+        metavar="BACKEND",
+        help="also log the run to mlflow, wandb or tensorboard (repeatable; sets tracking.backends, whose other keys "
+        "say where: `bigtune recipe --docs`)",
     )
     said = t.add_mutually_exclusive_group()
     said.add_argument(
