@@ -450,7 +450,8 @@ class TrackingConfig:
     mlflow_uri: Optional[str] = _f(
         None,
         "MLflow tracking URI (http://host:5000 for a server, sqlite:///mlflow.db, a folder). null: the "
-        "MLFLOW_TRACKING_URI environment variable, else the folder ./mlruns.",
+        "MLFLOW_TRACKING_URI environment variable, else MLflow's own default (MLflow 3: sqlite:///mlflow.db and "
+        "./mlruns for files, in the working folder, where `mlflow ui` finds them).",
     )
     experiment: Optional[str] = _f(
         None, "MLflow experiment (created when missing) and default W&B project. null: bigtune."

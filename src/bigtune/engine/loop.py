@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -22,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -35,15 +32,42 @@ from bigtune.core.stepmath import (
     IGNORE_INDEX,
     causal_lm_loss_sum,
     chunked_lm_loss_sum,
-    human_bytes,
     loss_normaliser,
     target_token_count,
-    throughput,
 )
-from bigtune.data.text import Collator, DataReport, EpochSampler, ListDataset, build_examples, pack_examples
+from bigtune.data.text import Collator, EpochSampler, ListDataset, build_examples, pack_examples
+from bigtune.engine.checkpoints import (  # noqa: F401 - CHECKPOINT_KEYS, checkpoint_step: the loop's API too
+    CHECKPOINT_KEYS,
+    _resume_point,
+    _save_at_end,
+    checkpoint_step,
+    find_resume_checkpoint,
+    load_checkpoint,
+    resume_recipe,
+    save_checkpoint,
+    save_hf_model,
+)
 from bigtune.engine.meter import WindowMeter
 from bigtune.engine.optim import make_optimizer
 from bigtune.engine.pipeline import PipelineRunner
+from bigtune.engine.report import (
+    _NOTICES,
+    VERBOSITIES,
+    Output,
+    Progress,
+    _capacity,
+    _eval_summary,
+    _library_bars_off,
+    _record_error,
+    _results,
+    device_info,
+    gpu_peak_flops,
+    notice,
+    summary_line,
+    versions,
+)
+from bigtune.engine.state import Built, LoopState, epoch_loss_mean
+from bigtune.engine.tracking import SWEEP_ENV, RunInfo, Trackers, flatten, open_trackers, run_artifacts
 from bigtune.memory import monitor as mem
 from bigtune.models.build import (
     PLAIN_HEAD_TYPES,
@@ -63,17 +87,6 @@ from bigtune.models.build import (
 from bigtune.recipe import Recipe, RecipeError, load_recipe, quant_backend, resolve_accelerator
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM = 1, 2, 3
-
-VERBOSITIES = ("quiet", "normal", "verbose")
-
-# Notices are lines a user must see even with --quiet (a run length they did not ask for, a stop, an
-# out-of-memory): on stdout with the rest normally, on stderr beside errors and warnings under --quiet.
-_NOTICES: dict[str, Any] = {"stream": None}  # None: the current sys.stdout
-
-
-def notice(msg: str) -> None:
-    """Print a line that --quiet still shows (on stderr there)."""
-    print(msg, file=_NOTICES["stream"], flush=True)
 
 
 class TrainingOOM(RuntimeError):
@@ -156,27 +169,6 @@ def lr_factor(step: int, total_steps: int, warmup: int, schedule: str, floor: fl
     if schedule == "cosine":
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return floor + (1 - floor) * (1 - progress)
-
-
-@dataclass
-class Built:
-    recipe: Recipe
-    fabric: Any
-    tokenizer: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    loader: Any
-    sampler: EpochSampler
-    data_report: DataReport
-    steps_per_epoch: int
-    total_steps: int
-    micro_batches_per_epoch: int
-    params: dict = field(default_factory=dict)
-    base_dir: Optional[Path] = None  # initial weights of a preset/random model under adapters
-    val_loader: Any = None  # the held-out split, when there is one
-    class_weights: Optional[torch.Tensor] = None  # sequence-classification: per-class loss weights
-    pipeline: Any = None  # pipeline_parallel > 1: this rank's stage and schedule (engine/pipeline.py)
 
 
 def _image_data(recipe: Recipe, processor):
@@ -451,45 +443,6 @@ def build(recipe: Recipe, fabric) -> Built:
     )
 
 
-class Progress:
-    """An ETA line on a terminal, plain lines otherwise (logs, notebooks, CI)."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.tty = sys.stdout.isatty()
-        self.t0 = time.perf_counter()
-
-    def update(self, step: int, text: str, newline: bool) -> None:
-        done = step / max(1, self.total)
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (1 - done) if done > 0 else float("nan")
-        line = f"step {step}/{self.total} [{done:5.1%}] {text} eta {eta:5.0f}s"
-        if self.tty:
-            print("\r" + line.ljust(110), end="\n" if newline else "", flush=True)
-        elif newline:
-            print(line, flush=True)
-
-
-@dataclass
-class LoopState:
-    step: int = 0  # optimizer steps done
-    tokens: int = 0  # non-padding tokens trained on
-    samples: int = 0
-    train_seconds: float = 0.0
-    phase: str = "setup"
-    losses: list = field(default_factory=list)
-    # The current epoch's loss: every step's, summed (a device tensor inside the loop, read once at the epoch's
-    # end) and counted; not only the logged windows', which may not line up with epochs. Checkpointed as
-    # the mean over ranks, so that a resumed epoch still averages over all of its steps.
-    epoch_loss_sum: Any = 0.0
-    epoch_loss_steps: int = 0
-    epoch_losses: list = field(default_factory=list)  # {"epoch", "loss", "steps"} of each epoch finished
-    best_val_loss: Optional[float] = None
-    best_score: Optional[float] = None  # eval.best_metric's best value so far (what keep_best goes by)
-    last_eval_step: Optional[int] = None
-    aux_loss: Optional[torch.Tensor] = None  # MoE: the last window's router aux loss (not checkpointed)
-
-
 def train_step(
     b: Built,
     batches: list[dict],
@@ -661,9 +614,17 @@ def windows(b: Built, epoch: int, first_window: int):
         yield batches
 
 
-def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMonitor], peak_flops: Optional[float]):
+def fit(
+    b: Built,
+    run: RunDir,
+    state: LoopState,
+    monitor: Optional[mem.MemoryMonitor],
+    peak_flops: Optional[float],
+    tracker: Optional[Trackers] = None,
+):
     """The loop: optimizer steps until ``b.total_steps``, with logging, evaluation, checkpoints and stops."""
     r = b.recipe
+    tracker = tracker or Trackers([])
     progress = Progress(b.total_steps)
     meter = WindowMeter(b.fabric, b.model, peak_flops)
     aux_window: list = []
@@ -676,7 +637,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             aux_window = []
         run.append_jsonl("metrics.jsonl", rec)
         run.append_csv("metrics.csv", rec)
-        _tensorboard(run, rec)
+        tracker.log_step(rec["step"], rec)
         msg = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
         progress.update(state.step, msg, newline=True)
 
@@ -691,7 +652,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             )
             loss, snaps = train_step(b, batches, monitor, measure, state)
             if snaps:
-                _record_memory(b, run, snaps, batches)
+                _record_memory(b, run, snaps, batches, tracker)
             meter.add(batches, loss, state)
             state.epoch_loss_sum += loss  # on the device: no host sync per step
             state.epoch_loss_steps += 1
@@ -703,7 +664,7 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
             elif progress.tty:
                 progress.update(state.step, "", newline=False)
             if b.val_loader is not None and r.eval.every_steps and state.step % r.eval.every_steps == 0:
-                run_eval(b, run, state, monitor, epoch)
+                run_eval(b, run, state, monitor, epoch, tracker)
             if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
                 save_checkpoint(b, run, state)
             stop = _stop_requested(b.fabric)
@@ -724,18 +685,9 @@ def fit(b: Built, run: RunDir, state: LoopState, monitor: Optional[mem.MemoryMon
         b.optimizer.zero_grad(set_to_none=True)
 
 
-def epoch_loss_mean(fabric, state: LoopState) -> float:
-    """The mean loss of the current epoch's steps so far, averaged over ranks as the logged loss is."""
-    mean = float(state.epoch_loss_sum) / max(1, state.epoch_loss_steps)
-    if fabric.world_size > 1:
-        from bigtune.engine.strategies import all_sum
-
-        mean = all_sum(fabric, mean) / fabric.world_size
-    return mean
-
-
-def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> None:
-    """Every rank's snapshots of a measured step into memory.jsonl, and the table printed."""
+def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict], tracker: Optional[Trackers] = None) -> None:
+    """Every rank's snapshots of a measured step into memory.jsonl, the table printed, and this rank's (rank 0
+    is the one that tracks) to the trackers."""
     shape = _text_shape(batches[0])
     # Packed rows attend through an explicit block mask, as padded batches do (for the planner).
     padded = any(x.get("padded", True) or x.get("packed", False) for x in batches)
@@ -753,6 +705,9 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict]) -> N
             run.append_jsonl(
                 "memory.jsonl", {**s.to_dict(), "rank": rank, "batch_shape": shape, "padded": padded, **grids}
             )
+    if tracker is not None:
+        for s in snaps:
+            tracker.log_memory(s.step, s.phase, s.to_dict())
     print(mem.format_table(snaps, _capacity(b.fabric.device, b.recipe)), flush=True)
     if len(per_rank) > 1:
         print(mem.format_rank_spread(per_rank), flush=True)
@@ -816,22 +771,20 @@ def is_better(metric: str, value: float, best: Optional[float]) -> bool:
     return value < best if metric == "val_loss" else value > best
 
 
-def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int) -> dict:
+def run_eval(b: Built, run: RunDir, state: LoopState, monitor, epoch: int, tracker: Optional[Trackers] = None) -> dict:
     res = evaluate(b, monitor)
     state.last_eval_step = state.step
     rec = {"step": state.step, "epoch": epoch, "split": "val", **res}
     run.append_jsonl("eval.jsonl", rec)
-    _tensorboard(
-        run,
-        {
-            "step": state.step,
-            **{
+    if tracker is not None:
+        tracker.log_step(
+            state.step,
+            {
                 (k if k.startswith("val_") else f"val_{k}"): v
                 for k, v in res.items()
                 if k.startswith("val_") or k in ("accuracy", "macro_f1")
             },
-        },
-    )
+        )
     metric = b.recipe.eval.best_metric
     best = is_better(metric, res[metric], state.best_score)
     if state.best_val_loss is None or res["val_loss"] < state.best_val_loss:
@@ -898,277 +851,13 @@ def _stop_requested(fabric) -> Optional[str]:
     return flag
 
 
-_TB: dict[str, Any] = {}
-
-
-def _tensorboard(run: RunDir, rec: dict) -> None:
-    """Metrics to TensorBoard when it is installed (JSONL/CSV are always written)."""
-    key = str(run.path)
-    if key not in _TB:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            _TB[key] = SummaryWriter(str(run.path / "tensorboard"))
-        except Exception:  # tensorboard not installed: skip silently, JSONL/CSV have everything
-            _TB[key] = None
-    w = _TB[key]
-    if w is not None:
-        for k, v in rec.items():
-            if isinstance(v, (int, float)) and k not in ("step", "epoch"):
-                w.add_scalar(f"train/{k}", v, rec["step"])
-        w.flush()
-
-
-def _capacity(device: torch.device, r: Recipe) -> Optional[int]:
-    if r.memory.cap_gib is not None:
-        return int(r.memory.cap_gib * GIB)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return None
-
-
-def save_checkpoint(b: Built, run: RunDir, state: LoopState) -> Path:
-    from bigtune.engine.strategies import is_deepspeed, is_sharded, save_sharded_trainable
-
-    path = run.checkpoint_path(state.step)
-    tmp = path.with_name(path.name + ".tmp")
-    payload = {
-        "model": b.model,
-        "optimizer": b.optimizer,
-        "scheduler": b.scheduler,
-        "loop": {
-            "step": state.step,
-            "tokens": state.tokens,
-            "samples": state.samples,
-            "train_seconds": state.train_seconds,
-            "losses": list(state.losses),
-            "best_val_loss": state.best_val_loss,
-            "best_score": state.best_score,
-            # every rank takes part (a collective); the mean over ranks, which each rank resumes from
-            "epoch_loss_sum": epoch_loss_mean(b.fabric, state) * state.epoch_loss_steps,
-            "epoch_loss_steps": state.epoch_loss_steps,
-            "epoch_losses": list(state.epoch_losses),
-        },
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        },
-    }
-    trainable = {n for n, p in b.model.module.named_parameters() if p.requires_grad}
-    # Adapter runs checkpoint only what trains: the frozen base is reloaded from its source on resume.
-    only_trainable = {"model": lambda name, _: name in trainable} if b.recipe.peft.method != "none" else None
-    if is_deepspeed(b.recipe):
-        only_trainable = None  # DeepSpeed filters itself (exclude_frozen_parameters) and refuses a filter
-    if only_trainable is not None and is_sharded(b.fabric):  # FSDP2 + adapters: Fabric cannot filter
-        rest = {k: payload[k] for k in ("loop", "rng")} | {"scheduler": b.scheduler.state_dict()}
-        save_sharded_trainable(b.fabric, tmp, b.model.module, b.optimizer.optimizer, rest)
-    else:
-        b.fabric.save(tmp, payload, filter=only_trainable)  # every rank takes part (FSDP writes shards)
-    if b.fabric.global_rank == 0:
-        os.replace(tmp, path)
-    b.fabric.barrier()
-    run.prune_checkpoints(b.recipe.checkpoint.keep_last)
-    return path
-
-
-def load_checkpoint(b: Built, path: Path, state: LoopState) -> None:
-    from bigtune.engine.strategies import TRAINABLE_STATE_FILE, load_sharded_trainable
-
-    payload = {"model": b.model, "optimizer": b.optimizer, "scheduler": b.scheduler}
-    if (path / TRAINABLE_STATE_FILE).is_file():  # FSDP2 + adapters (save_sharded_trainable)
-        rest = load_sharded_trainable(path, b.model.module, b.optimizer.optimizer)
-        payload["scheduler"] = rest["scheduler"]
-    else:
-        rest = b.fabric.load(path, payload, strict=b.recipe.peft.method == "none", weights_only=True)
-    # Fabric's sharded (FSDP2) load restores only the model and optimizer itself: anything else in
-    # `payload` is replaced by its saved state dict and left for the caller. The scheduler (warmup
-    # position) must then be restored here, or the lr restarts from step 0 one step after resume.
-    if isinstance(payload["scheduler"], dict):
-        b.scheduler.load_state_dict(payload["scheduler"])
-    loop = rest["loop"]
-    state.step, state.tokens, state.samples = loop["step"], loop["tokens"], loop["samples"]
-    state.train_seconds, state.losses = loop["train_seconds"], list(loop["losses"])
-    state.best_val_loss = loop.get("best_val_loss")
-    state.best_score = loop.get("best_score", state.best_val_loss)
-    # checkpoints written before the epoch loss was kept restart its average at the resumed step
-    state.epoch_loss_sum, state.epoch_loss_steps = loop.get("epoch_loss_sum", 0.0), loop.get("epoch_loss_steps", 0)
-    state.epoch_losses = list(loop.get("epoch_losses", []))
-    torch.set_rng_state(rest["rng"]["torch"])
-    random.setstate(_as_tuple(rest["rng"]["python"]))
-    if rest["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rest["rng"]["cuda"])
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-def find_resume_checkpoint(resume: str | Path) -> tuple[Path, Optional[Path]]:
-    """(run dir, checkpoint) from a run dir (its newest checkpoint) or a checkpoint path; (run dir, None)
-    for a run that stopped before its first optimizer step, which has nothing to continue and starts afresh."""
-    p = Path(resume)
-    if p.is_file() or p.suffix == ".ckpt":
-        if not p.exists():
-            raise FileNotFoundError(f"--resume: checkpoint {p} does not exist")
-        return p.parent.parent, p
-    if not p.is_dir():
-        raise FileNotFoundError(f"--resume: {p} is neither a run directory nor a checkpoint")
-    ckpts = RunDir(p).list_checkpoints()
-    if not ckpts:
-        saved = _saved_summary(p)
-        if saved is not None and saved.get("steps") == 0:
-            return p, None
-        raise FileNotFoundError(f"--resume: {p} has no checkpoint to continue from: {_no_checkpoint_reason(saved)}")
-    return p, ckpts[-1]
-
-
-def _saved_summary(run_path: Path) -> Optional[dict]:
-    try:
-        return json.loads((run_path / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _no_checkpoint_reason(saved: Optional[dict]) -> str:
-    """Why a run that did train some steps left no checkpoint, from its summary.json, and what to do."""
-    if saved is None:
-        return (
-            "no summary.json either, so it was killed before it could write one (or is still running); "
-            "start it again without --resume"
-        )
-    ckpt = saved.get("recipe", {}).get("checkpoint", {})
-    ended = f"it ended ({saved.get('status')}) at step {saved.get('steps')}"
-    if not ckpt.get("enabled"):
-        return f"{ended} with checkpoint.enabled=false (set checkpoint.enabled=true and checkpoint.every_steps=N)"
-    return f"{ended}, before its first checkpoint (checkpoint.every_steps={ckpt.get('every_steps')})"
-
-
-# Keys that decide the shapes and meaning of what a checkpoint holds: a resumed run must keep them.
-CHECKPOINT_KEYS = (
-    "model.",
-    "peft.",
-    "precision",
-    "strategy",
-    "optim.name",
-    "seed",
-    "data.source",
-    "data.format",
-    "data.packing",
-    "data.max_seq_length",
-    "data.num_train_samples",
-    "data.chat_template",
-    "data.train_on",
-)
-
-
-def resume_recipe(run_path: Path, ckpt: Path, recipe, overrides) -> Recipe:
-    """The recipe a resumed run continues with: the run's own recipe.yaml, with ``recipe`` (if given) and
-    ``overrides`` on top. Raises RecipeError, naming the keys, when the result cannot continue that
-    checkpoint: a changed model, adapter, precision, strategy, optimizer, seed or data, or a step limit
-    the checkpoint has already reached."""
-    saved_path = run_path / "recipe.yaml"
-    if not saved_path.is_file():
-        raise RecipeError([f"--resume {run_path}: no recipe.yaml in the run directory; it is not a bigtune run"])
-    saved = load_recipe(saved_path)
-    r = load_recipe(recipe if recipe is not None else saved_path, overrides)
-    if recipe is not None:
-        old, new = saved.to_dict(), r.to_dict()
-        flat_old, flat_new = _flatten(old), _flatten(new)
-        changed = sorted(
-            k
-            for k in set(flat_old) | set(flat_new)
-            if k.startswith(CHECKPOINT_KEYS) and flat_old.get(k) != flat_new.get(k)
-        )
-        if changed:
-            diffs = "; ".join(f"{k}: {flat_old.get(k)!r} in the run, {flat_new.get(k)!r} now" for k in changed[:8])
-            raise RecipeError(
-                [
-                    f"--resume {run_path}: the recipe does not match the checkpoint ({diffs}). Resume with the "
-                    f"run's own recipe (bigtune train --resume {run_path}, no recipe), or start a new run"
-                ]
-            )
-    return r
-
-
-def checkpoint_step(ckpt: Path) -> Optional[int]:
-    """The optimizer step a checkpoint was written at, from its name (step-NNNNNN.ckpt)."""
-    tail = ckpt.stem.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else None
-
-
-def _resume_point(r: Recipe, b: Built, run_path: Path, ckpt: Path) -> Optional[dict]:
-    """None to go on training; the run's saved summary when its checkpoint is already the last step.
-    Raises RecipeError when the recipe's length ends before the checkpoint."""
-    step = checkpoint_step(ckpt)
-    if step is None or step < b.total_steps:
-        return None
-    more = f"--set train.max_steps=N with N > {step}"
-    if step > b.total_steps:
-        raise RecipeError(
-            [
-                f"--resume {run_path}: the recipe trains {b.total_steps} steps (train.max_steps="
-                f"{r.train.max_steps}, train.max_epochs={r.train.max_epochs}) but the checkpoint {ckpt.name} is "
-                f"at step {step}: nothing is left to train. To train longer: {more}"
-            ]
-        )
-    notice(f"{run_path}: finished at step {step} of {b.total_steps}; nothing to resume. To train longer: {more}")
-    saved = run_path / "summary.json"
-    return json.loads(saved.read_text()) if saved.is_file() else {"status": "ok", "run_dir": str(run_path)}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("transformers", "lightning", "peft", "datasets"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            out[mod] = "not installed"
-    return out
-
-
-def device_info(device: torch.device) -> dict:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return {"type": "cuda", "name": props.name, "memory_bytes": props.total_memory, "count": 1}
-    return {
-        "type": "cpu",
-        "name": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "count": 1,
-    }
-
-
-def gpu_peak_flops(device: torch.device, precision: str) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    try:
-        from bigtune.core.gpus import detect_gpu, peak_flops
-    except ImportError:
-        return None
-    props = torch.cuda.get_device_properties(device)
-    gpu = detect_gpu(props.name, props.total_memory)
-    if gpu is None:
-        return None
-    return peak_flops(gpu, precision, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
-
-
 class RunHooks(Protocol):
     """What the layer that orchestrates a run (``bigtune.run``) adds around the engine: the plan printed
     before step 0, the advice and fitting variants after an out-of-memory, and plan vs measured at the end.
     The engine knows nothing of the planner; the planner runs the engine's step. Only rank 0 calls these."""
 
-    def before_run(self, recipe: Recipe, device: torch.device, world: int) -> None: ...
+    def before_run(self, recipe: Recipe, device: torch.device, world: int) -> Optional[dict]:
+        """Before step 0; returns the plan (``Plan.to_dict()``) for the trackers, or None."""
 
     def on_oom(self, recipe: Recipe, device: torch.device, cap_bytes: Optional[int], oom: dict) -> None: ...
 
@@ -1235,34 +924,6 @@ def train(
             return _train(r, fabric, run_path, resume_ckpt, t_start, raise_on_oom, out, hooks)
     finally:
         _NOTICES["stream"] = None
-
-
-@dataclass
-class Output:
-    """What a run prints beyond its progress: see ``train``'s ``verbosity``."""
-
-    console: Any  # the final summary line's stream (None: not this rank)
-    verbose: bool = False
-    show_recipe: bool = False
-    afresh: bool = False  # say that a --resume starts the run afresh
-
-
-@contextlib.contextmanager
-def _library_bars_off():
-    """transformers' own tqdm bars ("Loading weights", "Writing model shards") off for the run: ours say
-    what happens, and theirs interleave with it on stderr. Restored afterwards for the caller's own use."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # the engine runs without transformers only in the planner's unit tests
-        yield
-        return
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
 
 
 def _announce(r: Recipe, b: Built, fabric) -> None:
@@ -1365,9 +1026,10 @@ def _record_oom(e: BaseException, r: Recipe, fabric, state, monitor, cap: Option
 
 def _set_up(
     r: Recipe, fabric, run_path: Path, resume_ckpt: Optional[Path], out: Output, hooks: Optional[RunHooks]
-) -> "Built | dict":
-    """The run built and announced, or the summary that ends it here: a finished run resumed, or Ctrl-C while
-    setting up (Python's own KeyboardInterrupt: the stop handlers come with the loop)."""
+) -> "tuple[Built, Optional[dict]] | dict":
+    """The run built and announced with its plan (None when not planned), or the summary that ends it here: a
+    finished run resumed, or Ctrl-C while setting up (Python's own KeyboardInterrupt: the stop handlers come with
+    the loop)."""
     if out.afresh:
         notice(f"{run_path} stopped before its first optimizer step and has no checkpoint: starting it afresh there")
     try:
@@ -1377,8 +1039,7 @@ def _set_up(
         if resume_ckpt is not None and (finished := _resume_point(r, b, run_path, resume_ckpt)) is not None:
             return finished
         _announce(r, b, fabric)
-        if hooks is not None:
-            hooks.before_run(r, fabric.device, fabric.world_size)
+        plan = hooks.before_run(r, fabric.device, fabric.world_size) if hooks is not None else None
     except KeyboardInterrupt:
         if resume_ckpt is not None:
             notice(f"SIGINT while setting up the resumed run: {run_path} is as it was; run the same command again")
@@ -1387,7 +1048,36 @@ def _set_up(
                 "SIGINT before the first optimizer step, while setting up: nothing was written; run the same command again"
             )
         return {"status": "interrupted", "stopped_by": "SIGINT", "steps": 0, "run_dir": None}
-    return b
+    return b, plan
+
+
+def _open_tracking(r: Recipe, b: Built, fabric, run: RunDir, plan: Optional[dict]) -> Trackers:
+    """The trackers tracking.backends asks for, started: rank 0's only (the other ranks' calls do nothing), so a
+    run of N processes is one tracked run."""
+    if fabric.global_rank != 0 or not r.tracking.backends:
+        return Trackers([])
+    dev = device_info(fabric.device)
+    strategy = r.strategy if r.strategy != "auto" else ("single" if fabric.world_size == 1 else "ddp")
+    tags = {
+        "bigtune.device": str(dev["name"]),
+        "bigtune.device_type": dev["type"],
+        "bigtune.strategy": strategy,
+        "bigtune.world_size": str(fabric.world_size),
+        "bigtune.run_dir": str(run.path),
+    }
+    tracker = open_trackers(r.tracking, RunInfo(run.path.name, run.path, tags, os.environ.get(SWEEP_ENV)))
+    params = {
+        **flatten(r.to_dict()),
+        "run.world_size": fabric.world_size,
+        "run.global_batch_size": r.global_batch_size,
+        "run.accumulate": r.accumulate,
+        "run.lr": r.lr,
+        "run.total_steps": b.total_steps,
+        "run.parameters_total": b.params.get("total"),
+        "run.parameters_trainable": b.params.get("trainable"),
+    }
+    tracker.start(params, plan)
+    return tracker
 
 
 def _train(
@@ -1400,10 +1090,12 @@ def _train(
     out: Output,
     hooks: Optional[RunHooks],
 ) -> dict:
-    b = _set_up(r, fabric, run_path, resume_ckpt, out, hooks)
-    if isinstance(b, dict):  # a finished run resumed, or Ctrl-C while setting up
-        return b
+    setup = _set_up(r, fabric, run_path, resume_ckpt, out, hooks)
+    if isinstance(setup, dict):  # a finished run resumed, or Ctrl-C while setting up
+        return setup
+    b, plan = setup
     run, state = _open_run(r, b, run_path, resume_ckpt, writer=fabric.global_rank == 0)
+    tracker = _open_tracking(r, b, fabric, run, plan)
     cap = int(r.memory.cap_gib * GIB) if r.memory.cap_gib is not None else None
     monitor = mem.MemoryMonitor(fabric.device, cap) if (r.memory.enabled or cap is not None) else None
     summary: dict[str, Any] = {
@@ -1414,9 +1106,9 @@ def _train(
     status, error = "ok", None
     try:
         with _stop_signals():
-            fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision))
+            fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision), tracker)
         if b.val_loader is not None and state.last_eval_step != state.step:
-            run_eval(b, run, state, monitor, -1)
+            run_eval(b, run, state, monitor, -1, tracker)
         _save_at_end(b, run, state)
     except Preempted as e:
         status = "preempted" if e.signal == "SIGTERM" else "interrupted"
@@ -1428,6 +1120,7 @@ def _train(
         # Before the loop's stop handlers were in place, or a second Ctrl-C during the first step. Later
         # steps stop at once, as a second Ctrl-C asks, from the last checkpoint written.
         if state.step:
+            tracker.close()
             raise
         if monitor is not None:
             monitor.end_step()
@@ -1446,13 +1139,13 @@ def _train(
         else:
             status = "oom"
             summary["oom"] = _record_oom(e, r, fabric, state, monitor, cap, hooks)
-    finally:
-        _close_tensorboard(run)
     summary.update(_results(run, state, status, time.perf_counter() - t_start))
     summary.update(_eval_summary(r, run, state))
     if hooks is not None:
         hooks.after_run(r, fabric.device, fabric.world_size, run.read_jsonl("memory.jsonl"), summary)
     run.write_json("summary.json", summary)
+    model_dir = run.path / ("adapter" if r.peft.method != "none" else "model")
+    tracker.finish(status, summary, run_artifacts(run.path, model_dir if r.tracking.log_model else None))
     if out.console is not None:
         print(summary_line(summary, run.path / "summary.json"), file=out.console, flush=True)
     if error is not None:
@@ -1460,128 +1153,3 @@ def _train(
     if status == "oom" and raise_on_oom:
         raise TrainingOOM(summary)
     return summary
-
-
-def summary_line(summary: dict, path: Path) -> str:
-    """The run's last line: how it ended, its loss, memory and speed, where the rest is."""
-    parts = [f"status {summary['status']}"]
-    if not summary.get("steps"):
-        parts.append("stopped before the first optimizer step; no loss yet")
-    else:
-        parts.append(f"{summary['steps']} steps")
-        if summary.get("final_loss") is not None:
-            parts.append(f"final loss {summary['final_loss']:.4f}")
-        if summary.get("peak_allocated_bytes") is not None:
-            parts.append(f"peak allocated {human_bytes(summary['peak_allocated_bytes'])}")
-        if summary.get("tokens_per_s"):
-            parts.append(f"{summary['tokens_per_s']:,.0f} tok/s")
-    return "; ".join(parts + [f"summary: {path}"])
-
-
-def _save_at_end(b: Built, run: RunDir, state: LoopState) -> None:
-    """The last checkpoint (unless the last step already wrote one) and the Hugging Face folder."""
-    r = b.recipe
-    if r.checkpoint.enabled and (
-        not run.list_checkpoints() or run.list_checkpoints()[-1] != run.checkpoint_path(state.step)
-    ):
-        save_checkpoint(b, run, state)
-    if r.checkpoint.save_model:
-        save_hf_model(b, run)
-
-
-def _record_error(e: BaseException, r: Recipe, world: int, summary: dict) -> None:
-    from bigtune.engine.strategies import collective_failure_hint
-
-    summary["error"] = f"{type(e).__name__}: {e}"
-    hint = collective_failure_hint(e, r, world)
-    if hint:
-        summary["error_hint"] = hint
-        print(hint, file=sys.stderr, flush=True)  # every rank: the others' stdout is silenced
-
-
-def _eval_summary(r: Recipe, run: RunDir, state: LoopState) -> dict:
-    evals = run.read_jsonl("eval.jsonl")
-    if not evals:
-        return {}
-    metric = r.eval.best_metric
-    best_rec = min(evals, key=lambda e: e[metric] if metric == "val_loss" else -e[metric])
-    return {
-        "eval": {
-            "final": evals[-1],
-            "best_val_loss": state.best_val_loss,
-            "best_metric": metric,
-            "best_value": best_rec[metric],
-            "best_step": best_rec["step"],
-            "eval_peak_allocated_bytes": max((e["eval_peak_allocated"] or 0) for e in evals) or None,
-        }
-    }
-
-
-def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
-    snaps = run.read_jsonl("memory.jsonl")
-    peaks = [s["peak_allocated"] for s in snaps]
-    reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
-    used = [s["device_used"] for s in snaps if s.get("device_used") is not None]
-    metrics = run.read_jsonl("metrics.jsonl")
-    tp = (
-        throughput(state.tokens, state.samples, state.train_seconds)
-        if state.train_seconds
-        else {"tokens_per_s": None, "samples_per_s": None}
-    )
-    return {
-        "status": status,
-        "steps": state.step,
-        "tokens": state.tokens,
-        "samples": state.samples,
-        "final_loss": metrics[-1]["loss"] if metrics else None,
-        "first_loss": metrics[0]["loss"] if metrics else None,
-        "epoch_losses": state.epoch_losses,
-        "peak_allocated_bytes": max(peaks) if peaks else None,
-        "peak_reserved_bytes": max(reserved) if reserved else None,
-        # the most in use on the whole device at a snapshot (CUDA; what nvidia-smi shows)
-        "peak_device_used_bytes": max(used) if used else None,
-        "wall_seconds": wall,
-        "train_seconds": state.train_seconds,
-        "step_time_s": state.train_seconds / state.step if state.step else None,
-        **tp,
-        "mfu": metrics[-1].get("mfu") if metrics else None,
-    }
-
-
-def _close_tensorboard(run: RunDir) -> None:
-    w = _TB.pop(str(run.path), None)
-    if w is not None:
-        w.close()
-
-
-def save_hf_model(b: Built, run: RunDir, dest_name: Optional[str] = None, keep_base: bool = True) -> Path:
-    """The trained model in Hugging Face format (safetensors), written atomically.
-
-    Full fine-tuning: <run>/model. Adapters: <run>/adapter (peft format), plus <run>/base with the
-    initial weights when the base has no folder of its own (presets, random init);
-    `bigtune export --merge` folds them into one model.
-    """
-    from bigtune.engine.strategies import full_state_dict
-
-    model = b.model.module if hasattr(b.model, "module") else b.model
-    dest = run.path / (dest_name or ("adapter" if b.recipe.peft.method != "none" else "model"))
-    # FSDP: every rank joins the gather; rank 0 gets it
-    state = full_state_dict(b.fabric, model, trainable_only=b.recipe.peft.method != "none")
-    if b.fabric.global_rank != 0:
-        return dest
-    tmp = run.path / f".{dest.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if state is not None:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-    else:
-        model.save_pretrained(tmp, safe_serialization=True)
-    b.tokenizer.save_pretrained(tmp)
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
-    if keep_base and b.base_dir is not None and b.base_dir.exists():
-        if (run.path / "base").exists():
-            shutil.rmtree(run.path / "base")
-        shutil.move(str(b.base_dir), run.path / "base")
-    return dest

@@ -28,11 +28,12 @@ class PlanHooks:
         self.prediction = None
         self.verbose = verbose
 
-    def before_run(self, recipe: Recipe, device: torch.device, world: int) -> None:
+    def before_run(self, recipe: Recipe, device: torch.device, world: int) -> Optional[dict]:
         if recipe.memory.plan:
             self.prediction = predict_for_device(recipe, device, world, table=self.verbose)
             if self.prediction is not None and not self.verbose:
                 print(plan_verdict(self.prediction), flush=True)
+        return self.prediction.to_dict() if self.prediction is not None else None
 
     def on_oom(self, recipe: Recipe, device: torch.device, cap_bytes: Optional[int], oom: dict) -> None:
         oom["advice"] = oom_advice(recipe, oom)
