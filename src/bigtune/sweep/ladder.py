@@ -749,9 +749,47 @@ def _run_locked(
     if cannot:
         say(f"{len(cannot)} variant(s) cannot run here and are recorded as refused: {', '.join(cannot)}")
     run.env = _child_env()
-    for i, v in enumerate(chosen, 1):
-        _run_variant(run, v, f"[{i}/{len(chosen)}]")
+    parent = _track_sweep(run, chosen)
+    finished = False
+    try:
+        for i, v in enumerate(chosen, 1):
+            _run_variant(run, v, f"[{i}/{len(chosen)}]")
+        finished = True
+    finally:
+        if parent is not None:
+            from bigtune.engine.tracking.mlflow_backend import end_parent_run
+
+            end_parent_run(parent[0], parent[1], run.rows, finished)
     return run.rows
+
+
+def _track_sweep(run: _SweepRun, chosen: list[Variant]) -> Optional[tuple[Optional[str], str]]:
+    """When the rungs are tracked (tracking.backends of the first rung's recipe): the ladder's name for them to
+    group by (W&B group, MLflow tag) and, for MLflow, a run of the ladder itself that each rung's run nests
+    under (passed down in the environment). Returns (MLflow URI, that run's id) to close it, or None."""
+    if not chosen:
+        return None
+    try:
+        first = load_recipe(run.base_file, run.sweep.overrides_for(chosen[0], run.tiny), check=False)
+    except RecipeError:
+        return None  # validate() has recorded the rung as refused
+    if not first.tracking.backends:
+        return None
+    from bigtune.engine.tracking import DEFAULT_EXPERIMENT, MLFLOW_PARENT_ENV, SWEEP_ENV
+
+    run.env[SWEEP_ENV] = run.sweep.name
+    if "mlflow" not in first.tracking.backends:
+        return None
+    from bigtune.engine.tracking.mlflow_backend import start_parent_run, tracking_uri
+
+    uri = tracking_uri(first.tracking.mlflow_uri)
+    params = {"sweep": run.sweep.name, "variants": [v.name for v in chosen], "tiny": run.tiny}
+    parent = start_parent_run(uri, first.tracking.experiment or DEFAULT_EXPERIMENT, run.sweep.name, params)
+    if parent is None:
+        return None
+    run.env[MLFLOW_PARENT_ENV] = parent
+    run.say(f"tracking: mlflow run {run.sweep.name} ({parent}) holds one nested run per variant")
+    return uri, parent
 
 
 def _base_file(sweep: Sweep, out: Path) -> Path:
