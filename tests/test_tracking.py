@@ -120,7 +120,10 @@ def _train(run_dir: Path, **over):
 def test_wandb_offline_and_tensorboard_files_hold_the_run(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    # everything W&B writes (the run, its artifact staging and cache, its settings) under tmp_path
+    for var, sub in (("WANDB_DIR", "wb"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
     (tmp_path / "wb").mkdir()
     s = _train(
         tmp_path / "run",
@@ -273,6 +276,7 @@ def test_parent_run_helpers_warn_and_carry_on_without_a_server(capsys):
     assert err.count(WARNING) == 2 and "the sweep runs untracked" in err
 
 
+@pytest.mark.slow  # two rank processes: ~22 s of the file's ~55 s on 2 cores
 def test_two_ranks_log_one_run(tmp_path, server):
     url = server.url
     over = tiny_overrides(tmp_path / "ddp", **QUICK, devices=2, strategy="ddp")
