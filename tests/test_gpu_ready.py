@@ -337,7 +337,7 @@ def test_cuda_helpers_of_the_engine(fake_cuda, tmp_path):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     r = load_recipe({}, {"model.name": "tiny-llama"})
-    assert engine._capacity(cuda, r) == 80 * GIB
+    assert engine.device_capacity(cuda, r) == 80 * GIB
     assert engine.device_info(cuda) == {
         "type": "cuda",
         "name": "NVIDIA H100 80GB HBM3",
@@ -357,7 +357,7 @@ def test_cuda_helpers_of_the_engine(fake_cuda, tmp_path):
                 "device_used": used,
             },
         )
-    res = engine._results(run, engine.LoopState(), "ok", 1.0)
+    res = engine.run_results(run, engine.LoopState(), "ok", 1.0)
     assert res["peak_reserved_bytes"] == 7 * GIB and res["peak_device_used_bytes"] == 9 * GIB
 
 

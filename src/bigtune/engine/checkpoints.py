@@ -187,7 +187,7 @@ def checkpoint_step(ckpt: Path) -> Optional[int]:
     return int(tail) if tail.isdigit() else None
 
 
-def _resume_point(r: Recipe, b: Built, run_path: Path, ckpt: Path) -> Optional[dict]:
+def resume_point(r: Recipe, b: Built, run_path: Path, ckpt: Path) -> Optional[dict]:
     """None to go on training; the run's saved summary when its checkpoint is already the last step.
     Raises RecipeError when the recipe's length ends before the checkpoint."""
     step = checkpoint_step(ckpt)
@@ -217,7 +217,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _save_at_end(b: Built, run: RunDir, state: LoopState) -> None:
+def save_at_end(b: Built, run: RunDir, state: LoopState) -> None:
     """The last checkpoint (unless the last step already wrote one) and the Hugging Face folder."""
     r = b.recipe
     if r.checkpoint.enabled and (

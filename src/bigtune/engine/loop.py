@@ -38,12 +38,12 @@ from bigtune.core.stepmath import (
 from bigtune.data.text import Collator, EpochSampler, ListDataset, build_examples, pack_examples
 from bigtune.engine.checkpoints import (  # noqa: F401 - CHECKPOINT_KEYS, checkpoint_step: the loop's API too
     CHECKPOINT_KEYS,
-    _resume_point,
-    _save_at_end,
     checkpoint_step,
     find_resume_checkpoint,
     load_checkpoint,
+    resume_point,
     resume_recipe,
+    save_at_end,
     save_checkpoint,
     save_hf_model,
 )
@@ -51,18 +51,18 @@ from bigtune.engine.meter import WindowMeter
 from bigtune.engine.optim import make_optimizer
 from bigtune.engine.pipeline import PipelineRunner
 from bigtune.engine.report import (
-    _NOTICES,
+    NOTICES,
     VERBOSITIES,
     Output,
     Progress,
-    _capacity,
-    _eval_summary,
-    _library_bars_off,
-    _record_error,
-    _results,
+    device_capacity,
     device_info,
+    eval_summary,
     gpu_peak_flops,
+    library_bars_off,
     notice,
+    record_error,
+    run_results,
     summary_line,
     versions,
 )
@@ -708,7 +708,7 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict], trac
     if tracker is not None:
         for s in snaps:
             tracker.log_memory(s.step, s.phase, s.to_dict())
-    print(mem.format_table(snaps, _capacity(b.fabric.device, b.recipe)), flush=True)
+    print(mem.format_table(snaps, device_capacity(b.fabric.device, b.recipe)), flush=True)
     if len(per_rank) > 1:
         print(mem.format_rank_spread(per_rank), flush=True)
 
@@ -917,13 +917,13 @@ def train(
         show_recipe=verbosity == "verbose" and not quiet_recipe,
         afresh=afresh,
     )
-    _NOTICES["stream"] = sys.stderr if talker and verbosity == "quiet" else None
+    NOTICES["stream"] = sys.stderr if talker and verbosity == "quiet" else None
     try:
-        with contextlib.redirect_stdout(io.StringIO()) if silent else contextlib.nullcontext(), _library_bars_off():
+        with contextlib.redirect_stdout(io.StringIO()) if silent else contextlib.nullcontext(), library_bars_off():
             hooks = hooks if talker else None
             return _train(r, fabric, run_path, resume_ckpt, t_start, raise_on_oom, out, hooks)
     finally:
-        _NOTICES["stream"] = None
+        NOTICES["stream"] = None
 
 
 def _announce(r: Recipe, b: Built, fabric) -> None:
@@ -1036,7 +1036,7 @@ def _set_up(
         if out.show_recipe:
             print("# resolved recipe\n" + r.to_yaml().rstrip(), flush=True)
         b = build(r, fabric)  # raises on bad data/model before the run dir exists
-        if resume_ckpt is not None and (finished := _resume_point(r, b, run_path, resume_ckpt)) is not None:
+        if resume_ckpt is not None and (finished := resume_point(r, b, run_path, resume_ckpt)) is not None:
             return finished
         _announce(r, b, fabric)
         plan = hooks.before_run(r, fabric.device, fabric.world_size) if hooks is not None else None
@@ -1109,7 +1109,7 @@ def _train(
             fit(b, run, state, monitor, gpu_peak_flops(fabric.device, r.precision), tracker)
         if b.val_loader is not None and state.last_eval_step != state.step:
             run_eval(b, run, state, monitor, -1, tracker)
-        _save_at_end(b, run, state)
+        save_at_end(b, run, state)
     except Preempted as e:
         status = "preempted" if e.signal == "SIGTERM" else "interrupted"
         save_checkpoint(b, run, state)
@@ -1135,12 +1135,12 @@ def _train(
             monitor.end_step()
         if not mem.is_oom(e):
             status, error = "error", e
-            _record_error(e, r, fabric.world_size, summary)
+            record_error(e, r, fabric.world_size, summary)
         else:
             status = "oom"
             summary["oom"] = _record_oom(e, r, fabric, state, monitor, cap, hooks)
-    summary.update(_results(run, state, status, time.perf_counter() - t_start))
-    summary.update(_eval_summary(r, run, state))
+    summary.update(run_results(run, state, status, time.perf_counter() - t_start))
+    summary.update(eval_summary(r, run, state))
     if hooks is not None:
         hooks.after_run(r, fabric.device, fabric.world_size, run.read_jsonl("memory.jsonl"), summary)
     run.write_json("summary.json", summary)

@@ -22,12 +22,12 @@ VERBOSITIES = ("quiet", "normal", "verbose")
 
 # Notices are lines a user must see even with --quiet (a run length they did not ask for, a stop, an
 # out-of-memory): on stdout with the rest normally, on stderr beside errors and warnings under --quiet.
-_NOTICES: dict[str, Any] = {"stream": None}  # None: the current sys.stdout
+NOTICES: dict[str, Any] = {"stream": None}  # None: the current sys.stdout
 
 
 def notice(msg: str) -> None:
     """Print a line that --quiet still shows (on stderr there)."""
-    print(msg, file=_NOTICES["stream"], flush=True)
+    print(msg, file=NOTICES["stream"], flush=True)
 
 
 class Progress:
@@ -60,7 +60,7 @@ class Output:
 
 
 @contextlib.contextmanager
-def _library_bars_off():
+def library_bars_off():
     """transformers' own tqdm bars ("Loading weights", "Writing model shards") off for the run: ours say
     what happens, and theirs interleave with it on stderr. Restored afterwards for the caller's own use."""
     try:
@@ -113,7 +113,7 @@ def gpu_peak_flops(device: torch.device, precision: str) -> Optional[float]:
     return peak_flops(gpu, precision, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
 
 
-def _capacity(device: torch.device, r: Recipe) -> Optional[int]:
+def device_capacity(device: torch.device, r: Recipe) -> Optional[int]:
     if r.memory.cap_gib is not None:
         return int(r.memory.cap_gib * GIB)
     if device.type == "cuda":
@@ -137,7 +137,7 @@ def summary_line(summary: dict, path: Path) -> str:
     return "; ".join(parts + [f"summary: {path}"])
 
 
-def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
+def run_results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
     snaps = run.read_jsonl("memory.jsonl")
     peaks = [s["peak_allocated"] for s in snaps]
     reserved = [s["peak_reserved"] for s in snaps if s.get("peak_reserved") is not None]
@@ -168,7 +168,7 @@ def _results(run: RunDir, state: LoopState, status: str, wall: float) -> dict:
     }
 
 
-def _eval_summary(r: Recipe, run: RunDir, state: LoopState) -> dict:
+def eval_summary(r: Recipe, run: RunDir, state: LoopState) -> dict:
     evals = run.read_jsonl("eval.jsonl")
     if not evals:
         return {}
@@ -186,7 +186,7 @@ def _eval_summary(r: Recipe, run: RunDir, state: LoopState) -> dict:
     }
 
 
-def _record_error(e: BaseException, r: Recipe, world: int, summary: dict) -> None:
+def record_error(e: BaseException, r: Recipe, world: int, summary: dict) -> None:
     from bigtune.engine.strategies import collective_failure_hint
 
     summary["error"] = f"{type(e).__name__}: {e}"
