@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -113,12 +114,94 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-m", "bigtune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+def run_cli(
+    *args: str, cwd: Path, timeout: float = HANG_GUARD_S, own_process: bool = False
+) -> subprocess.CompletedProcess:
+    """``bigtune ARGS`` run in ``cwd``: its exit code, stdout and stderr.
+
+    A command of one process runs in this one (``cli.app.main``, as ``python -m bigtune`` calls it), with its
+    own stdout, stderr, stdin, working folder and environment, all restored afterwards: starting a fresh Python
+    costs about 10 s of imports (torch, transformers, Lightning, PEFT) on the suite's 2 cores, more than most
+    commands take. ``own_process=True``, and any run over several ranks (Fabric's launcher starts the other
+    ranks by running the process's own command line again), run as ``python -m bigtune`` in a subprocess."""
+    if own_process or os.environ.get("BIGTUNE_TEST_SUBPROCESS") or _several_ranks(args, cwd):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+        return subprocess.run(
+            [sys.executable, "-m", "bigtune", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    return _run_in_process(list(args), cwd)
+
+
+def _several_ranks(args: tuple[str, ...], cwd: Path) -> bool:
+    """Whether ``bigtune train ARGS`` would start more than one process (the recipe it resolves, as train does)."""
+    if not args or args[0] != "train":
+        return False
+    from bigtune.cli.app import _overrides, build_parser
+    from bigtune.recipe import load_recipe
+
+    try:
+        ns = build_parser().parse_args(list(args))
+        with _working_dir(cwd):
+            over = _overrides(ns)
+            if ns.resume:
+                saved = Path(ns.resume) / "recipe.yaml"
+                r = load_recipe(ns.recipe if ns.recipe is not None else saved, over, check=False)
+            else:
+                r = load_recipe(ns.recipe, over, check=False)
+    except BaseException:  # noqa: BLE001 - a bad command line: the command itself says what is wrong
+        return False
+    return r.world_size > 1
+
+
+@contextlib.contextmanager
+def _working_dir(cwd: Path):
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    import io
+    import traceback
+    import warnings
+
+    from bigtune.cli.app import main
+
+    out, err = io.StringIO(), io.StringIO()
+    env, path, threads = dict(os.environ), list(sys.path), torch.get_num_threads()
+    dtype, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    stdin = sys.stdin
+    try:
+        # catch_warnings: each command shows its own warnings once, as a fresh process would
+        with (
+            _working_dir(cwd),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(),
+        ):
+            sys.stdin = io.StringIO("")
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's errors and --help
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # noqa: BLE001 - what `python -m bigtune` would print before exiting 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.stdin = stdin
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        torch.use_deterministic_algorithms(deterministic)
+    return subprocess.CompletedProcess(["bigtune", *argv], code, out.getvalue(), err.getvalue())
 
 
 def set_args(over: dict) -> list[str]:

@@ -21,13 +21,14 @@ import pytest
 
 from bigtune.cli import build_parser
 from bigtune.recipe import load_recipe
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NOT_RUN = re.compile(r"\s+#\s*not run:\s*(\S.*)$")  # the old visible form, refused below
 HIDDEN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+SHELL = re.compile(r"[|&;<>$`*?]")  # pipes, redirections, variables, globs: a line only a shell runs
 
 
 def commands(page: Path) -> list[tuple[int, str, str | None]]:
@@ -108,6 +109,12 @@ def test_every_command_on_the_page_runs(page, tmp_path):
     for line, cmd, reason in commands(page):
         if reason is not None:
             _check_without_running(page, line, cmd)
+            continue
+        argv = shlex.split(cmd)
+        if argv[0] == "bigtune" and not SHELL.search(cmd):
+            # what the reader's shell would start, run by run_cli (in this process unless it needs its own)
+            res = run_cli(*argv[1:], cwd=ws)
+            assert res.returncode == 0, f"{_where(page, line)}: `{cmd}` exited {res.returncode}\n{res.stderr[-3000:]}"
             continue
         res = subprocess.run(
             ["bash", "-c", cmd],
