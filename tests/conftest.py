@@ -166,6 +166,7 @@ def _working_dir(cwd: Path):
 
 def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     import io
+    import logging
     import traceback
     import warnings
 
@@ -175,6 +176,17 @@ def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env, path, threads = dict(os.environ), list(sys.path), torch.get_num_threads()
     dtype, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
     stdin = sys.stdin
+    # Handlers made at import time (Lightning's console handler) hold the stderr of the moment a library was
+    # first imported, perhaps an earlier test's capture, closed since; a fresh process's would hold its own.
+    handlers = [
+        h
+        for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        for h in getattr(lg, "handlers", [])
+        if type(h) is logging.StreamHandler
+    ]
+    streams = [h.stream for h in handlers]
+    for h in handlers:
+        h.setStream(out if h.stream is sys.__stdout__ else err)
     try:
         # catch_warnings: each command shows its own warnings once, as a fresh process would
         with (
@@ -195,6 +207,8 @@ def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
                 code = 1
     finally:
         sys.stdin = stdin
+        for h, stream in zip(handlers, streams):
+            h.setStream(stream)
         os.environ.clear()
         os.environ.update(env)
         sys.path[:] = path
