@@ -183,6 +183,7 @@ def test_mlflow_run_holds_recipe_plan_steps_memory_and_files(tmp_path, server):
             "tracking.register_model": "tiny-demo",
             "checkpoint.save_model": True,
             "memory.plan": True,
+            "optim.grad_clip": 1.0,
         },
     )
     assert s["status"] == "ok"
@@ -196,6 +197,9 @@ def test_mlflow_run_holds_recipe_plan_steps_memory_and_files(tmp_path, server):
     history = c.get_metric_history(rid, "loss")
     assert [m.step for m in history] == [1, 2] and [m.value for m in history] == pytest.approx(losses)
     assert [m.step for m in c.get_metric_history(rid, "tokens_per_s")] == [1, 2]
+    norms = [m["grad_norm"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert all(n > 0 for n in norms)  # the norm before clipping, one per logged step
+    assert [m.value for m in c.get_metric_history(rid, "grad_norm")] == pytest.approx(norms)
     snaps = {(x["step"], x["phase"]): x for x in read_jsonl(tmp_path / "run" / "memory.jsonl")}
     acts = c.get_metric_history(rid, "memory/after_forward/activations_gib")
     assert [m.step for m in acts] == [0, 1]

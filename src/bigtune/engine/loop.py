@@ -543,7 +543,7 @@ def train_step(
         snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
     state.phase = "optimizer"
     if b.recipe.optim.grad_clip is not None and not clips_itself(fabric):
-        clip_gradients(fabric, model, opt, b.recipe.optim.grad_clip)
+        state.grad_norm = clip_gradients(fabric, model, opt, b.recipe.optim.grad_clip).detach()
     opt.step()
     b.scheduler.step()
     if measure:
@@ -632,6 +632,9 @@ def fit(
     def log_window(epoch: int) -> None:
         nonlocal aux_window
         rec = meter.close_window(state, epoch, lr=b.scheduler.get_last_lr()[0])
+        if state.grad_norm is not None:  # the window's last step, before clipping (read here: one sync per log)
+            norm = state.grad_norm
+            rec["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
         if aux_window:
             rec["aux_loss"] = float(torch.stack(aux_window).mean())
             aux_window = []

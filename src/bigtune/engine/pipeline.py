@@ -219,7 +219,7 @@ class PipelineRunner:
             snaps.append(monitor.snapshot(state.step, "after_backward", model, opt))
         state.phase = "optimizer"
         if self.recipe.optim.grad_clip is not None:
-            clip_gradients(fabric, model, opt, self.recipe.optim.grad_clip)
+            state.grad_norm = clip_gradients(fabric, model, opt, self.recipe.optim.grad_clip).detach()
         opt.step()
         b.scheduler.step()
         if measure:
@@ -243,11 +243,14 @@ def gather_state_dict(fabric, module: torch.nn.Module) -> dict[str, Any]:
     return {k: v for piece in pieces for k, v in piece.items()}
 
 
-def global_grad_norm_clip(module: torch.nn.Module, max_norm: float) -> None:
-    """Clip to the norm of every stage's gradients together (each rank holds a disjoint part of the model)."""
+def global_grad_norm_clip(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to the norm of every stage's gradients together (each rank holds a disjoint part of the model);
+    returns that norm."""
     params = [p for p in module.parameters() if p.grad is not None]
     device = next(module.parameters()).device
     local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros((), device=device)
     squared = local.double() ** 2
     torch.distributed.all_reduce(squared)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, squared.sqrt().to(local.dtype))
+    total = squared.sqrt().to(local.dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -51,6 +51,9 @@ class LoopState:
     best_score: Optional[float] = None  # eval.best_metric's best value so far (what keep_best goes by)
     last_eval_step: Optional[int] = None
     aux_loss: Optional[torch.Tensor] = None  # MoE: the last window's router aux loss (not checkpointed)
+    # The last step's total gradient norm before clipping (a device tensor; None unless optim.grad_clip is set
+    # and the engine clips: DeepSpeed clips inside its own step). Logged as grad_norm, not checkpointed.
+    grad_norm: Optional[torch.Tensor] = None
 
 
 def epoch_loss_mean(fabric, state: LoopState) -> float:

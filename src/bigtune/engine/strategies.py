@@ -548,20 +548,18 @@ def all_sum(fabric, value: float | int, data_parallel_only: bool = False) -> flo
     return float(fabric.all_reduce(t, group=group, reduce_op="sum"))
 
 
-def clip_gradients(fabric, model: torch.nn.Module, optimizer, max_norm: float) -> None:
+def clip_gradients(fabric, model: torch.nn.Module, optimizer, max_norm: float) -> torch.Tensor:
     """Clip to a global gradient norm. Under tensor parallelism the gradients are DTensors on two meshes (the
     split projections on data_parallel × tensor_parallel, the replicated rest on data_parallel only), which
     torch's clip_grad_norm_ cannot stack: each mesh's norm is reduced to a full one, then combined. Pipeline
-    stages combine their norms likewise."""
+    stages combine their norms likewise. Returns the total norm before clipping (a 0-dim device tensor)."""
     from bigtune.engine.pipeline import global_grad_norm_clip, is_pipeline
 
     if is_pipeline(fabric):
-        global_grad_norm_clip(model, max_norm)
-        return
+        return global_grad_norm_clip(model, max_norm)
     if tensor_parallel_size(fabric) == 1:
         # error_if_nonfinite would sync with the host every step; a non-finite loss is caught at logging.
-        fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
-        return
+        return fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
 
@@ -580,3 +578,4 @@ def clip_gradients(fabric, model: torch.nn.Module, optimizer, max_norm: float) -
     with implicit_replication():
         for params in groups.values():  # one mesh per call: a foreach op across meshes is refused
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
