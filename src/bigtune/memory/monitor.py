@@ -386,7 +386,8 @@ def unallocated_at_oom(exc: BaseException) -> Optional[int]:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
 
 
-_FIELDS = (
+# What a snapshot (a line of memory.jsonl) measures, in bytes, per phase: what trackers log
+CATEGORIES = (
     "parameters",
     "gradients",
     "optimizer_device",
@@ -397,8 +398,8 @@ _FIELDS = (
     "reserved",
     "peak_reserved",
     "device_used",
-    "phase_peak",
 )
+_FIELDS = (*CATEGORIES, "phase_peak")  # what ranks exchange in gather_snapshots
 
 
 def gather_snapshots(fabric, snaps: list[Snapshot]) -> list[list[Snapshot]]:

@@ -16,21 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-GIB = 1024**3
+from bigtune.core.stepmath import GIB
+from bigtune.memory.monitor import CATEGORIES
 
 # What a memory snapshot (memory.jsonl) measures, in bytes; logged per phase as GiB.
-MEMORY_CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_device",
-    "optimizer_cpu",
-    "activations",
-    "allocated",
-    "peak_allocated",
-    "reserved",
-    "peak_reserved",
-    "device_used",
-)
+MEMORY_CATEGORIES = CATEGORIES
 
 # Records a backend may fall behind by before it is judged too slow and turned off: a run logs a few records a
 # step, so this is minutes of a hung server at a step a second, while the queue's memory stays small.
