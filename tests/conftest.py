@@ -142,7 +142,7 @@ def _several_ranks(args: tuple[str, ...], cwd: Path) -> bool:
 
     try:
         ns = build_parser().parse_args(list(args))
-        with _working_dir(cwd):
+        with contextlib.chdir(cwd):
             over = _overrides(ns)
             if ns.resume:
                 saved = Path(ns.resume) / "recipe.yaml"
@@ -152,16 +152,6 @@ def _several_ranks(args: tuple[str, ...], cwd: Path) -> bool:
     except BaseException:  # noqa: BLE001 - a bad command line: the command itself says what is wrong
         return False
     return r.world_size > 1
-
-
-@contextlib.contextmanager
-def _working_dir(cwd: Path):
-    old = os.getcwd()
-    os.chdir(cwd)
-    try:
-        yield
-    finally:
-        os.chdir(old)
 
 
 def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -185,12 +175,12 @@ def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
         if type(h) is logging.StreamHandler
     ]
     streams = [h.stream for h in handlers]
-    for h in handlers:
-        h.setStream(out if h.stream is sys.__stdout__ else err)
+    for h in handlers:  # assigned, not setStream: that flushes the old stream, which may be closed
+        h.stream = out if h.stream is sys.__stdout__ else err
     try:
         # catch_warnings: each command shows its own warnings once, as a fresh process would
         with (
-            _working_dir(cwd),
+            contextlib.chdir(cwd),
             contextlib.redirect_stdout(out),
             contextlib.redirect_stderr(err),
             warnings.catch_warnings(),
@@ -208,7 +198,7 @@ def _run_in_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     finally:
         sys.stdin = stdin
         for h, stream in zip(handlers, streams):
-            h.setStream(stream)
+            h.stream = stream
         os.environ.clear()
         os.environ.update(env)
         sys.path[:] = path
