@@ -1,0 +1,108 @@
+"""The REST API: routes parse the request and check who calls, then call the service (service.py).
+
+Shaped like the fine-tuning job APIs people already use: create, list, get, events, cancel, checkpoints under
+/v1/jobs; the OpenAPI schema at /openapi.json and its pages at /docs. Every route but /healthz wants
+``Authorization: Bearer <token>``: none or an unknown one is 401; another user's job is 403.
+"""
+
+from typing import Annotated, Optional
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from bigtune.serve.admission import Refused
+from bigtune.serve.auth import bearer
+from bigtune.serve.schemas import CheckpointList, EventList, JobCreate, JobList, JobView, Refusal
+from bigtune.serve.service import Caller, Conflict, Forbidden, NotFound, Service
+
+REFUSALS = {
+    401: {"model": Refusal, "description": "no token, or not a token of this service"},
+    403: {"model": Refusal, "description": "another user's job, or against the admin's rules"},
+    404: {"model": Refusal, "description": "no such job"},
+}
+
+
+def create_app(service: Service) -> FastAPI:
+    """The FastAPI application over ``service``."""
+    from bigtune import __version__
+
+    app = FastAPI(
+        title="bigtune training service",
+        version=__version__,
+        description="Fine-tuning jobs admitted by their memory plan, queued and run (docs/how-to/serve.md).",
+    )
+
+    def caller(authorization: Annotated[Optional[str], Header()] = None) -> Caller:
+        who = service.caller(bearer(authorization))
+        if who is None:
+            raise HTTPException(401, detail={"reason": "no valid bearer token"}, headers={"WWW-Authenticate": "Bearer"})
+        return who
+
+    Who = Annotated[Caller, Depends(caller)]
+
+    def job_or_error(call):
+        try:
+            return call()
+        except NotFound as e:
+            raise HTTPException(404, detail={"reason": str(e)}) from None
+        except Forbidden as e:
+            raise HTTPException(403, detail={"reason": str(e)}) from None
+        except Conflict as e:
+            raise HTTPException(409, detail={"reason": str(e)}) from None
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict:
+        return {"ok": True}
+
+    @app.post(
+        "/v1/jobs",
+        response_model=JobView,
+        status_code=201,
+        responses={
+            **REFUSALS,
+            409: {"model": Refusal, "description": "can never fit this cluster: the plan's reason and what would fit"},
+            422: {"model": Refusal, "description": "the recipe is not valid: each problem names its key"},
+        },
+    )
+    async def create_job(body: JobCreate, who: Who):
+        def submit():
+            return service.submit(who, body.recipe, body.overrides, body.auto, body.priority, body.hold)
+
+        try:
+            # planning takes seconds of CPU: off the event loop, so other requests are answered meanwhile
+            job = await run_in_threadpool(submit)
+        except Refused as e:
+            return JSONResponse(status_code=e.status, content={"detail": e.to_dict()})
+        return service.view(job, detail=True)
+
+    @app.get("/v1/jobs", response_model=JobList, responses=REFUSALS)
+    def list_jobs(who: Who):
+        return {"data": [service.view(j) for j in service.jobs(who)]}
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobView, responses=REFUSALS)
+    def get_job(job_id: str, who: Who):
+        return service.view(job_or_error(lambda: service.job(who, job_id)), detail=True)
+
+    @app.get("/v1/jobs/{job_id}/events", response_model=EventList, responses=REFUSALS)
+    def job_events(job_id: str, who: Who, after: Annotated[int, Query(ge=0)] = 0):
+        job, events = job_or_error(lambda: service.events(who, job_id, after))
+        import json
+
+        data = [{"id": e.id, "created_at": e.at, "level": e.level, "message": e.message, "step": e.step,
+                 "data": json.loads(e.data_json) if e.data_json else None} for e in events]  # fmt: skip
+        return {"data": data, "job_state": job.state}
+
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses={**REFUSALS, 409: {"model": Refusal}})
+    def cancel_job(job_id: str, who: Who):
+        return service.view(job_or_error(lambda: service.cancel(who, job_id)))
+
+    @app.post("/v1/jobs/{job_id}/release", response_model=JobView, responses={**REFUSALS, 409: {"model": Refusal}})
+    def release_job(job_id: str, who: Who):
+        return service.view(job_or_error(lambda: service.release(who, job_id)))
+
+    @app.get("/v1/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=REFUSALS)
+    def job_checkpoints(job_id: str, who: Who):
+        return {"data": job_or_error(lambda: service.checkpoints(who, job_id))}
+
+    return app

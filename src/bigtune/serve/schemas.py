@@ -1,0 +1,114 @@
+"""The API's request and response models: one set for the routes, the OpenAPI schema and the CLI client."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, Field
+
+
+class JobCreate(BaseModel):
+    """A fine-tuning job: a bigtune recipe (YAML text or a mapping) and ``KEY=VALUE`` overrides on top."""
+
+    recipe: Union[str, dict[str, Any]] = Field(description="the recipe: YAML text or a mapping of its keys")
+    overrides: list[str] = Field(default_factory=list, description="KEY=VALUE, as `bigtune train --set`")
+    auto: bool = Field(False, description="if the recipe does not fit the cluster, run its fastest fitting variant")
+    priority: int = Field(0, description="higher starts first; waiting raises it by one level per aging period")
+    hold: bool = Field(False, description="admit and plan, but do not queue until POST /v1/jobs/{id}/release")
+
+
+class Progress(BaseModel):
+    step: int = 0
+    total_steps: Optional[int] = None
+    fraction: Optional[float] = None
+    eta_s: Optional[float] = None
+    loss: Optional[float] = None
+
+
+class Memory(BaseModel):
+    """Per device, bytes: what the admitting plan predicted beside what the run measured."""
+
+    planned_peak_allocated_bytes: Optional[int] = None
+    planned_needed_bytes: Optional[int] = Field(None, description="the plan's peak with allocator reserve and context")
+    capacity_bytes: Optional[int] = None
+    measured_peak_allocated_bytes: Optional[int] = None
+
+
+class AttemptView(BaseModel):
+    number: int
+    started_at: float
+    ended_at: Optional[float] = None
+    exit_code: Optional[int] = None
+    slot_ids: list[int] = Field(default_factory=list)
+    resumed_from: Optional[str] = None
+
+
+class JobView(BaseModel):
+    id: str
+    object: str = "fine_tuning.job"
+    user: str
+    name: str
+    state: str = Field(description="held, queued, running, succeeded, failed or cancelled")
+    priority: int
+    slots: int
+    slot_ids: list[int] = Field(default_factory=list)
+    created_at: float
+    started_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    queue_position: Optional[int] = None
+    waiting_because: Optional[str] = None
+    retries: int = 0
+    attempts: list[AttemptView] = Field(default_factory=list)
+    progress: Progress
+    memory: Memory
+    variant: Optional[str] = Field(None, description="the variant `auto` chose, when the recipe itself did not fit")
+    overrides: list[str] = Field(default_factory=list)
+    planned_gpu_hours: Optional[float] = None
+    run_dir: str
+    error: Optional[str] = None
+    plan: Optional[dict[str, Any]] = Field(None, description="the plan the job was admitted by (GET of one job)")
+    recipe: Optional[str] = Field(None, description="the recipe as submitted (GET of one job)")
+
+
+class JobList(BaseModel):
+    object: str = "list"
+    data: list[JobView]
+
+
+class EventView(BaseModel):
+    id: int
+    object: str = "fine_tuning.job.event"
+    created_at: float
+    level: str
+    message: str
+    step: Optional[int] = None
+    data: Optional[dict[str, Any]] = None
+
+
+class EventList(BaseModel):
+    object: str = "list"
+    data: list[EventView]
+    job_state: str
+
+
+class CheckpointView(BaseModel):
+    object: str = "fine_tuning.job.checkpoint"
+    step: Optional[int]
+    path: str
+    bytes: int
+    created_at: float
+
+
+class CheckpointList(BaseModel):
+    object: str = "list"
+    data: list[CheckpointView]
+
+
+class Refusal(BaseModel):
+    """Why a request was refused: the reason, each problem on its own, and for a job that does not fit, its plan
+    and the variants that would."""
+
+    reason: str
+    problems: list[str] = Field(default_factory=list)
+    plan: Optional[dict[str, Any]] = None
+    alternatives: list[dict[str, Any]] = Field(default_factory=list)

@@ -1,0 +1,366 @@
+"""The service's core: a job's life from submission to its end, with no HTTP in it.
+
+submit → admission (plan) → held or queued → the scheduler's tick starts it when the policy says (policy.py) →
+running: its metrics become events, its end is read from its exit code and summary.json → succeeded, failed,
+or, when its worker died, queued again to resume from its newest checkpoint (bounded retries, doubling backoff).
+A restarted service takes back the processes that still run and requeues the jobs whose process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from bigtune.serve import progress
+from bigtune.serve.admission import Admitted, Cluster, Rules, admit
+from bigtune.serve.auth import new_token, token_digest
+from bigtune.serve.backends import LocalBackend
+from bigtune.serve.policy import AGING_S, Waiting, schedule
+from bigtune.serve.store import TERMINAL, Attempt, Job, Store
+
+# `bigtune train` exit codes (cli/app.py) that end a job for good: bad input and out of memory do not get better
+# by retrying. Any other end (a signal, a crash, SIGTERM's 143) is a worker that died: retried from a checkpoint.
+EXIT_OK, EXIT_BAD_INPUT, EXIT_OOM = 0, 2, 3
+# Variables the jobs' processes do not inherit from the server: its tokens are not theirs.
+PRIVATE_ENV = ("BIGTUNE_TOKEN", "BIGTUNE_ADMIN_TOKEN", "BIGTUNE_ADMIN_TOKENS")
+
+
+class NotFound(Exception):
+    pass
+
+
+class Forbidden(Exception):
+    pass
+
+
+class Conflict(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Caller:
+    user: str
+    admin: bool = False
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``bigtune serve`` is told. ``workdir``: the folder jobs run in and relative recipe paths count
+    from."""
+
+    state_dir: Path
+    db_url: Optional[str] = None  # default: sqlite:///<state_dir>/jobs.db
+    slots: int = 1
+    cluster: Cluster = field(default_factory=Cluster)
+    allowed_roots: tuple[Path, ...] = ()
+    allow_trust_remote_code: bool = False
+    admin_tokens: tuple[str, ...] = ()  # the raw tokens, from the environment; kept here as digests only
+    quotas: dict[str, float] = field(default_factory=dict)  # user → GPU-hours
+    aging_s: float = AGING_S
+    max_retries: int = 3
+    retry_backoff_s: float = 5.0  # doubled after each retry
+    checkpoint_every_steps: int = 100  # for recipes that set no checkpoint.every_steps: what a retry resumes from
+    cancel_grace_s: float = 5.0
+    tick_s: float = 0.5
+    python: str = sys.executable
+    workdir: Path = field(default_factory=Path.cwd)
+
+    @property
+    def url(self) -> str:
+        return self.db_url or f"sqlite:///{Path(self.state_dir).resolve() / 'jobs.db'}"
+
+
+class Service:
+    def __init__(self, cfg: ServeConfig, backend=None):
+        self.cfg = cfg
+        Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
+        self.store = Store(cfg.url)
+        self.backend = backend if backend is not None else LocalBackend(cfg.slots, gpus=cfg.cluster.gpu is not None)
+        self.rules = Rules(tuple(Path(r).resolve() for r in (cfg.allowed_roots or (cfg.workdir,))),
+                           cfg.allow_trust_remote_code)  # fmt: skip
+        self._admin_digests = tuple(token_digest(t) for t in cfg.admin_tokens)
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._waiting: dict[str, tuple[int, str]] = {}  # job id → (queue position, why it waits)
+        self._steps_logged: dict[str, int] = {}
+
+    # -- who is calling --
+    def caller(self, token: Optional[str]) -> Optional[Caller]:
+        """The user a bearer token belongs to, or None."""
+        if not token:
+            return None
+        digest = token_digest(token)
+        import hmac
+
+        if any(hmac.compare_digest(digest, d) for d in self._admin_digests):
+            return Caller("admin", admin=True)
+        row = self.store.token(digest)
+        if row is None or not hmac.compare_digest(row.digest, digest):
+            return None
+        return Caller(row.user, admin=row.admin)
+
+    def add_token(self, user: str, admin: bool = False) -> str:
+        """A new token for ``user``, returned once; the database keeps its digest."""
+        token = new_token()
+        self.store.add_token(user, token_digest(token), admin)
+        return token
+
+    # -- jobs --
+    def submit(self, caller: Caller, recipe, overrides: list[str], auto: bool = False, priority: int = 0,
+               hold: bool = False) -> Job:  # fmt: skip
+        """Admit (admission.py raises Refused) and queue a job; returns it."""
+        adm: Admitted = admit(recipe, list(overrides), auto, self.cfg.cluster, self.rules, Path(self.cfg.workdir))
+        now = time.time()
+        job_id = f"job-{int(now * 1000):x}-{secrets.token_hex(3)}"
+        job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job_id
+        job_dir.mkdir(parents=True)
+        (job_dir / "recipe.yaml").write_text(yaml.safe_dump(adm.tree, sort_keys=False))
+        user_out = adm.output_dir
+        run_dir = (Path(self.cfg.workdir) / user_out / job_id) if user_out else job_dir / "run"
+        job = Job(id=job_id, user=caller.user, name=adm.name, state="held" if hold else "queued", priority=priority,
+                  slots=adm.slots, created_at=now, queued_at=now, recipe_yaml=yaml.safe_dump(adm.tree, sort_keys=False),
+                  overrides_json=json.dumps(adm.overrides), variant=adm.variant, plan_json=json.dumps(adm.plan),
+                  planned_gpu_hours=adm.planned_gpu_hours, total_steps=adm.total_steps,
+                  run_dir=str(run_dir.resolve()))  # fmt: skip
+        self.store.add_job(job)
+        said = f" as the variant {adm.variant!r}" if adm.variant else ""
+        self.store.add_event(job_id, f"admitted{said} by its plan on {adm.plan.get('target')}; "
+                                     f"{'held' if hold else 'queued'} for {adm.slots} slot(s)")  # fmt: skip
+        return job
+
+    def job(self, caller: Caller, job_id: str) -> Job:
+        job = self.store.job(job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id}")
+        if not caller.admin and job.user != caller.user:
+            raise Forbidden(f"job {job_id} belongs to another user")
+        return job
+
+    def jobs(self, caller: Caller) -> list[Job]:
+        return self.store.jobs(user=None if caller.admin else caller.user)
+
+    def view(self, job: Job, detail: bool = False) -> dict:
+        """A job as the API shows it: state, queue position, progress, ETA, planned beside measured memory."""
+        plan = job.plan
+        pos, why = self._waiting.get(job.id, (None, None)) if job.state == "queued" else (None, None)
+        if job.state == "held":
+            why = "held: POST /v1/jobs/{id}/release to queue it"
+        attempts = [{"number": a.number, "started_at": a.started_at, "ended_at": a.ended_at,
+                     "exit_code": a.exit_code, "slot_ids": json.loads(a.slot_ids_json), "resumed_from": a.resumed_from}
+                    for a in self.store.attempts(job.id)]  # fmt: skip
+        out = {
+            "id": job.id, "user": job.user, "name": job.name, "state": job.state, "priority": job.priority,
+            "slots": job.slots, "slot_ids": job.slot_ids if job.state == "running" else [],
+            "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
+            "queue_position": pos, "waiting_because": why, "retries": job.retries, "attempts": attempts,
+            "progress": progress.progress(job.run_dir, job.total_steps),
+            "memory": {
+                "planned_peak_allocated_bytes": plan.get("peak_allocated"),
+                "planned_needed_bytes": plan.get("needed_total") or plan.get("peak_total"),
+                "capacity_bytes": plan.get("capacity"),
+                "measured_peak_allocated_bytes": progress.measured_peak_bytes(job.run_dir),
+            },
+            "variant": job.variant, "overrides": job.overrides, "planned_gpu_hours": job.planned_gpu_hours,
+            "run_dir": job.run_dir, "error": job.error,
+        }  # fmt: skip
+        if detail:
+            out["plan"], out["recipe"] = plan, job.recipe_yaml
+        return out
+
+    def release(self, caller: Caller, job_id: str) -> Job:
+        with self._lock:
+            job = self.job(caller, job_id)
+            if job.state != "held":
+                raise Conflict(f"job {job_id} is {job.state}, not held")
+            self.store.add_event(job_id, "released: queued")
+            return self.store.update_job(job_id, state="queued", queued_at=time.time())
+
+    def cancel(self, caller: Caller, job_id: str) -> Job:
+        """End a job: a waiting one at once; a running one's whole process group is stopped (SIGTERM, then SIGKILL
+        after the grace period) and its slots are freed when it has ended."""
+        with self._lock:
+            job = self.job(caller, job_id)
+            if job.state in TERMINAL:
+                raise Conflict(f"job {job_id} has already ended: {job.state}")
+            if job.state == "running" and job.handle:
+                self.backend.cancel(job.handle, self.cfg.cancel_grace_s)
+            self.store.add_event(job_id, f"cancelled by {caller.user}", level="warning")
+            return self.store.update_job(job_id, state="cancelled", finished_at=time.time())
+
+    def events(self, caller: Caller, job_id: str, after: int = 0) -> tuple[Job, list]:
+        job = self.job(caller, job_id)
+        return job, self.store.events(job_id, after)
+
+    def checkpoints(self, caller: Caller, job_id: str) -> list[dict]:
+        return progress.checkpoints(self.job(caller, job_id).run_dir)
+
+    # -- the scheduler --
+    def start(self) -> None:
+        """Take back what an earlier server left running, then tick in a thread until stop()."""
+        self.recover()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="bigtune-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop scheduling. Running jobs go on: a restarted server takes them back."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.store.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - one bad tick must not stop the queue; said in the server's log
+                print(f"bigtune serve: scheduler tick failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            self._stop.wait(self.cfg.tick_s)
+
+    def tick(self) -> None:
+        """One round: note the running jobs' new steps and ends, then start what the policy says."""
+        with self._lock:
+            now = time.time()
+            for job in self.store.jobs(states=("running", "cancelled")):
+                if job.handle is None:  # a cancelled job whose processes have ended
+                    continue
+                if job.state == "running":
+                    self._log_new_steps(job)
+                running, code = self.backend.poll(job.handle)
+                if not running:
+                    self._ended(job, code)
+            queued = self.store.jobs(states=("queued",))
+            waiting = [Waiting(j.id, j.user, j.priority, j.slots, j.queued_at, j.not_before, j.planned_gpu_hours)
+                       for j in queued]  # fmt: skip
+            decision = schedule(waiting, self.backend.free_slots(), self._used_gpu_hours(now), self.cfg.quotas, now,
+                                self.cfg.aging_s)  # fmt: skip
+            self._waiting = {i: (n + 1, decision.blocked.get(i, "starting")) for n, i in enumerate(decision.order)}
+            by_id = {j.id: j for j in queued}
+            for job_id in decision.start:
+                self._start(by_id[job_id])
+
+    def _used_gpu_hours(self, now: float) -> dict[str, float]:
+        users = {j.id: j.user for j in self.store.jobs()}
+        used: dict[str, float] = {}
+        for a in self.store.attempts():
+            hours = ((a.ended_at or now) - a.started_at) * len(json.loads(a.slot_ids_json)) / 3600
+            used[users[a.job_id]] = used.get(users[a.job_id], 0.0) + hours
+        return used
+
+    def _argv(self, job: Job) -> list[str]:
+        job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job.id
+        sets = [*job.overrides, f"output_dir={job.run_dir}", "checkpoint.enabled=true"]
+        tree = yaml.safe_load(job.recipe_yaml) or {}
+        if not (tree.get("checkpoint") or {}).get("every_steps") and not any(
+            s.startswith("checkpoint.every_steps=") for s in job.overrides
+        ):
+            sets.append(f"checkpoint.every_steps={self.cfg.checkpoint_every_steps}")
+        # --auto-resume: the first attempt starts in run_dir, a retry resumes from its newest checkpoint
+        argv = [self.cfg.python, "-m", "bigtune", "train", str(job_dir / "recipe.yaml"), "--auto-resume", "--quiet"]
+        return argv + [x for s in sets for x in ("--set", s)]
+
+    def _start(self, job: Job) -> None:
+        job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job.id
+        env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+        env["BIGTUNE_SERVE_JOB"] = job.id
+        resumed = progress.newest_checkpoint(job.run_dir)
+        started = self.backend.start(job.id, self._argv(job), Path(self.cfg.workdir), env, job_dir / "worker.log",
+                                     job.slots)  # fmt: skip
+        now = time.time()
+        number = len(self.store.attempts(job.id)) + 1
+        self.store.add_attempt(Attempt(job_id=job.id, number=number, started_at=now, handle=started.handle,
+                                       slot_ids_json=json.dumps(started.slot_ids), resumed_from=resumed))  # fmt: skip
+        self.store.update_job(job.id, state="running", handle=started.handle,
+                              slot_ids_json=json.dumps(started.slot_ids), started_at=job.started_at or now)  # fmt: skip
+        self._steps_logged[job.id] = self.store.last_logged_step(job.id)
+        where = f", resuming from {resumed}" if resumed else ""
+        self.store.add_event(job.id, f"started (attempt {number}) on slot(s) {started.slot_ids}{where}")
+
+    def _log_new_steps(self, job: Job) -> None:
+        """The run's new metrics.jsonl lines as events (steps past the newest one logged)."""
+        last = self._steps_logged.get(job.id)
+        if last is None:
+            last = self._steps_logged[job.id] = self.store.last_logged_step(job.id)
+        total = f"/{job.total_steps}" if job.total_steps else ""
+        for row in progress.metrics(job.run_dir):
+            if row.get("step", 0) > last:
+                loss = f"loss {row['loss']:.4f}" if row.get("loss") is not None else "no loss"
+                tps = f", {row['tokens_per_s']:,.0f} tokens/s" if row.get("tokens_per_s") else ""
+                self.store.add_event(job.id, f"step {row['step']}{total}: {loss}{tps}", step=row["step"], data=row)
+                last = row["step"]
+        self._steps_logged[job.id] = last
+
+    def _ended(self, job: Job, code: Optional[int]) -> None:
+        """The job's process has ended with ``code`` (None: unknown): succeeded, failed, or queued to resume."""
+        self.backend.release(job.handle)
+        self.store.end_attempt(job.id, code)
+        self._log_new_steps(job)
+        now = time.time()
+        if job.state == "cancelled":
+            self.store.update_job(job.id, handle=None)
+            self.store.add_event(job.id, f"its processes have ended (exit code {code}); slots freed")
+            return
+        done = progress.summary(job.run_dir) or {}
+        status = done.get("status")
+        if code == EXIT_OK or (code is None and status == "ok"):
+            self.store.update_job(job.id, state="succeeded", finished_at=now, exit_code=code, handle=None)
+            self.store.add_event(job.id, f"succeeded: {done.get('steps')} steps, final loss {done.get('final_loss')}")
+            return
+        if code in (EXIT_BAD_INPUT, EXIT_OOM) or status == "oom":
+            why = "out of memory" if (code == EXIT_OOM or status == "oom") else "bad input"
+            self._fail(job, code, f"{why} (exit code {code}): {self._log_tail(job)}")
+            return
+        if job.retries >= self.cfg.max_retries:
+            self._fail(job, code, f"its worker died {job.retries + 1} times (last exit code {code}): "
+                                  f"{self._log_tail(job)}")  # fmt: skip
+            return
+        backoff = self.cfg.retry_backoff_s * 2**job.retries
+        ckpt = progress.newest_checkpoint(job.run_dir) or "the start (no checkpoint yet)"
+        self.store.update_job(job.id, state="queued", retries=job.retries + 1, not_before=now + backoff, handle=None,
+                              exit_code=code)  # fmt: skip
+        self.store.add_event(job.id, f"worker died (exit code {code}); retry {job.retries + 1} of "
+                                     f"{self.cfg.max_retries} in {backoff:.0f} s from {ckpt}", level="warning")  # fmt: skip
+
+    def _fail(self, job: Job, code: Optional[int], error: str) -> None:
+        self.store.update_job(job.id, state="failed", finished_at=time.time(), exit_code=code, handle=None,
+                              error=error)  # fmt: skip
+        self.store.add_event(job.id, f"failed: {error}", level="error")
+
+    def _log_tail(self, job: Job, lines: int = 5) -> str:
+        log = Path(self.cfg.state_dir).resolve() / "jobs" / job.id / "worker.log"
+        text = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+        return " | ".join(text[-lines:]) or "(no output)"
+
+    def recover(self) -> None:
+        """At start: a running job whose process still runs is taken back; one whose process is gone is queued
+        again to resume from its checkpoint (a server restart is not the job's fault: no retry is counted), or
+        marked succeeded when its run had finished."""
+        with self._lock:
+            for job in self.store.jobs(states=("running",)):
+                if job.handle and self.backend.adopt(job.handle, job.slot_ids, job.id):
+                    self.store.add_event(job.id, "server restarted: its process still runs; taken back")
+                    continue
+                self.store.end_attempt(job.id, None)
+                done = progress.summary(job.run_dir) or {}
+                if done.get("status") == "ok":
+                    self.store.update_job(job.id, state="succeeded", finished_at=time.time(), handle=None)
+                    self.store.add_event(job.id, "server restarted: its run had finished")
+                    continue
+                ckpt = progress.newest_checkpoint(job.run_dir) or "the start (no checkpoint yet)"
+                self.store.update_job(job.id, state="queued", handle=None)
+                self.store.add_event(job.id, f"server restarted: its process is gone; queued to resume from {ckpt}",
+                                     level="warning")  # fmt: skip
+            for job in self.store.jobs(states=("cancelled",)):
+                if job.handle:  # cancelled while the server was down: make sure nothing of it runs
+                    self.backend.release(job.handle)
+                    self.store.update_job(job.id, handle=None)
