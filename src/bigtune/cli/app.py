@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_OOM, EXIT_INTERRUPTED, EXIT_PREEMPTED = 0, 1, 2, 3, 130, 143
+SERVE_VERBS = ("serve", "submit", "jobs", "logs", "cancel")  # cli/serve.py
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     from bigtune.cli.predict import add_cli as add_classify_cli
 
     add_classify_cli(sub)  # `predict` (labels and probabilities with a classifier)
+    from bigtune.cli.serve import add_cli as add_serve_cli
+
+    add_serve_cli(sub)  # `serve` (the training service) and its client: `submit`, `jobs`, `logs`, `cancel`
     return ap
 
 
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.verb in ("generate", "eval", "caption", "predict", "export"):
             _library_bars_off()
-        if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption", "predict"):
+        if args.verb in ("sweep", "report", "generate", "eval", "launch", "caption", "predict", *SERVE_VERBS):
             return args.func(args)
         if args.verb == "export":
             from bigtune.use.export import check_push, export_run, push_folder
