@@ -56,6 +56,11 @@ class LocalBackend:
         with self._lock:
             return self.slots - sum(len(s) for s in self._slots_of.values())
 
+    def handles(self) -> list[str]:
+        """The jobs' processes this backend holds slots for."""
+        with self._lock:
+            return list(self._slots_of)
+
     def _take(self, n: int) -> list[int]:
         used = {i for s in self._slots_of.values() for i in s}
         free = [i for i in range(self.slots) if i not in used]
