@@ -172,7 +172,7 @@ def _gpu_catalog() -> str:
     return "\n".join(rows) + "\n"
 
 
-LAYERS = ("core", "recipe", "data", "models", "memory", "engine", "plan", "run", "sweep", "use", "cli")
+LAYERS = ("core", "recipe", "data", "models", "memory", "engine", "plan", "run", "sweep", "use", "serve", "cli")
 
 
 def _modules() -> str:

@@ -23,6 +23,18 @@ REFUSALS = {
 }
 
 
+def job_or_error(call):
+    """``call()``, with the service's refusals as HTTP errors: 404 no such job, 403 another user's, 409 a conflict."""
+    try:
+        return call()
+    except NotFound as e:
+        raise HTTPException(404, detail={"reason": str(e)}) from None
+    except Forbidden as e:
+        raise HTTPException(403, detail={"reason": str(e)}) from None
+    except Conflict as e:
+        raise HTTPException(409, detail={"reason": str(e)}) from None
+
+
 def create_app(service: Service) -> FastAPI:
     """The FastAPI application over ``service``."""
     from bigtune import __version__
@@ -40,16 +52,6 @@ def create_app(service: Service) -> FastAPI:
         return who
 
     Who = Annotated[Caller, Depends(caller)]
-
-    def job_or_error(call):
-        try:
-            return call()
-        except NotFound as e:
-            raise HTTPException(404, detail={"reason": str(e)}) from None
-        except Forbidden as e:
-            raise HTTPException(403, detail={"reason": str(e)}) from None
-        except Conflict as e:
-            raise HTTPException(409, detail={"reason": str(e)}) from None
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:
