@@ -4,6 +4,7 @@ before the first optimizer step."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -215,3 +216,79 @@ def test_a_stop_between_logged_steps_records_its_loss_and_speed(tmp_path):
     assert summary["final_loss"] is not None and summary["tokens_per_s"] > 0
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"status interrupted; {step} steps; final loss ") and "tok/s" in last, last
+
+
+# -- progress: a live bar on a terminal, plain lines elsewhere ---------------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+RECORD = {"loss": 1.23456, "lr": 1e-3, "tokens_per_s": 12345.6}
+
+
+class _Terminal(io.StringIO):
+    """A stdout that says it is a terminal, as rank 0's is under `bigtune train` in a shell."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_bar_with_step_loss_speed_memory_and_eta():
+    from rich.console import Console
+
+    from bigtune.engine.progress import Progress
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, color_system=None, width=160)
+    with Progress(5, console=console) as p:
+        p.step(1)
+        p.log(2, RECORD, memory_bytes=3 * 2**30)
+    text = ANSI.sub("", screen.getvalue())
+    assert "2/5" in text and "loss 1.2346" in text and "12,346 tok/s" in text and "mem 3.00 GiB" in text, text
+    assert "eta" in text
+    assert "step 2/5 [" not in text  # not the plain line
+
+
+def test_progress_elsewhere_prints_the_plain_line_and_nothing_between_logs(capsys):
+    from bigtune.engine.progress import Progress
+
+    with Progress(4) as p:  # pytest's captured stdout is not a terminal
+        p.step(1)
+        p.log(2, RECORD, memory_bytes=2**30)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"step 2/4 \[50\.0%\] loss 1\.2346 lr 1\.00e-03 12,346 tok/s eta +\d+s", line), line
+
+
+def test_a_run_on_a_terminal_draws_the_bar_and_quiet_still_silences_it(tmp_path, monkeypatch):
+    import bigtune
+    from conftest import tiny_overrides
+
+    monkeypatch.setenv("COLUMNS", "160")
+    over = {"memory.plan": False, "train.max_steps": 3}
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    s = bigtune.train({}, tiny_overrides(tmp_path / "tty", **over))
+    monkeypatch.undo()
+    text = ANSI.sub("", screen.getvalue()).replace("\r", "\n")
+    final = read_jsonl(tmp_path / "tty" / "metrics.jsonl")[-1]["loss"]
+    assert s["status"] == "ok" and "3/3" in text and f"loss {final:.4f}" in text and "MiB eta" in text, text
+    assert not re.search(r"^step \d+/3 \[", text, re.M)  # the bar replaces the plain lines
+    assert text.strip().splitlines()[-1].startswith("status ok; 3 steps")
+
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stdout", quiet)
+    bigtune.train({}, tiny_overrides(tmp_path / "quiet", **over), verbosity="quiet")
+    monkeypatch.undo()
+    (line,) = ANSI.sub("", quiet.getvalue()).strip().splitlines()
+    assert line.startswith("status ok; 3 steps"), quiet.getvalue()
+
+
+def test_a_run_in_a_log_prints_a_plain_line_per_logged_step(tmp_path, capsys):
+    import bigtune
+    from conftest import tiny_overrides
+
+    bigtune.train({}, tiny_overrides(tmp_path / "run", **{"memory.plan": False, "train.max_steps": 3}))
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    losses = [m["loss"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(lines) == 3
+    for i, (line, loss) in enumerate(zip(lines, losses), 1):
+        pattern = rf"step {i}/3 \[ *\d+\.\d%\] loss {loss:.4f} lr \S+ [\d,]+ tok/s eta +(\d+|nan)s"
+        assert re.fullmatch(pattern, line), line

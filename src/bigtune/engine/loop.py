@@ -50,11 +50,11 @@ from bigtune.engine.checkpoints import (  # noqa: F401 - CHECKPOINT_KEYS, checkp
 from bigtune.engine.meter import WindowMeter
 from bigtune.engine.optim import make_optimizer
 from bigtune.engine.pipeline import PipelineRunner
+from bigtune.engine.progress import Progress, memory_in_use
 from bigtune.engine.report import (
     NOTICES,
     VERBOSITIES,
     Output,
-    Progress,
     device_capacity,
     device_info,
     eval_summary,
@@ -625,7 +625,6 @@ def fit(
     """The loop: optimizer steps until ``b.total_steps``, with logging, evaluation, checkpoints and stops."""
     r = b.recipe
     tracker = tracker or Trackers([])
-    progress = Progress(b.total_steps)
     meter = WindowMeter(b.fabric, b.model, peak_flops)
     aux_window: list = []
 
@@ -641,49 +640,50 @@ def fit(
         run.append_jsonl("metrics.jsonl", rec)
         run.append_csv("metrics.csv", rec)
         tracker.log_step(rec["step"], rec)
-        msg = f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['tokens_per_s']:,.0f} tok/s"
-        progress.update(state.step, msg, newline=True)
+        progress.log(state.step, rec, memory_in_use(b.fabric.device, monitor))
 
     state.epoch_loss_sum = torch.as_tensor(float(state.epoch_loss_sum), dtype=torch.float32, device=b.fabric.device)
     start_epoch, first_window = divmod(state.step, b.steps_per_epoch)
-    for epoch in range(start_epoch, math.ceil(b.total_steps / b.steps_per_epoch)):
-        for batches in windows(b, epoch, first_window if epoch == start_epoch else 0):
-            measure = (
-                monitor is not None
-                and r.memory.enabled
-                and (state.step in (0, 1) or state.step % r.memory.every_steps == 0)
-            )
-            loss, snaps = train_step(b, batches, monitor, measure, state)
-            if snaps:
-                _record_memory(b, run, snaps, batches, tracker)
-            meter.add(batches, loss, state)
-            state.epoch_loss_sum += loss  # on the device: no host sync per step
-            state.epoch_loss_steps += 1
-            if state.aux_loss is not None:  # MoE: the router aux loss, averaged over the logging window
-                aux_window.append(state.aux_loss.detach())
-            state.step += 1
-            if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
-                log_window(epoch)
-            elif progress.tty:
-                progress.update(state.step, "", newline=False)
-            if b.val_loader is not None and r.eval.every_steps and state.step % r.eval.every_steps == 0:
-                run_eval(b, run, state, monitor, epoch, tracker)
-            if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
-                save_checkpoint(b, run, state)
-            stop = _stop_requested(b.fabric)
-            if stop:
-                if meter.steps:  # the steps since the last log: recorded, so the stopped run's loss and speed are known
+    # the bar (on a terminal) stays up until the loop ends, however it ends: a stop, an OOM, an error
+    with Progress(b.total_steps, start=state.step) as progress:
+        for epoch in range(start_epoch, math.ceil(b.total_steps / b.steps_per_epoch)):
+            for batches in windows(b, epoch, first_window if epoch == start_epoch else 0):
+                measure = (
+                    monitor is not None
+                    and r.memory.enabled
+                    and (state.step in (0, 1) or state.step % r.memory.every_steps == 0)
+                )
+                loss, snaps = train_step(b, batches, monitor, measure, state)
+                if snaps:
+                    _record_memory(b, run, snaps, batches, tracker)
+                meter.add(batches, loss, state)
+                state.epoch_loss_sum += loss  # on the device: no host sync per step
+                state.epoch_loss_steps += 1
+                if state.aux_loss is not None:  # MoE: the router aux loss, averaged over the logging window
+                    aux_window.append(state.aux_loss.detach())
+                state.step += 1
+                if state.step % r.train.log_every_steps == 0 or state.step == b.total_steps:
                     log_window(epoch)
-                raise Preempted(state.step, stop)
+                else:
+                    progress.step(state.step)
+                if b.val_loader is not None and r.eval.every_steps and state.step % r.eval.every_steps == 0:
+                    run_eval(b, run, state, monitor, epoch, tracker)
+                if r.checkpoint.enabled and r.checkpoint.every_steps and state.step % r.checkpoint.every_steps == 0:
+                    save_checkpoint(b, run, state)
+                stop = _stop_requested(b.fabric)
+                if stop:
+                    if meter.steps:  # the steps since the last log: recorded, so the stop's loss and speed are known
+                        log_window(epoch)
+                    raise Preempted(state.step, stop)
+                if state.step >= b.total_steps:
+                    break
+            if state.epoch_loss_steps:
+                mean = epoch_loss_mean(b.fabric, state)
+                state.epoch_losses.append({"epoch": epoch, "loss": mean, "steps": state.epoch_loss_steps})
+                print(f"epoch {epoch}: average train loss {mean:.4f} over {state.epoch_loss_steps} steps", flush=True)
+            state.epoch_loss_sum, state.epoch_loss_steps = torch.zeros_like(state.epoch_loss_sum), 0
             if state.step >= b.total_steps:
                 break
-        if state.epoch_loss_steps:
-            mean = epoch_loss_mean(b.fabric, state)
-            state.epoch_losses.append({"epoch": epoch, "loss": mean, "steps": state.epoch_loss_steps})
-            print(f"epoch {epoch}: average train loss {mean:.4f} over {state.epoch_loss_steps} steps", flush=True)
-        state.epoch_loss_sum, state.epoch_loss_steps = torch.zeros_like(state.epoch_loss_sum), 0
-        if state.step >= b.total_steps:
-            break
     if r.optim.zero_grad == "before_backward":  # the last step's gradients are still held: not for what follows
         b.optimizer.zero_grad(set_to_none=True)
 

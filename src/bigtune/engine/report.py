@@ -1,11 +1,10 @@
-"""What a run tells: notices, the progress line, the final summary's figures and line, the versions and device."""
+"""What a run tells: notices, the final summary's figures and line, the versions and device."""
 
 from __future__ import annotations
 
 import contextlib
 import platform
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -28,25 +27,6 @@ NOTICES: dict[str, Any] = {"stream": None}  # None: the current sys.stdout
 def notice(msg: str) -> None:
     """Print a line that --quiet still shows (on stderr there)."""
     print(msg, file=NOTICES["stream"], flush=True)
-
-
-class Progress:
-    """An ETA line on a terminal, plain lines otherwise (logs, notebooks, CI)."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.tty = sys.stdout.isatty()
-        self.t0 = time.perf_counter()
-
-    def update(self, step: int, text: str, newline: bool) -> None:
-        done = step / max(1, self.total)
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (1 - done) if done > 0 else float("nan")
-        line = f"step {step}/{self.total} [{done:5.1%}] {text} eta {eta:5.0f}s"
-        if self.tty:
-            print("\r" + line.ljust(110), end="\n" if newline else "", flush=True)
-        elif newline:
-            print(line, flush=True)
 
 
 @dataclass
