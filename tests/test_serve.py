@@ -274,3 +274,22 @@ def test_a_worker_killed_with_sigkill_resumes_from_its_checkpoint_to_the_same_fi
     assert summary["status"] == "ok" and summary["steps"] == 100
     listed = served.call("GET", f"/v1/jobs/{job_id}/checkpoints", "carol").json()["data"]
     assert listed and listed[-1]["step"] == 100
+
+
+def test_the_command_line_client_says_a_refusal_in_one_line_and_exits_2(served, tmp_path, monkeypatch, capsys):
+    from bigtune.cli.app import main
+
+    monkeypatch.setenv("BIGTUNE_SERVER", served.url)
+    monkeypatch.setenv("BIGTUNE_TOKEN", served.tokens["alice"])
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(json.dumps(TINY))  # JSON is YAML
+    assert main(["submit", str(recipe), "--set", "train.bogus_key=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bigtune: error: 422") and "train.bogus_key" in err[0]
+    assert main(["submit", str(recipe), "--hold"]) == 0
+    job_id = capsys.readouterr().out.split()[0]
+    assert main(["jobs"]) == 0 and job_id in capsys.readouterr().out
+    assert main(["logs", job_id]) == 0 and "held" in capsys.readouterr().out
+    assert main(["cancel", job_id]) == 0
+    assert main(["cancel", job_id, "--token", "btk_wrong"]) == 2
+    assert capsys.readouterr().err.strip() == "bigtune: error: 401: no valid bearer token"
