@@ -143,9 +143,50 @@ def test_wandb_offline_and_tensorboard_files_hold_the_run(tmp_path, monkeypatch)
 
     (offline,) = (tmp_path / "wb" / "wandb").glob("offline-run-*")
     (record,) = offline.glob("run-*.wandb")  # what `wandb sync` uploads later
-    assert record.stat().st_size > 0
-    blob = record.read_bytes()
+    blob = _wandb_record(record, b"train/loss", b"memory/after_backward/gradients_gib", b"run-files")
     assert b"train/loss" in blob and b"memory/after_backward/gradients_gib" in blob and b"run-files" in blob
+
+
+def _wandb_record(record: Path, *wanted: bytes) -> bytes:
+    """The offline record's bytes once they hold ``wanted``, or as they are after 60 s: W&B's service process
+    writes it, and now and then has not flushed it when ``finish()`` returns."""
+    deadline = time.monotonic() + 60
+    while True:
+        blob = record.read_bytes()
+        if all(w in blob for w in wanted) or time.monotonic() > deadline:
+            return blob
+        time.sleep(0.2)
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_tensorboard_log(tmp_path, tmp_path_factory, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for var, sub in (("WANDB_DIR", "wb"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "wb").mkdir()
+    run = tmp_path / "run"
+    track = {
+        "tracking.backends": ["wandb", "tensorboard"],
+        "tracking.wandb_mode": "offline",
+        "checkpoint.enabled": True,
+    }
+    assert _train(run, **track)["steps"] == 2
+    wandb_id = json.loads((run / "tracking.json").read_text())["wandb"]["id"]
+    assert bigtune.train(None, {"train.max_steps": 4}, resume=run)["steps"] == 4
+    assert json.loads((run / "tracking.json").read_text())["wandb"]["id"] == wandb_id
+    # offline, the parts are kept for `wandb sync` under the one run's id (a folder each, or one when both
+    # started in the same second; W&B keeps its settings for the process: the folder may be an earlier test's
+    # WANDB_DIR)
+    parts = list(tmp_path_factory.getbasetemp().rglob(f"offline-run-*-{wandb_id}/run-{wandb_id}.wandb"))
+    assert parts and b"train/loss" in _wandb_record(max(parts, key=lambda p: p.stat().st_mtime), b"train/loss")
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses)
+    assert [e.step for e in events.Scalars("memory/after_backward/gradients_gib")] == [0, 1, 2, 3]
 
 
 def test_tracking_backends_are_checked_by_name():
@@ -219,6 +260,31 @@ def test_mlflow_run_holds_recipe_plan_steps_memory_and_files(tmp_path, server):
     assert version.run_id == rid
 
 
+def test_a_resumed_run_logs_into_the_same_mlflow_run(tmp_path, server):
+    url = server.url
+    run = tmp_path / "run"
+    track = {"tracking.backends": ["mlflow"], "tracking.mlflow_uri": url, "tracking.experiment": "resume"}
+    s = _train(run, **track, **{"checkpoint.enabled": True})  # stops at train.max_steps=2 with a checkpoint
+    assert s["status"] == "ok" and s["steps"] == 2
+    saved = json.loads((run / "tracking.json").read_text())["mlflow"]
+    s = bigtune.train(None, {"train.max_steps": 4}, resume=run)  # two more steps
+    assert s["status"] == "ok" and s["steps"] == 4
+
+    (tracked,) = _runs(url, "resume")
+    rid = tracked.info.run_id
+    assert rid == saved["run_id"] and tracked.info.status == "FINISHED"
+    c = _client(url)
+    losses = [m["loss"] for m in read_jsonl(run / "metrics.jsonl")]
+    history = c.get_metric_history(rid, "loss")
+    assert [m.step for m in history] == [1, 2, 3, 4]  # both parts, no step twice
+    assert [m.value for m in history] == pytest.approx(losses)
+    assert [m.step for m in c.get_metric_history(rid, "memory/after_forward/activations_gib")] == [0, 1, 2, 3]
+    assert tracked.data.metrics["summary/steps"] == 4
+    # MLflow keeps a parameter's first value; the resume says what it changed
+    assert tracked.data.params["train.max_steps"] == "2"
+    assert "train.max_steps: 2 -> 4" in tracked.data.tags["bigtune.resumed_at_step_2"]
+
+
 def test_an_oom_is_logged_with_its_status_and_advice(tmp_path, server):
     url = server.url
     s = _train(
@@ -249,7 +315,7 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_rung(tmp_path, server, monke
 
     monkeypatch.setattr(ladder, "_run_child", in_process)
     base = {k: v for k, v in tiny_overrides(tmp_path / "unused", **QUICK).items() if k != "output_dir"}
-    base.update({"tracking.backends": ["mlflow"], "tracking.mlflow_uri": url, "tracking.experiment": "ladder"})
+    base.update({"tracking.mlflow_uri": url, "tracking.experiment": "ladder"})
     sweep = {
         "name": "lr-ladder",
         "base": {"name": "lr-ladder"},
@@ -260,8 +326,9 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_rung(tmp_path, server, monke
         ],
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
-    rows = ladder.run_sweep(tmp_path / "sweep.yaml", out_dir=tmp_path / "out", quiet=True)
-    assert [r["status"] for r in rows] == ["ok", "ok"]
+    out = tmp_path / "out"
+    assert main(["sweep", str(tmp_path / "sweep.yaml"), "--track", "mlflow", "--out", str(out), "--no-report"]) == 0
+    assert [json.loads(p.read_text())["status"] for p in sorted(out.glob("*/summary.json"))] == ["ok", "ok"]
     runs = _runs(url, "ladder")
     (parent,) = [r for r in runs if r.info.run_name == "lr-ladder"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]

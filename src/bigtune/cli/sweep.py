@@ -43,6 +43,14 @@ def add_cli(subparsers) -> None:
         metavar="KEY=VALUE",
         help="override a recipe key in every variant (before the variant's own overrides)",
     )
+    s.add_argument(
+        "--track",
+        action="append",
+        choices=["mlflow", "wandb", "tensorboard"],
+        metavar="BACKEND",
+        help="log every variant to mlflow, wandb or tensorboard (repeatable; sets tracking.backends): with mlflow, "
+        "one run of the ladder holds a nested run per variant",
+    )
     s.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     s.add_argument(
         "--plan-only",
@@ -75,6 +83,8 @@ def main_sweep(args) -> int:
 
     try:
         extra = dict(parse_override(o) for o in (getattr(args, "overrides", None) or []))
+        if getattr(args, "track", None):  # after --set, so the flag wins, as for train
+            extra["tracking.backends"] = list(dict.fromkeys(args.track))
         if getattr(args, "plan_only", None):
             return plan_sweep(
                 args.sweep_file,

@@ -67,7 +67,15 @@ from bigtune.engine.report import (
     versions,
 )
 from bigtune.engine.state import Built, LoopState, epoch_loss_mean
-from bigtune.engine.tracking import SWEEP_ENV, RunInfo, Trackers, flatten, open_trackers, run_artifacts
+from bigtune.engine.tracking import (
+    RUNS_FILE,
+    SWEEP_ENV,
+    RunInfo,
+    Trackers,
+    flatten,
+    open_trackers,
+    run_artifacts,
+)
 from bigtune.memory import monitor as mem
 from bigtune.models.build import (
     PLAIN_HEAD_TYPES,
@@ -985,8 +993,9 @@ def _announce(r: Recipe, b: Built, fabric) -> None:
 
 
 # What a run writes as it goes: a fresh run in a folder that has them (--auto-resume without a checkpoint,
-# --resume of a run stopped before its first step) starts them anew rather than appending to the old ones.
-RUN_RECORDS = ("metrics.jsonl", "metrics.csv", "memory.jsonl", "eval.jsonl", "summary.json", "best.json")
+# --resume of a run stopped before its first step) starts them anew rather than appending to the old ones, and
+# new tracked runs rather than continuing those tracking.json names.
+RUN_RECORDS = ("metrics.jsonl", "metrics.csv", "memory.jsonl", "eval.jsonl", "summary.json", "best.json", RUNS_FILE)
 
 
 def _open_run(
@@ -1054,9 +1063,12 @@ def _set_up(
     return b, plan
 
 
-def _open_tracking(r: Recipe, b: Built, fabric, run: RunDir, plan: Optional[dict]) -> Trackers:
+def _open_tracking(
+    r: Recipe, b: Built, fabric, run: RunDir, plan: Optional[dict], resumed_at: Optional[int]
+) -> Trackers:
     """The trackers tracking.backends asks for, started: rank 0's only (the other ranks' calls do nothing), so a
-    run of N processes is one tracked run."""
+    run of N processes is one tracked run. ``resumed_at``: the checkpoint's step of a resumed run, whose trackers
+    continue the runs they logged before (None: a fresh run)."""
     if fabric.global_rank != 0 or not r.tracking.backends:
         return Trackers([])
     dev = device_info(fabric.device)
@@ -1068,7 +1080,8 @@ def _open_tracking(r: Recipe, b: Built, fabric, run: RunDir, plan: Optional[dict
         "bigtune.world_size": str(fabric.world_size),
         "bigtune.run_dir": str(run.path),
     }
-    tracker = open_trackers(r.tracking, RunInfo(run.path.name, run.path, tags, os.environ.get(SWEEP_ENV)))
+    info = RunInfo(run.path.name, run.path, tags, os.environ.get(SWEEP_ENV), resumed_at)
+    tracker = open_trackers(r.tracking, info)
     params = {
         **flatten(r.to_dict()),
         "run.world_size": fabric.world_size,
@@ -1098,7 +1111,7 @@ def _train(
         return setup
     b, plan = setup
     run, state = _open_run(r, b, run_path, resume_ckpt, writer=fabric.global_rank == 0)
-    tracker = _open_tracking(r, b, fabric, run, plan)
+    tracker = _open_tracking(r, b, fabric, run, plan, state.step if resume_ckpt is not None else None)
     cap = int(r.memory.cap_gib * GIB) if r.memory.cap_gib is not None else None
     monitor = mem.MemoryMonitor(fabric.device, cap) if (r.memory.enabled or cap is not None) else None
     summary: dict[str, Any] = {

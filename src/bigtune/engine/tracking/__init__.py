@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bigtune.engine.tracking.base import (
     MLFLOW_PARENT_ENV,
+    RUNS_FILE,
     SWEEP_ENV,
     Guarded,
     RunInfo,
@@ -23,6 +24,7 @@ from bigtune.recipe import TRACKING_BACKENDS, RecipeError, TrackingConfig
 
 __all__ = [
     "MLFLOW_PARENT_ENV",
+    "RUNS_FILE",
     "SWEEP_ENV",
     "RunInfo",
     "Tracker",

@@ -8,6 +8,7 @@ backend with one warning instead of stopping the run (the run folder's own files
 
 from __future__ import annotations
 
+import json
 import queue
 import sys
 import threading
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
+from bigtune.core.rundir import atomic_write_text
 from bigtune.core.stepmath import GIB
 from bigtune.memory.monitor import CATEGORIES
 
@@ -30,6 +32,11 @@ QUEUE_SIZE = 2000
 # MLflow run of the whole ladder, which each rung's run is nested under.
 SWEEP_ENV = "BIGTUNE_SWEEP_NAME"
 MLFLOW_PARENT_ENV = "BIGTUNE_MLFLOW_PARENT_RUN_ID"
+
+# In the run folder: each backend's run (MLflow run id, W&B run id, where they live), so that a resumed run
+# logs into the same tracked run.
+RUNS_FILE = "tracking.json"
+_RUNS_FILE_LOCK = threading.Lock()  # the backends' threads each record their own entry
 
 
 class Tracker(Protocol):
@@ -58,6 +65,30 @@ class RunInfo:
     run_dir: Path
     tags: dict[str, str] = field(default_factory=dict)  # device, strategy, world size...
     group: Optional[str] = None  # the sweep (ladder) this run is a rung of
+    resumed_at: Optional[int] = None  # the checkpoint's step when the run continues one (None: a fresh run)
+
+    def saved_run(self, backend: str) -> Optional[dict]:
+        """What ``backend`` recorded of its run in the run folder (``record_run``), when this run is resumed;
+        None for a fresh run or when nothing (readable) was recorded."""
+        if self.resumed_at is None:
+            return None
+        try:
+            entry = json.loads((self.run_dir / RUNS_FILE).read_text()).get(backend)
+        except (OSError, ValueError, AttributeError):
+            return None
+        return entry if isinstance(entry, dict) else None
+
+    def record_run(self, backend: str, entry: dict) -> None:
+        """Keep ``backend``'s run (its id and where it lives) in the run folder's tracking.json."""
+        path = self.run_dir / RUNS_FILE
+        with _RUNS_FILE_LOCK:
+            try:
+                runs = json.loads(path.read_text())
+            except (OSError, ValueError):
+                runs = {}
+            runs = runs if isinstance(runs, dict) else {}
+            runs[backend] = entry
+            atomic_write_text(path, json.dumps(runs, indent=2) + "\n")  # a temporary name, then a rename
 
 
 def warn(msg: str) -> None:

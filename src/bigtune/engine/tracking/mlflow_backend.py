@@ -87,14 +87,55 @@ class MlflowTracker:
         parent = os.environ.get(MLFLOW_PARENT_ENV)
         if parent:
             tags["mlflow.parentRunId"] = parent  # the MLflow UI shows this run under its ladder's run
-        run = self.client.create_run(experiment_id(self.client, self.experiment), run_name=self.info.name, tags=tags)
-        self.run_id = run.info.run_id
-        items = [Param(k, "None" if v is None else str(v)[:PARAM_VALUE_CHARS]) for k, v in params.items()]
+        values = {k: "None" if v is None else str(v)[:PARAM_VALUE_CHARS] for k, v in params.items()}
+        self.run_id, logged = self._reopen(values)
+        resumed = self.run_id is not None
+        if not resumed:
+            run = self.client.create_run(
+                experiment_id(self.client, self.experiment), run_name=self.info.name, tags=tags
+            )
+            self.run_id = run.info.run_id
+        self.info.record_run("mlflow", {"run_id": self.run_id, "tracking_uri": self.uri, "experiment": self.experiment})
+        items = [Param(k, v) for k, v in values.items() if k not in logged]
         for i in range(0, len(items), BATCH):
             self.client.log_batch(self.run_id, params=items[i : i + BATCH], synchronous=True)
         if plan:
             self.client.log_dict(self.run_id, plan, "plan.json")
-        print(f"tracking: mlflow run {self.info.name} ({self.run_id}), experiment {self.experiment!r}", flush=True)
+        how = "continues run" if resumed else "run"
+        print(f"tracking: mlflow {how} {self.info.name} ({self.run_id}), experiment {self.experiment!r}", flush=True)
+
+    def _reopen(self, values: dict[str, str]) -> tuple[Optional[str], dict[str, str]]:
+        """A resumed run's MLflow run, marked running again, and the parameters it already has: (run id, params),
+        or (None, {}) for a new run (a fresh run, another server or experiment, a run deleted meanwhile).
+
+        The client's update_run does what ``mlflow.start_run(run_id=...)`` does, without the fluent API's
+        process-global active run. MLflow keeps a parameter's first value: one the resumed recipe changes
+        (train.max_steps, to run longer) is noted in a tag instead."""
+        saved = self.info.saved_run("mlflow")
+        if not saved or not saved.get("run_id"):
+            return None, {}
+        if (saved.get("tracking_uri"), saved.get("experiment")) != (self.uri, self.experiment):
+            print(
+                f"tracking: mlflow: the run was logged to {saved.get('tracking_uri') or 'the default URI'}, experiment "
+                f"{saved.get('experiment')!r}; this part starts a new run where the recipe now points",
+                flush=True,
+            )
+            return None, {}
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(saved["run_id"])
+        except MlflowException:
+            run = None
+        if run is None or run.info.lifecycle_stage != "active":
+            print(f"tracking: mlflow run {saved['run_id']} is gone from the server; starting a new run", flush=True)
+            return None, {}
+        self.client.update_run(run.info.run_id, status="RUNNING")
+        logged = dict(run.data.params)
+        changed = [f"{k}: {logged[k]} -> {v}" for k, v in values.items() if k in logged and logged[k] != v]
+        if changed:
+            self.client.set_tag(run.info.run_id, f"bigtune.resumed_at_step_{self.info.resumed_at}", "; ".join(changed))
+        return run.info.run_id, logged
 
     def _metrics(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric

@@ -1,4 +1,5 @@
-"""TensorBoard: event files in the run folder's tensorboard/ (`tensorboard --logdir runs`)."""
+"""TensorBoard: event files in the run folder's tensorboard/ (`tensorboard --logdir runs`); a resumed run adds
+its own beside them."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from bigtune.engine.tracking.base import RunInfo, final_metrics, final_tags, mem
 
 class TensorBoardTracker:
     def __init__(self, info: RunInfo):
+        self.info = info
         self.dir = info.run_dir / "tensorboard"
         self.writer: Any = None
 
     def start(self, params: dict[str, Any], plan: Optional[dict]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.dir))
+        # A resumed run appends to the same folder; purge_step makes TensorBoard drop what the stopped attempt
+        # logged after its last checkpoint, which this run logs again.
+        resumed = self.info.resumed_at
+        self.writer = SummaryWriter(str(self.dir), purge_step=None if resumed is None else resumed + 1)
         table = "\n".join(f"| {k} | {v} |" for k, v in params.items())
         self.writer.add_text("recipe", "| key | value |\n|---|---|\n" + table)
         if plan:

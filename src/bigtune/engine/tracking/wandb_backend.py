@@ -20,7 +20,12 @@ class WandbTracker:
         config = dict(params)
         if plan:
             config["plan"] = plan  # the whole prediction, kept with the run's config
+        saved = self.info.saved_run("wandb") or {}
+        resume_id = saved.get("id") if saved.get("project") == self.project else None
         self.run = wandb.init(
+            # a resumed run continues its W&B run ("allow": a new one if W&B no longer has it)
+            id=resume_id,
+            resume="allow" if resume_id else None,
             project=self.project,
             name=self.info.name,
             group=self.info.group,
@@ -33,6 +38,7 @@ class WandbTracker:
             settings=wandb.Settings(console="off"),
             reinit="create_new",  # several runs in one process (the Python API) each get their own
         )
+        self.info.record_run("wandb", {"id": self.run.id, "project": self.project})
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
