@@ -257,6 +257,16 @@ def no_sim_cache(monkeypatch):
     monkeypatch.setenv("BIGTUNE_SIM_CACHE", "off")
 
 
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real one-node Slurm cluster (tests/slurm_cluster.py), shared by the tests that need one: the environment
+    its commands need (SLURM_CONF). Skips with the reason where Slurm cannot run here."""
+    from slurm_cluster import one_node_cluster
+
+    with one_node_cluster(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

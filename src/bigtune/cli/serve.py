@@ -34,14 +34,23 @@ def add_cli(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     _state_args(s, None)
-    s.add_argument("--backend", choices=["local"], default="local",
-                   help="where jobs run: local = subprocesses on this machine's slots")  # fmt: skip
+    s.add_argument("--backend", choices=["local", "slurm", "ray"], default="local",
+                   help="where jobs run: local = subprocesses on this machine's slots; slurm = sbatch jobs on the "
+                   "cluster sinfo shows; ray = Ray jobs on --ray-address (their GPUs read from the engine)")  # fmt: skip
+    s.add_argument("--partition", help="slurm: the partition jobs go to and whose GPUs admit them (default: "
+                   "Slurm's default partition)")  # fmt: skip
+    s.add_argument("--slurm-time", metavar="TIME", help="slurm: each job's --time, e.g. 12:00:00 (default: its "
+                   "plan's estimate x 1.5 + 15 min, else 24:00:00)")  # fmt: skip
+    s.add_argument("--ray-address", metavar="URL",
+                   help="ray: the dashboard's address (Ray's job API), e.g. http://head:8265")  # fmt: skip
     s.add_argument("--slots", type=int, default=1,
-                   help="GPUs jobs may use at once (on a CPU machine slots stand in for GPUs; default 1)")  # fmt: skip
+                   help="local: GPUs jobs may use at once (on a CPU machine slots stand in for GPUs; default 1)")  # fmt: skip
     s.add_argument("--gpu", metavar="KIND", help="the cluster's GPU, from the catalog (e.g. rtx-4090, h100-80gb): "
-                   "jobs are planned against it; default: this machine's CPU")  # fmt: skip
-    s.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: --slots)")
-    s.add_argument("--host-ram", type=float, metavar="GIB", help="host RAM per node: plans that need more are refused")
+                   "jobs are planned against it; default: this machine's CPU (slurm, ray: the kind the engine "
+                   "reports)")  # fmt: skip
+    s.add_argument("--gpus-per-node", type=int, help="local: GPUs per node (default: --slots)")
+    s.add_argument("--host-ram", type=float, metavar="GIB", help="host RAM per node: plans that need more are "
+                   "refused (slurm, ray: default the nodes' memory)")  # fmt: skip
     s.add_argument("--allow-root", action="append", default=[], metavar="DIR",
                    help="a folder recipe paths (data, model folders, output_dir) may name (repeatable; default: "
                    "the folder the service starts in)")  # fmt: skip
@@ -80,6 +89,8 @@ def add_cli(sub) -> None:
     lg = sub.add_parser("logs", help="a job's events: state changes and each logged step")
     lg.add_argument("job")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing new events until the job ends")
+    lg.add_argument("--output", action="store_true", help="the job's own output instead (bigtune train's log: the "
+                    "worker log, the Slurm output file, the Ray job logs)")  # fmt: skip
     _client_args(lg)
     lg.set_defaults(func=main_client)
     c = sub.add_parser("cancel", help="cancel a job (a running one's processes are stopped)")
@@ -114,7 +125,9 @@ def _config(args):
         allow_trust_remote_code=getattr(args, "allow_trust_remote_code", False), admin_tokens=tokens, quotas=quotas,
         aging_s=60 * getattr(args, "aging_minutes", 10.0), max_retries=getattr(args, "max_retries", 3),
         retry_backoff_s=getattr(args, "retry_backoff", 5.0),
-        checkpoint_every_steps=getattr(args, "checkpoint_every", 100),
+        checkpoint_every_steps=getattr(args, "checkpoint_every", 100), backend=getattr(args, "backend", "local"),
+        partition=getattr(args, "partition", None), slurm_time=getattr(args, "slurm_time", None),
+        ray_address=getattr(args, "ray_address", None),
     )  # fmt: skip
 
 
@@ -130,9 +143,11 @@ def main_serve(args) -> int:
     except ValueError as e:
         return _error(str(e))
     if args.serve_verb == "token":
+        import dataclasses
+
         from bigtune.serve.service import Service
 
-        service = Service(cfg)
+        service = Service(dataclasses.replace(cfg, backend="local"))  # the database only: no cluster asked
         token = service.add_token(args.user, admin=args.admin)
         service.store.close()
         print(token)
@@ -147,11 +162,18 @@ def main_serve(args) -> int:
             find_gpu(cfg.cluster.gpu)
         except UnknownGPUError as e:
             return _error(str(e))
+    from bigtune.serve.backends import BackendError
     from bigtune.serve.server import serve_forever
+    from bigtune.serve.service import Service
 
-    print(f"bigtune serve: http://{args.host}:{args.port} (API pages: /docs), state in {cfg.state_dir}, "
-          f"{cfg.slots} slot(s) of {cfg.cluster.gpu or 'this CPU'}", file=sys.stderr, flush=True)  # fmt: skip
-    serve_forever(cfg, args.host, args.port)
+    try:
+        service = Service(cfg)
+    except BackendError as e:
+        return _error(str(e))
+    c = service.cfg.cluster
+    print(f"bigtune serve: http://{args.host}:{args.port} (API pages: /docs), state in {cfg.state_dir}, backend "
+          f"{service.backend.name}: {service.cfg.slots} slot(s), {c.label()}", file=sys.stderr, flush=True)  # fmt: skip
+    serve_forever(service, args.host, args.port)
     return EXIT_OK
 
 
@@ -190,6 +212,8 @@ def main_client(args) -> int:
                 print(_line(job))
         elif args.verb == "cancel":
             print(f"{client.cancel(args.job).id} cancelled")
+        elif args.verb == "logs" and args.output:
+            print(client.output(args.job).text, end="", flush=True)
         elif args.verb == "logs":
             events = client.follow(args.job) if args.follow else client.events(args.job).data
             for e in events:

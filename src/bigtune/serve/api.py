@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from bigtune.serve.admission import Refused
 from bigtune.serve.auth import bearer
-from bigtune.serve.schemas import CheckpointList, EventList, JobCreate, JobList, JobView, Refusal
+from bigtune.serve.schemas import CheckpointList, EventList, JobCreate, JobList, JobOutput, JobView, Refusal
 from bigtune.serve.service import Caller, Conflict, Forbidden, NotFound, Service
 
 REFUSALS = {
@@ -94,6 +94,11 @@ def create_app(service: Service) -> FastAPI:
         data = [{"id": e.id, "created_at": e.at, "level": e.level, "message": e.message, "step": e.step,
                  "data": json.loads(e.data_json) if e.data_json else None} for e in events]  # fmt: skip
         return {"data": data, "job_state": job.state}
+
+    @app.get("/v1/jobs/{job_id}/logs", response_model=JobOutput, responses=REFUSALS)
+    def job_logs(job_id: str, who: Who, max_bytes: Annotated[int, Query(ge=1, le=2**24)] = 65536):
+        job, text = job_or_error(lambda: service.output(who, job_id, max_bytes))
+        return {"job_state": job.state, "backend": service.backend.name, "text": text}
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses={**REFUSALS, 409: {"model": Refusal}})
     def cancel_job(job_id: str, who: Who):

@@ -8,7 +8,7 @@ from typing import Any, Iterator, Optional
 
 import httpx
 
-from bigtune.serve.schemas import EventList, JobCreate, JobList, JobView
+from bigtune.serve.schemas import EventList, JobCreate, JobList, JobOutput, JobView
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -67,6 +67,9 @@ class Client:
 
     def events(self, job_id: str, after: int = 0) -> EventList:
         return EventList.model_validate(self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after}))
+
+    def output(self, job_id: str, max_bytes: int = 65536) -> JobOutput:
+        return JobOutput.model_validate(self._call("GET", f"/v1/jobs/{job_id}/logs", params={"max_bytes": max_bytes}))
 
     def cancel(self, job_id: str) -> JobView:
         return JobView.model_validate(self._call("POST", f"/v1/jobs/{job_id}/cancel"))

@@ -41,6 +41,7 @@ class AttemptView(BaseModel):
     exit_code: Optional[int] = None
     slot_ids: list[int] = Field(default_factory=list)
     resumed_from: Optional[str] = None
+    backend_job_id: Optional[str] = Field(None, description="the process id, Slurm job id or Ray submission id")
 
 
 class JobView(BaseModel):
@@ -59,6 +60,9 @@ class JobView(BaseModel):
     waiting_because: Optional[str] = None
     retries: int = 0
     attempts: list[AttemptView] = Field(default_factory=list)
+    backend: str = Field("local", description="where it runs: local, slurm or ray")
+    backend_job_id: Optional[str] = Field(None, description="its newest attempt's id in the backend: the process "
+                                          "id, the Slurm job id, the Ray submission id")  # fmt: skip
     progress: Progress
     memory: Memory
     variant: Optional[str] = Field(None, description="the variant `auto` chose, when the recipe itself did not fit")
@@ -89,6 +93,16 @@ class EventList(BaseModel):
     object: str = "list"
     data: list[EventView]
     job_state: str
+
+
+class JobOutput(BaseModel):
+    """The job's own output (bigtune train's log), every attempt's: the local worker log, the Slurm output files,
+    the Ray job logs."""
+
+    object: str = "fine_tuning.job.output"
+    job_state: str
+    backend: str
+    text: str
 
 
 class CheckpointView(BaseModel):

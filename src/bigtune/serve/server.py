@@ -18,10 +18,9 @@ def _uvicorn(service: Service, host: str, port: int, log_level: str) -> uvicorn.
     return uvicorn.Server(config)
 
 
-def serve_forever(cfg: ServeConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """``bigtune serve``: until Ctrl-C or SIGTERM. Running jobs go on after it stops; the next start takes them
-    back."""
-    service = Service(cfg)
+def serve_forever(service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """``bigtune serve`` of a made ``Service(cfg)``: until Ctrl-C or SIGTERM. Running jobs go on after it stops;
+    the next start takes them back."""
     service.start()
     try:
         _uvicorn(service, host, port, log_level).run()

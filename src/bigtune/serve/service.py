@@ -8,6 +8,7 @@ A restarted service takes back the processes that still run and requeues the job
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -23,7 +24,7 @@ import yaml
 from bigtune.serve import progress
 from bigtune.serve.admission import Admitted, Cluster, Rules, admit
 from bigtune.serve.auth import new_token, token_digest
-from bigtune.serve.backends import LocalBackend
+from bigtune.serve.backends import BackendError, LocalBackend, Work
 from bigtune.serve.policy import AGING_S, Waiting, schedule
 from bigtune.serve.store import TERMINAL, Attempt, Job, Store
 
@@ -61,6 +62,12 @@ class ServeConfig:
     db_url: Optional[str] = None  # default: sqlite:///<state_dir>/jobs.db
     slots: int = 1
     cluster: Cluster = field(default_factory=Cluster)
+    # Where jobs run: "local" (slots and cluster as given), "slurm" or "ray" (slots and cluster read from the
+    # engine; cluster.gpu and cluster.host_ram_gib, where given, name the card and the RAM instead).
+    backend: str = "local"
+    partition: Optional[str] = None  # slurm: default Slurm's default partition
+    slurm_time: Optional[str] = None  # slurm: each job's --time (default: its plan's estimate x 1.5 + 15 min)
+    ray_address: Optional[str] = None  # ray: the dashboard's address, http://HEAD:8265
     allowed_roots: tuple[Path, ...] = ()
     allow_trust_remote_code: bool = False
     admin_tokens: tuple[str, ...] = ()  # the raw tokens, from the environment; kept here as digests only
@@ -79,12 +86,31 @@ class ServeConfig:
         return self.db_url or f"sqlite:///{Path(self.state_dir).resolve() / 'jobs.db'}"
 
 
+def make_backend(cfg: ServeConfig):
+    """The backend ``cfg.backend`` names; a cluster's engine that cannot be reached raises BackendError."""
+    if cfg.backend == "local":
+        return LocalBackend(cfg.slots, gpus=cfg.cluster.gpu is not None)
+    if cfg.backend == "slurm":
+        from bigtune.serve.slurm_backend import SlurmBackend
+
+        return SlurmBackend(cfg.partition, cfg.cluster.gpu, cfg.cluster.host_ram_gib, cfg.slurm_time)
+    if cfg.backend == "ray":
+        if not cfg.ray_address:
+            raise BackendError("--backend ray needs the cluster's address: --ray-address http://HEAD:8265")
+        from bigtune.serve.ray_backend import RayBackend
+
+        return RayBackend(cfg.ray_address, cfg.cluster.gpu, cfg.cluster.host_ram_gib)
+    raise BackendError(f"no backend {cfg.backend!r}: local, slurm or ray")
+
+
 class Service:
     def __init__(self, cfg: ServeConfig, backend=None):
+        self.backend = backend if backend is not None else make_backend(cfg)
+        if cfg.backend != "local":  # admission plans against the GPUs the engine reports
+            cfg = dataclasses.replace(cfg, cluster=self.backend.cluster, slots=self.backend.slots)
         self.cfg = cfg
         Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
         self.store = Store(cfg.url)
-        self.backend = backend if backend is not None else LocalBackend(cfg.slots, gpus=cfg.cluster.gpu is not None)
         self.rules = Rules(tuple(Path(r).resolve() for r in (cfg.allowed_roots or (cfg.workdir,))),
                            cfg.allow_trust_remote_code)  # fmt: skip
         self._admin_digests = tuple(token_digest(t) for t in cfg.admin_tokens)
@@ -156,13 +182,15 @@ class Service:
         if job.state == "held":
             why = "held: POST /v1/jobs/{id}/release to queue it"
         attempts = [{"number": a.number, "started_at": a.started_at, "ended_at": a.ended_at,
-                     "exit_code": a.exit_code, "slot_ids": json.loads(a.slot_ids_json), "resumed_from": a.resumed_from}
+                     "exit_code": a.exit_code, "slot_ids": json.loads(a.slot_ids_json), "resumed_from": a.resumed_from,
+                     "backend_job_id": a.handle}
                     for a in self.store.attempts(job.id)]  # fmt: skip
         out = {
             "id": job.id, "user": job.user, "name": job.name, "state": job.state, "priority": job.priority,
             "slots": job.slots, "slot_ids": job.slot_ids if job.state == "running" else [],
             "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
             "queue_position": pos, "waiting_because": why, "retries": job.retries, "attempts": attempts,
+            "backend": self.backend.name, "backend_job_id": attempts[-1]["backend_job_id"] if attempts else None,
             "progress": progress.progress(job.run_dir, job.total_steps),
             "memory": {
                 "planned_peak_allocated_bytes": plan.get("peak_allocated"),
@@ -200,6 +228,20 @@ class Service:
     def events(self, caller: Caller, job_id: str, after: int = 0) -> tuple[Job, list]:
         job = self.job(caller, job_id)
         return job, self.store.events(job_id, after)
+
+    def output(self, caller: Caller, job_id: str, max_bytes: int = 65536) -> tuple[Job, str]:
+        """The job's own output (bigtune train's log), every attempt's, its last ``max_bytes``: the local
+        worker.log, the Slurm output files, the Ray job logs."""
+        job = self.job(caller, job_id)
+        return job, self._output(job, max_bytes)
+
+    def _output(self, job: Job, max_bytes: int) -> str:
+        handles = [a.handle for a in self.store.attempts(job.id) if a.handle]
+        job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job.id
+        try:
+            return self.backend.output(handles, job_dir, Path(job.run_dir), max_bytes)
+        except BackendError as e:
+            return f"(its output cannot be read: {e})"
 
     def checkpoints(self, caller: Caller, job_id: str) -> list[dict]:
         return progress.checkpoints(self.job(caller, job_id).run_dir)
@@ -257,7 +299,9 @@ class Service:
             used[users[a.job_id]] = used.get(users[a.job_id], 0.0) + hours
         return used
 
-    def _argv(self, job: Job) -> list[str]:
+    def _work(self, job: Job, attempt: int) -> Work:
+        """What the backend runs: ``bigtune train`` of the job's recipe with its overrides, its run folder and a
+        checkpoint interval (what a retry resumes from, with --auto-resume)."""
         job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job.id
         sets = [*job.overrides, f"output_dir={job.run_dir}", "checkpoint.enabled=true"]
         tree = yaml.safe_load(job.recipe_yaml) or {}
@@ -265,26 +309,30 @@ class Service:
             s.startswith("checkpoint.every_steps=") for s in job.overrides
         ):
             sets.append(f"checkpoint.every_steps={self.cfg.checkpoint_every_steps}")
-        # --auto-resume: the first attempt starts in run_dir, a retry resumes from its newest checkpoint
-        argv = [self.cfg.python, "-m", "bigtune", "train", str(job_dir / "recipe.yaml"), "--auto-resume", "--quiet"]
-        return argv + [x for s in sets for x in ("--set", s)]
+        step_s = job.plan.get("step_time_s")
+        return Work(job_id=job.id, attempt=attempt, recipe=job_dir / "recipe.yaml", sets=sets,
+                    run_dir=Path(job.run_dir), slots=job.slots, cwd=Path(self.cfg.workdir), python=self.cfg.python,
+                    job_dir=job_dir, env={k: v for k, v in os.environ.items() if k not in PRIVATE_ENV},
+                    extra_env={"BIGTUNE_SERVE_JOB": job.id},
+                    planned_s=step_s * job.total_steps if step_s and job.total_steps else None,
+                    cancel_grace_s=self.cfg.cancel_grace_s)  # fmt: skip
 
     def _start(self, job: Job) -> None:
-        job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job.id
-        env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
-        env["BIGTUNE_SERVE_JOB"] = job.id
         resumed = progress.newest_checkpoint(job.run_dir)
-        started = self.backend.start(job.id, self._argv(job), Path(self.cfg.workdir), env, job_dir / "worker.log",
-                                     job.slots)  # fmt: skip
-        now = time.time()
         number = len(self.store.attempts(job.id)) + 1
+        try:
+            started = self.backend.start(self._work(job, number))
+        except BackendError as e:  # the engine refused it (a bad partition, a limit): it would refuse it again
+            self._fail(job, None, str(e))
+            return
+        now = time.time()
         self.store.add_attempt(Attempt(job_id=job.id, number=number, started_at=now, handle=started.handle,
                                        slot_ids_json=json.dumps(started.slot_ids), resumed_from=resumed))  # fmt: skip
         self.store.update_job(job.id, state="running", handle=started.handle,
                               slot_ids_json=json.dumps(started.slot_ids), started_at=job.started_at or now)  # fmt: skip
         self._steps_logged[job.id] = self.store.last_logged_step(job.id)
         where = f", resuming from {resumed}" if resumed else ""
-        self.store.add_event(job.id, f"started (attempt {number}) on slot(s) {started.slot_ids}{where}")
+        self.store.add_event(job.id, f"started (attempt {number}) {started.where}{where}")
 
     def _log_new_steps(self, job: Job) -> None:
         """The run's new metrics.jsonl lines as events (steps past the newest one logged)."""
@@ -337,8 +385,7 @@ class Service:
         self.store.add_event(job.id, f"failed: {error}", level="error")
 
     def _log_tail(self, job: Job, lines: int = 5) -> str:
-        log = Path(self.cfg.state_dir).resolve() / "jobs" / job.id / "worker.log"
-        text = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+        text = self._output(job, 16384).strip().splitlines()
         return " | ".join(text[-lines:]) or "(no output)"
 
     def recover(self) -> None:
