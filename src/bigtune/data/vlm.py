@@ -25,6 +25,15 @@ LLaVA-NeXT fits each image into one of several tile grids and adds the whole ima
 ``(1, tiles, channels, size, size)`` pixels, padded with all-zero tiles to the batch's most tiles (as its
 processor pads them), beside their original sizes (``image_sizes``), from which the model finds its tiles.
 
+Every other image-text-to-text family transformers ships (Qwen3-VL, Gemma 3, InternVL, Mistral 3, SmolVLM 2,
+GLM-4.1V, ...) takes the generic path (``generic``, issue #46), which knows no family: the user turn is
+rendered by the model's chat template with an image content part, and the model's own processor expands that
+rendered prompt with the image (its placeholder into the image's tokens, whatever tiles, rows or markers the
+family writes; its pixels and any per-image or per-token tensors). The answer's tokens are found as for the
+other families, by rendering with and without the answer; they follow the expanded prompt. Rows are padded
+to the batch's longest; the processor's per-image tensors are concatenated along their first axis, zero-padded
+where the images differ in size, as the processors pad them.
+
 Records are read, checked and reported exactly as for BLIP-2 (``bigtune.data.images``).
 """
 
@@ -35,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from bigtune.core.processors import is_generic_vlm
 from bigtune.core.stepmath import IGNORE_INDEX
 from bigtune.data.chat import encode, render
 from bigtune.data.images import ImageExample, open_image
@@ -58,6 +68,9 @@ SPLIT_IMAGE_VLM_TYPES = ("idefics3",)
 # token count follows the image's size and aspect (see AnyresTiles)
 ANYRES_VLM_TYPES = ("llava_next",)
 
+# every other image-text-to-text family takes the generic path (core.processors.is_generic_vlm: OWN_PATH_VLM_TYPES
+# lists BLIP-2 and the types above)
+
 
 def is_chat_vlm(model_config) -> bool:
     """Qwen2-VL / Qwen2.5-VL: image tokens per image size (see CHAT_VLM_TYPES)."""
@@ -67,7 +80,41 @@ def is_chat_vlm(model_config) -> bool:
 def is_vlm(model_config) -> bool:
     """Any model this module lays out: the caption is the answer to data.prompt beside the image."""
     kinds = CHAT_VLM_TYPES + FIXED_IMAGE_VLM_TYPES + SPLIT_IMAGE_VLM_TYPES + ANYRES_VLM_TYPES
-    return getattr(model_config, "model_type", "") in kinds
+    return getattr(model_config, "model_type", "") in kinds or is_generic_vlm(model_config)
+
+
+def unsupported_reason(model_config, processor=None) -> Optional[str]:
+    """Why the generic path cannot train ``model_config``'s family on images and captions (None: it can):
+    no processor class in transformers (remote code), or a processor that takes video only or audio too.
+    ``processor``: the loaded one (None: the family's class in transformers is checked)."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(getattr(model_config, "model_type", ""))
+    cls = type(processor) if processor is not None else getattr(transformers, name or "", None)
+    if cls is None:
+        return "transformers has no processor class for it (its processor is remote code, trust_remote_code)"
+    parts = set(cls.get_attributes()) if hasattr(cls, "get_attributes") else set()
+    if processor is not None:
+        parts |= {p for p in ("image_processor", "feature_extractor", "video_processor") if hasattr(processor, p)}
+    if "feature_extractor" in parts or "audio_tokenizer" in parts:
+        return f"its processor ({cls.__name__}) takes audio as well; bigtune trains on images and captions"
+    if "image_processor" not in parts:
+        what = "video only" if "video_processor" in parts else "no images"
+        return f"its processor ({cls.__name__}) takes {what}"
+    return None
+
+
+def check_supported(model_config, processor) -> None:
+    """One clear error (DataError) for a family the generic path cannot train: video-only, audio, remote code."""
+    if not is_generic_vlm(model_config):
+        return
+    if reason := unsupported_reason(model_config, processor):
+        kind = getattr(model_config, "model_type", "?")
+        raise DataError(
+            f"model type {kind!r}: {reason}. bigtune fine-tunes image-text-to-text models on images with "
+            "captions; choose an image-text model (Qwen3-VL, Gemma 3, InternVL, SmolVLM, ...)"
+        )
 
 
 def fixed_image_tokens(model_config) -> int:
@@ -166,12 +213,36 @@ class AnyresTiles:
         return max(self.pinpoints, key=lambda p: (self.tokens(*p), self.tiles(*p)))
 
 
-def image_max_pixels_problem(model_config, name: str) -> Optional[str]:
-    """Why data.image_max_pixels cannot apply to ``model_config`` (None: it can): every model but Qwen2-VL and
-    Idefics3 resizes each image to its vision tower's one size, so the budget would change nothing."""
+def generic_budget_size(image_processor, max_pixels: int) -> Optional[dict]:
+    """The generic path's image processor ``size`` under ``max_pixels`` pixels per image, by the processor's own
+    convention: pixel-count bounds (Qwen-style ``shortest_edge``/``longest_edge`` beside a ``merge_size``) take
+    the budget as the most pixels; a ``longest_edge`` resize takes its square root as the longest edge. None: the
+    processor resizes every image to one size (``height``/``width``), which a budget would not change."""
+    import math
+
+    size = dict(getattr(image_processor, "size", None) or {})
+    if "longest_edge" in size and "shortest_edge" in size and getattr(image_processor, "merge_size", None):
+        return {"shortest_edge": min(int(size["shortest_edge"] or max_pixels), max_pixels), "longest_edge": max_pixels}
+    if "longest_edge" in size:
+        return {**size, "longest_edge": math.isqrt(max_pixels)}
+    return None
+
+
+def image_max_pixels_problem(model_config, name: str, processor=None) -> Optional[str]:
+    """Why data.image_max_pixels cannot apply to ``model_config`` (None: it can): every model but Qwen2-VL,
+    Idefics3 and the generic path's size-following processors resizes each image to its vision tower's one
+    size, so the budget would change nothing."""
     model_type = getattr(model_config, "model_type", "")
     if model_type in CHAT_VLM_TYPES + SPLIT_IMAGE_VLM_TYPES:
         return None
+    if is_generic_vlm(model_config) and processor is not None:
+        ip = processor.image_processor
+        if generic_budget_size(ip, 1 << 20) is not None:
+            return None
+        return (
+            f"data.image_max_pixels: {name} ({model_type}) resizes every image to {dict(ip.size)} px; remove "
+            "data.image_max_pixels"
+        )
     size = getattr(getattr(model_config, "vision_config", None), "image_size", None)
     what = f"resizes every image to {size}×{size} px" if size else "does not take a pixel budget"
     if model_type in ANYRES_VLM_TYPES:  # its largest image is its largest pinpoint
@@ -218,6 +289,15 @@ def bound_image_pixels(processor, model_config, max_pixels: Optional[int], name:
     if max_pixels is None:
         return
     ip = processor.image_processor
+    if is_generic_vlm(model_config):
+        if problem := image_max_pixels_problem(model_config, name, processor):
+            raise DataError(problem)
+        size = generic_budget_size(ip, int(max_pixels))
+        for attr, key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):  # Qwen-style copies
+            if getattr(ip, attr, None) is not None and "merge_size" in vars(ip):
+                setattr(ip, attr, size[key])
+        ip.size = type(ip.size)(**size)
+        return
     ip.size = type(ip.size)(**image_size_for_budget(ip, model_config, int(max_pixels), name))
 
 
@@ -262,6 +342,8 @@ class ChatImageLayout:
     prefix_lm: bool = False  # PaliGemma: no chat template; token_type_ids mark the prefix
     split: Optional[SplitImageText] = None  # Idefics3 / SmolVLM: the image's tiles written out as text
     anyres: Optional[AnyresTiles] = None  # LLaVA-NeXT: tokens from each image's size
+    processor: Any = None  # the generic path: the model's processor expands the rendered prompt with its image
+    prompt_text: str = ""  # ... the rendered user turn through the generation prompt, one image content part
 
     @classmethod
     def for_model(cls, processor, model_config, prompt: str) -> "ChatImageLayout":
@@ -277,7 +359,14 @@ class ChatImageLayout:
             )
         if not prompt.strip():
             raise DataError("data.prompt is empty; a chat vision-language model needs a request beside the image")
-        prompt_ids = _text_ids(tok, render(tok, template, conversation(prompt), True))
+        prompt_text = render(tok, template, conversation(prompt), True)
+        prompt_ids = _text_ids(tok, prompt_text)
+        if is_generic_vlm(model_config):
+            check_supported(model_config, processor)
+            image_id = generic_image_token_id(model_config, processor)
+            return cls(
+                template, prompt, prompt_ids, image_id, int(pad), 1, processor=processor, prompt_text=prompt_text
+            )
         image_id = int(model_config.image_token_id)
         if prompt_ids.count(image_id) != 1:
             raise DataError(
@@ -377,6 +466,8 @@ class ChatImageDataset(torch.utils.data.Dataset):
 def image_item(layout: ChatImageLayout, image_processor, image, ids: list[int], labels: Optional[list[int]]) -> dict:
     """One row: the image's pixels (and Qwen's tile grid), its placeholder expanded, and for a prefix LM the
     prefix length (the collator's token_type_ids)."""
+    if layout.processor is not None:
+        return generic_item(layout, image, ids, labels)
     extra = {"return_row_col_info": True} if layout.split is not None else {}
     pixels = image_processor(image, return_tensors="pt", **extra)
     grid = pixels.get("image_grid_thw")
@@ -425,6 +516,8 @@ def collate_chat_images(items: list[dict], layout: ChatImageLayout, left: bool =
     ``mm_token_type_ids`` (1 on image tokens), from which the model places its 3-D rotary positions
     (M-RoPE), and a prefix LM's ``token_type_ids`` (0 on the prefix, 1 on the answer; padding 0, as the
     processor pads them)."""
+    if layout.processor is not None:
+        return _collate_generic(items, layout, left)
     ids = _pad([x["input_ids"] for x in items], layout.pad_id, left)
     mask = _pad([[1] * len(x["input_ids"]) for x in items], 0, left)
     per_row = items[0]["pixel_values"].dim() == 5
@@ -461,6 +554,113 @@ class ChatImageCollator:
         return collate_chat_images(batch, self.layout)
 
 
+# -- the generic path -------------------------------------------------------------------------------------------
+
+# per-token tensors a processor may return beside input_ids, (1, tokens, ...) for one row: extended over the
+# answer with their last prompt position's value (0 for token types: the answer is text; Mllama's cross-attention
+# mask: the answer sees the image as the prompt's end does), padded with 0
+PER_TOKEN_KEYS = ("attention_mask", "token_type_ids", "mm_token_type_ids", "cross_attention_mask")
+
+
+def generic_image_token_id(model_config, processor) -> int:
+    """The id the model replaces with image features: the config's image token (``image_token_id`` or
+    ``image_token_index``), else the processor's."""
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(model_config, key, None)
+        if isinstance(value, int):
+            return value
+    value = getattr(processor, "image_token_id", None)
+    if isinstance(value, int):
+        return value
+    raise DataError(
+        f"model type {getattr(model_config, 'model_type', '?')!r}: neither its config nor its processor names an "
+        "image token id; use the model's own config and processor"
+    )
+
+
+def generic_item(layout: ChatImageLayout, image, ids: list[int], labels: Optional[list[int]]) -> dict:
+    """One row of the generic path: the processor's expansion of the rendered prompt with ``image``, then
+    the answer's ids (``ids`` after the unexpanded prompt), labelled -100 on the expanded prompt."""
+    proc, tok = layout.processor, layout.processor.tokenizer
+    out = proc(text=[layout.prompt_text], images=[image], return_tensors="pt", add_special_tokens=False)
+    expanded = [int(x) for x in out["input_ids"][0]]
+    lead = 0  # BOS, when the tokenizer adds one itself and the template does not write it (as _text_ids)
+    if layout.prompt_ids[:1] == [tok.bos_token_id] and expanded[:1] != [tok.bos_token_id]:
+        expanded, lead = [int(tok.bos_token_id)] + expanded, 1
+    if layout.image_token_id not in expanded:
+        raise DataError(
+            f"{type(proc).__name__} wrote no image token (id {layout.image_token_id}) for the image in the rendered "
+            "prompt: the chat template's image part is not the processor's placeholder; use the model's own chat "
+            "template"
+        )
+    n = len(layout.prompt_ids)
+    answer = len(ids) - n
+    per_token, images = {}, {}
+    for key, value in out.items():
+        if key == "input_ids" or not isinstance(value, torch.Tensor):
+            continue
+        if key in PER_TOKEN_KEYS:
+            value = value[0]
+            if lead:
+                value = torch.cat([value[:1], value])
+            if answer:
+                value = torch.cat([value, value[-1:].expand(answer, *value.shape[1:])])
+            per_token[key] = value
+        else:
+            images[key] = value
+    item: dict = {
+        "image_px": [int(image.height), int(image.width)],
+        "input_ids": expanded + ids[n:],
+        "image_length": len(expanded) - n + 1,  # the image's tokens less the placeholder's one
+        "per_token": per_token,
+        "images": images,
+    }
+    if labels is not None:
+        item["labels"] = [IGNORE_INDEX] * len(expanded) + labels[n:]
+    return item
+
+
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenated along the first axis, each zero-padded at the end of every other axis to the largest."""
+    shape = [max(t.shape[d] for t in tensors) for d in range(tensors[0].dim())]
+    out = []
+    for t in tensors:
+        pad: list[int] = []
+        for d in reversed(range(1, t.dim())):
+            pad += [0, shape[d] - t.shape[d]]
+        out.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return torch.cat(out)
+
+
+def _collate_generic(items: list[dict], layout: ChatImageLayout, left: bool) -> dict[str, Any]:
+    """The generic path's batch: ids, labels and per-token tensors padded to the longest row (right for
+    training, ``left`` for generation), the processor's per-image tensors concatenated (see _cat_padded)."""
+    ids = _pad([x["input_ids"] for x in items], layout.pad_id, left)
+    mask = _pad([[1] * len(x["input_ids"]) for x in items], 0, left)
+    out: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+    for key in items[0]["per_token"]:
+        if key == "attention_mask":
+            continue
+        rows = [x["per_token"][key] for x in items]
+        width = ids.shape[1]
+        padded = torch.zeros((len(rows), width, *rows[0].shape[1:]), dtype=rows[0].dtype)
+        for i, r in enumerate(rows):
+            if left:
+                padded[i, width - len(r) :] = r
+            else:
+                padded[i, : len(r)] = r
+        out[key] = padded
+    for key in items[0]["images"]:
+        out[key] = _cat_padded([x["images"][key] for x in items])
+    out["padded"] = any(len(x["input_ids"]) < ids.shape[1] for x in items)
+    out["image_tokens"] = max(x["image_length"] for x in items)
+    # each row's image (height, width) px, which the engine records for the planner's re-plan (not a model input)
+    out["image_px"] = [x["image_px"] for x in items]
+    if "labels" in items[0]:
+        out["labels"] = _pad([x["labels"] for x in items], IGNORE_INDEX, left)
+    return out
+
+
 def generation_batch(layout: ChatImageLayout, image_processor, images: list) -> dict[str, Any]:
     """Model inputs asking ``layout.prompt`` about each image (PIL images), left-padded for ``generate``."""
     items = [image_item(layout, image_processor, img, layout.prompt_ids, None) for img in images]
@@ -468,4 +668,5 @@ def generation_batch(layout: ChatImageLayout, image_processor, images: list) -> 
     del batch["padded"]
     batch.pop("image_tokens", None)
     batch.pop("image_tiles", None)
+    batch.pop("image_px", None)
     return batch

@@ -574,7 +574,7 @@ def _text_shape(batch: dict) -> list[int]:
     if batch["labels"].dim() < 2:  # a classifier: one label per sample
         return [int(x) for x in batch["input_ids"].shape]
     b, n = batch["labels"].shape[:2]
-    if "image_grid_thw" in batch and "mm_token_type_ids" in batch:
+    if "image_grid_thw" in batch and "mm_token_type_ids" in batch and "image_px" not in batch:
         return [int(b), int(n) - int(batch["mm_token_type_ids"].sum(1).max()) + 1]
     if "image_tokens" in batch:  # LLaVA / PaliGemma / SmolVLM / LLaVA-NeXT: a row's image at most that many tokens
         return [int(b), int(n) - int(batch["image_tokens"]) + 1]
@@ -710,6 +710,8 @@ def _record_memory(b: Built, run: RunDir, snaps: list, batches: list[dict], trac
         grids = {"image_grids": batches[0]["image_tiles"]}
     if "image_sizes" in batches[0]:  # LLaVA-NeXT: each image's (height, width) px, which decide its tiles and tokens
         grids = {"image_grids": batches[0]["image_sizes"].tolist()}
+    if "image_px" in batches[0]:  # the generic path: each image's (height, width) px, which its processor lays out
+        grids = {"image_grids": batches[0]["image_px"]}
     per_rank = mem.gather_snapshots(b.fabric, snaps)
     for rank, rank_snaps in enumerate(per_rank):
         for s in rank_snaps:

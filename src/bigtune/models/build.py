@@ -448,8 +448,39 @@ VLM_PARTS = {
 CHAT_VLM_TYPES = tuple(VLM_PARTS)
 
 
+# The generic path's families (bigtune.data.vlm.is_generic_vlm) name their parts in a few ways: these names,
+# found under the model's ``model.``, decide which part a parameter belongs to (the longest prefix wins, so a
+# merger inside the vision tower goes with the projector)
+GENERIC_VLM_PART_NAMES = {
+    "vision": ("visual", "vision_tower", "vision_model", "vision_encoder"),
+    "qformer": (
+        "multi_modal_projector",
+        "connector",
+        "projector",
+        "mlp1",
+        "image_newline",
+        "visual.merger",
+        "visual.deepstack_merger_list",
+        "vision_tower.multi_modal_projector",
+    ),
+    "language_model": ("language_model", "text_model"),
+}
+
+
+def generic_vlm_parts(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Parameter-name prefixes of the vision tower, the projector and the language model (with its head) of a
+    generic-path model, from the names its modules have (GENERIC_VLM_PART_NAMES)."""
+    names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    parts = {
+        part: tuple(f"model.{a}." if f"model.{a}" in names else "" for a in attrs if f"model.{a}" in names)
+        for part, attrs in GENERIC_VLM_PART_NAMES.items()
+    }
+    parts["language_model"] += ("lm_head.",)
+    return parts
+
+
 def _freeze_by_prefix(model: torch.nn.Module, flags: dict[str, bool]) -> dict[str, int]:
-    parts = VLM_PARTS[model.config.model_type]
+    parts = VLM_PARTS.get(model.config.model_type) or generic_vlm_parts(model)
     out = dict.fromkeys(flags, 0)
     for name, p in model.named_parameters():
         match = max(
@@ -466,7 +497,9 @@ def freeze_parts(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, int]:
     """requires_grad=False on the parts the recipe freezes: no gradients and (make_optimizer takes
     trainable parameters only) no optimizer state for them. Returns frozen element counts per part."""
     flags = {"vision": cfg.freeze_vision, "qformer": cfg.freeze_qformer, "language_model": cfg.freeze_language_model}
-    if getattr(model.config, "model_type", "") in CHAT_VLM_TYPES:
+    from bigtune.core.processors import is_generic_vlm
+
+    if getattr(model.config, "model_type", "") in CHAT_VLM_TYPES or is_generic_vlm(model.config):
         return _freeze_by_prefix(model, flags)
     out = {}
     for part, flag in (
@@ -526,12 +559,20 @@ DEFAULT_TARGETS = {
 }
 
 
+# the generic path's families: the language model's attention queries and values, whatever its attribute name
+GENERIC_VLM_TARGETS = r".*(language_model|text_model)\..*\.(q_proj|v_proj)$"
+
+
 def lora_targets(model: torch.nn.Module, wanted: list) -> list[str] | str:
     if wanted == ["all-linear"]:
         return "all-linear"
     if wanted != ["auto"]:
         return list(wanted)
     kind = getattr(model.config, "model_type", "")
+    from bigtune.core.processors import is_generic_vlm
+
+    if kind not in DEFAULT_TARGETS and is_generic_vlm(model.config):  # the language model's queries and values
+        return GENERIC_VLM_TARGETS
     if kind not in DEFAULT_TARGETS:
         raise ModelError(
             f"peft.target_modules: no default for model type {kind!r}; name the modules, e.g. "
