@@ -449,11 +449,17 @@ def _image_grids(args, r, config) -> "tuple | None":
         image_geometry,
         is_anyres_vlm_config,
         is_chat_vlm_config,
+        is_generic_vlm_config,
         is_split_image_vlm_config,
         parse_image_size,
         split_geometry,
     )
 
+    if is_generic_vlm_config(config):  # the processor lays out an image of that size (chatvlm.generic_batch)
+        try:
+            return (parse_image_size(args.image_size),)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
     split = is_split_image_vlm_config(config)  # SmolVLM: its tiles follow the size
     anyres = is_anyres_vlm_config(config)  # LLaVA-NeXT: its tiles and tokens follow the size
     if not is_chat_vlm_config(config) and not split and not anyres:

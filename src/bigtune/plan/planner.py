@@ -342,6 +342,8 @@ def _model_notes(recipe: Recipe, config, images: Optional[tuple] = None) -> list
         notes.append(chatvlm.split_images_note(geometry, images, recipe.train.micro_batch_size))
     elif chatvlm.is_anyres_vlm_config(config):
         notes.append(chatvlm.anyres_images_note(chatvlm.anyres_geometry(recipe, config), images))
+    elif chatvlm.is_generic_vlm_config(config):
+        notes.append(chatvlm.generic_images_note(recipe, config, images))
     attn_note = attention_for(recipe.model, config)[1]
     if attn_note:
         notes.append(attn_note)

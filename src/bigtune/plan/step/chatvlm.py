@@ -95,8 +95,81 @@ def check_image_budget(recipe: Recipe, config) -> None:
     from bigtune.data.text import DataError
     from bigtune.data.vlm import image_max_pixels_problem
 
-    if recipe.data.image_max_pixels is not None and (problem := image_max_pixels_problem(config, recipe.model.name)):
+    if recipe.data.image_max_pixels is None:
+        return
+    proc = _processor(recipe.model) if is_generic_vlm_config(config) else None
+    if problem := image_max_pixels_problem(config, recipe.model.name, proc):
         raise DataError(problem)
+
+
+# -- the generic path (bigtune.data.vlm's generic layout: the model's processor lays out every row) ------------
+
+# the side of the square image a plan assumes for a generic-path model when neither --image-size nor
+# data.image_max_pixels says more: the processor's own geometry then caps it (its largest resize, its most
+# tiles), as it would a large photo
+PLANNED_IMAGE_SIDE = 2048
+
+
+def is_generic_vlm_config(config) -> bool:
+    from bigtune.core.processors import is_generic_vlm
+
+    return is_generic_vlm(config)
+
+
+def generic_image_sizes(recipe: Recipe, images: Optional[tuple], rows: int) -> list[ImageSizeHW]:
+    """One (height, width) per row: ``images`` in turn (--image-size, or a measured batch's sizes), else a
+    square at data.image_max_pixels, else PLANNED_IMAGE_SIDE px."""
+    if images:
+        return [tuple(int(x) for x in images[i % len(images)]) for i in range(rows)]
+    budget = recipe.data.image_max_pixels
+    side = math.isqrt(int(budget)) if budget else PLANNED_IMAGE_SIDE
+    return [(side, side)] * rows
+
+
+def generic_layout(recipe: Recipe, config):
+    """The model's processor (data.image_max_pixels set on it, as training sets it) and its generic layout."""
+    from bigtune.data.vlm import ChatImageLayout, bound_image_pixels
+
+    proc = _processor(recipe.model)
+    bound_image_pixels(proc, config, recipe.data.image_max_pixels, recipe.model.name)
+    return ChatImageLayout.for_model(proc, config, recipe.data.prompt)
+
+
+def generic_batch(recipe: Recipe, cfg, b_size: int, padded: bool, images: Optional[tuple]) -> dict:
+    """A micro-batch laid out exactly as training lays one out (bigtune.data.vlm's generic path), by the model's
+    own processor from blank images of the planned sizes: every row the expanded prompt and an answer up to
+    data.max_seq_length text tokens (random ids below the image token), padded to the longest row."""
+    from PIL import Image
+
+    from bigtune.core.stepmath import IGNORE_INDEX
+    from bigtune.data.vlm import collate_chat_images, generic_item
+
+    layout = generic_layout(recipe, cfg)
+    g = torch.Generator().manual_seed(0)
+    top = min(int(cfg.get_text_config().vocab_size), layout.image_token_id)
+    answer_len = max(1, recipe.data.max_seq_length - len(layout.prompt_ids))
+    items = []
+    for h, w in generic_image_sizes(recipe, images, b_size):
+        ids = list(layout.prompt_ids) + torch.randint(3, top, (answer_len,), generator=g).tolist()
+        image = Image.new("RGB", (w, h), (128, 128, 128))
+        items.append(generic_item(layout, image, ids, ids))
+    batch = collate_chat_images(items, layout)
+    if padded and not batch["padded"]:  # one padded position: the explicit-mask attention path
+        batch["attention_mask"][-1, -1], batch["labels"][-1, -1] = 0, IGNORE_INDEX
+        batch["padded"] = True
+    return batch
+
+
+def generic_images_note(recipe: Recipe, config, images: Optional[tuple]) -> str:
+    """What the plan assumed about a generic-path model's images."""
+    sizes = generic_image_sizes(recipe, images, recipe.train.micro_batch_size)
+    batch = generic_batch(recipe, config, 1, False, tuple(sizes[:1]))
+    h, w = sizes[0]
+    why = "" if images or recipe.data.image_max_pixels else " (no data.image_max_pixels: a large photo)"
+    return (
+        f"images: {h}×{w} px{why}, as {type(generic_layout(recipe, config).processor).__name__} lays it out: "
+        f"{int((batch['input_ids'][0] == generic_layout(recipe, config).image_token_id).sum())} image tokens"
+    )
 
 
 def is_vlm_config(config) -> bool:
@@ -480,8 +553,31 @@ def _on_known_values(fn):
     return run
 
 
+# methods that work out positions or indices from their integer inputs' values (``.tolist()``, loops per
+# image), run on known values for any generic-path family that defines them (Qwen3-VL, GLM-4.1V, ...)
+INDEX_MATH_METHODS = ("get_rope_index", "get_vision_position_ids", "get_vision_window_index")
+
+
+def _generic_index_math(stack: contextlib.ExitStack, config) -> None:
+    """Run the generic-path family's index math (INDEX_MATH_METHODS of its modeling module's classes) on known
+    values, as real_index_math does for Qwen2-VL's."""
+    import importlib
+
+    kind = getattr(config, "model_type", "").replace("-", "_")
+    try:
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:
+        return
+    for cls in vars(module).values():
+        if not isinstance(cls, type):
+            continue
+        for name in INDEX_MATH_METHODS:
+            if name in vars(cls):
+                stack.enter_context(mock.patch.object(cls, name, _on_known_values(getattr(cls, name))))
+
+
 @contextlib.contextmanager
-def real_index_math():
+def real_index_math(config=None):
     """Qwen2-VL's forward works out positions and attention segments from the values of its integer inputs
     (image grids, token types, mask): ``.tolist()``, ``.item()``, boolean indexing, loops per image. Fake
     tensors have no values, so here integer tensors entering fake mode keep theirs (a fake tensor's
@@ -519,6 +615,8 @@ def real_index_math():
         for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
             skip = _skip_on_known_values(getattr(masking_utils, name))
             stack.enter_context(mock.patch.object(masking_utils, name, skip))
+        if config is not None and is_generic_vlm_config(config):
+            _generic_index_math(stack, config)
         yield
 
 

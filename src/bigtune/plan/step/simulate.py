@@ -97,6 +97,7 @@ def model_stacks(config) -> list[Stack]:
         is_anyres_vlm_config,
         is_chat_vlm_config,
         is_fixed_image_vlm_config,
+        is_generic_vlm_config,
         is_split_image_vlm_config,
     )
 
@@ -109,6 +110,10 @@ def model_stacks(config) -> list[Stack]:
     if is_fixed_image_vlm_config(config) or is_split_image_vlm_config(config) or is_anyres_vlm_config(config):
         # LLaVA, PaliGemma, Idefics3 (SmolVLM), LLaVA-NeXT: the vision tower and the language model
         return [Stack(("vision_config", "num_hidden_layers")), Stack(("text_config", "num_hidden_layers"))]
+    if is_generic_vlm_config(config):  # the generic path: the vision tower (by its depth's name), the language model
+        vc = getattr(config, "vision_config", None)
+        depth = next((k for k in ("depth", "num_hidden_layers") if isinstance(getattr(vc, k, None), int)), None)
+        return ([Stack(("vision_config", depth))] if depth else []) + [text]
     if kind != "blip-2" and getattr(config, "vision_config", None) is not None:
         from bigtune.plan.base.constants import PlanError
 
@@ -187,6 +192,8 @@ def _synthetic_batch(recipe: Recipe, cfg, family: str, b_size: int, padded: bool
     g = torch.Generator().manual_seed(0)
     if family == "image-to-text":
         chatvlm.check_image_budget(recipe, cfg)
+    if family == "image-to-text" and chatvlm.is_generic_vlm_config(cfg):
+        return chatvlm.generic_batch(recipe, cfg, b_size, padded, images)
     if family == "image-to-text" and chatvlm.is_chat_vlm_config(cfg):
         return chatvlm.synthetic_batch(recipe, cfg, chatvlm.image_geometry(recipe, cfg), b_size, padded, images)
     if family == "image-to-text" and chatvlm.is_fixed_image_vlm_config(cfg):
@@ -329,7 +336,7 @@ def simulate(
         cuda_dropout(on_cuda is not None),
         cuda_autocast(on_cuda is not None),
         _grouped_mm_any_dtype(),
-        real_index_math() if is_vlm_config(cfg) else contextlib.nullcontext(),
+        real_index_math(cfg) if is_vlm_config(cfg) else contextlib.nullcontext(),
     ):
         model, fsdp_upcast = _fake_model(r, recipe, cfg, quantize)
         if stage is not None:
