@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -551,6 +552,9 @@ def test_a_certain_oom_gets_no_made_up_reserved_figure():
     assert p.fits is False and p.peak_reserved is None
     assert p.needed_total == p.peak_total == p.peak_allocated + p.overhead
     assert any("the peak allocated alone exceeds the card" in n for n in p.notes)
+    # --json still carries a reserved figure, and says it is the lower bound, not a replay's
+    d = json.loads(json.dumps(p.to_dict()))
+    assert (d["peak_reserved"], d["peak_reserved_basis"]) == (p.peak_allocated, "at least")
 
 
 def test_every_alternative_on_a_cuda_target_comes_with_its_own_replay():

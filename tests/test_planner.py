@@ -463,6 +463,7 @@ def test_cli_plan_text_json_and_errors(tmp_path):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["plan"]["fits"] is True and out["plan"]["target"].startswith("4×")
+    assert out["plan"]["peak_reserved"] >= out["plan"]["peak_allocated"] and out["plan"]["peak_reserved_basis"]
     res = run_cli("plan", "--gpu", "h100-80gbb", cwd=tmp_path)
     assert res.returncode == 2 and "h100" in res.stderr and "Traceback" not in res.stderr
     res = run_cli("plan", "--gpu", "rtx-4090", "--gpu-memory", "12", cwd=tmp_path)

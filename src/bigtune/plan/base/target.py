@@ -91,7 +91,23 @@ class Plan:
     image_grids: Optional[list[list[int]]] = None
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tight": self.tight}
+        """The plan as JSON data (``plan --json``). On a CUDA target ``peak_reserved`` is always a number, and
+        ``peak_reserved_basis`` says which: "replayed" (the caching-allocator replay's figure) or "at least"
+        (no replay was run: the peak allocated alone exceeds the card, so no replay could change the OOM; the
+        allocator reserves at least the peak allocated, and the figure is that lower bound). On a CPU both are
+        null (no caching allocator)."""
+        out = {**dataclasses.asdict(self), "tight": self.tight, "peak_reserved_basis": self.reserved_basis}
+        if self.reserved_basis == "at least":
+            out["peak_reserved"] = self.peak_allocated
+        return out
+
+    @property
+    def reserved_basis(self) -> Optional[str]:
+        """ "replayed", "at least" (a CUDA plan without a replay: the peak allocated bounds reserved from below)
+        or None (a CPU plan)."""
+        if self.peak_reserved is not None:
+            return "replayed"
+        return "at least" if self.overhead else None  # the CUDA context (overhead) is counted on CUDA only
 
     @property
     def tight(self) -> bool:
