@@ -11,6 +11,7 @@ from pathlib import Path
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
+SERVE_PACKAGES = ("fastapi", "uvicorn", "sqlalchemy", "httpx", "pydantic", "starlette")  # the 'serve' extra's
 NO_SERVE = "the training service needs FastAPI, uvicorn, SQLAlchemy and httpx: pip install 'bigtune[serve]'"
 
 
@@ -136,7 +137,9 @@ def main_serve(args) -> int:
         import fastapi  # noqa: F401
         import sqlalchemy  # noqa: F401
         import uvicorn  # noqa: F401
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVE_PACKAGES:
+            raise
         return _error(NO_SERVE)
     try:
         cfg = _config(args)
@@ -194,7 +197,9 @@ def main_client(args) -> int:
     try:
         from bigtune.serve.client import Client, ClientError
         from bigtune.serve.schemas import JobCreate
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in SERVE_PACKAGES:
+            raise  # not a missing extra: a real error, with its traceback
         return _error(NO_SERVE)
     try:
         client = Client(args.server, args.token)
