@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bigtune.engine.loop import LoopState, build, setup_fabric, train_step  # noqa: E402
+from bigtune.engine.build import build, setup_fabric  # noqa: E402
+from bigtune.engine.loop import LoopState, train_step  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
 from throughput import BIGTUNE_EXTRA, PRESETS, fixed_length_source, peak_flops_of  # noqa: E402
 

@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bigtune.engine.loop import LoopState, build, setup_fabric, train_step  # noqa: E402
+from bigtune.engine.build import build, setup_fabric  # noqa: E402
+from bigtune.engine.loop import LoopState, train_step  # noqa: E402
 from bigtune.plan.device.roofline import HOST_SECONDS_PER_OP, OpCounter  # noqa: E402
 from bigtune.recipe import load_recipe  # noqa: E402
 

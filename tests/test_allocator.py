@@ -411,7 +411,7 @@ def test_traced_step_replayed_with_expandable_segments():
 def test_engine_exports_the_recipes_alloc_conf_and_refuses_another_one(monkeypatch):
     # PyTorch reads PYTORCH_CUDA_ALLOC_CONF when its allocator starts: the engine sets it before Fabric, and
     # a different value already in the environment would make the run differ from the recipe and the plan.
-    from bigtune.engine.loop import set_cuda_alloc_conf
+    from bigtune.engine.build import set_cuda_alloc_conf
 
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.setenv(var, "")  # recorded, so what set_cuda_alloc_conf sets is undone after the test

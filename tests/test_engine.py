@@ -201,7 +201,7 @@ def test_mixed_precision_and_opt_preset_train(run_dir):
 
 
 def test_lr_schedule_warmup_and_cosine():
-    from bigtune.engine.loop import lr_factor
+    from bigtune.engine.build import lr_factor
 
     assert lr_factor(0, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_factor(9, 100, 10, "cosine", 0.1) == pytest.approx(1.0)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bigtune.engine.loop import total_steps
+from bigtune.engine.build import total_steps
 from conftest import HANG_GUARD_S, ROOT, read_jsonl, run_cli
 
 TINY_OPT = str(ROOT / "recipes" / "tiny-opt.yaml")

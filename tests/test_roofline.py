@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bigtune.core.gpus import find_gpu
-from bigtune.engine.loop import LoopState, build, setup_fabric, train_step
+from bigtune.engine.build import build, setup_fabric
+from bigtune.engine.loop import LoopState, train_step
 from bigtune.models.configs import resolve_config
 from bigtune.plan.base.target import Target
 from bigtune.plan.device.roofline import (

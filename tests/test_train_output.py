@@ -16,7 +16,7 @@ import pytest
 
 import bigtune.engine.loop as engine
 from bigtune.cli.app import main
-from bigtune.engine.loop import run_length
+from bigtune.engine.build import run_length
 from conftest import HANG_GUARD_S, ROOT, read_jsonl, run_cli, set_args
 
 # The built-in demo on 64 of its samples: 8 micro-batches of 8 an epoch, its max_epochs 3 => 24 steps.

@@ -1,6 +1,6 @@
 """How long a whole run is: optimizer steps from the data's size, evaluations, and their seconds.
 
-The rules are the engine's (engine/loop.py): every rank takes ceil(samples / world) samples of an epoch
+The rules are the engine's (engine/build.py): every rank takes ceil(samples / world) samples of an epoch
 (the sampler pads by wrapping), cut into micro-batches, ``accumulate`` of them per optimizer step;
 ``total_steps`` turns epochs and max_steps into the run's length. Evaluation runs at every
 ``eval.every_steps`` and once more at the end, over the whole validation split on every rank (its loader
@@ -111,7 +111,7 @@ class RunLength:
 
 def run_length(recipe: Recipe, size: DataSize, world: int, micro: int, accumulate: int) -> RunLength:
     """Steps and evaluations of ``recipe`` on ``world`` GPUs at ``micro`` × ``accumulate`` per step."""
-    from bigtune.engine.loop import total_steps
+    from bigtune.engine.build import total_steps
 
     per_rank = -(-size.train // world)
     micro_batches = -(-per_rank // micro)
