@@ -7,9 +7,13 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 # One compute thread per process: the suite's xdist workers (README: -n 2) share CI's 2 cores, and so do the
@@ -265,6 +269,71 @@ def slurm(tmp_path_factory):
 
     with one_node_cluster(tmp_path_factory.mktemp("slurm")) as env:
         yield env
+
+
+class MlflowServer:
+    """`mlflow server` on a free port of 127.0.0.1 with a SQLite store, in its own process group (stopped as a
+    group). ``url`` waits until it answers /health, starting it again if a test stopped it."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.start()
+
+    def start(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = (self.folder / f"server-{self.port}.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port)]
+            + ["--workers", "1", "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}"]
+            + ["--artifacts-destination", str(self.folder / "artifacts")],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=self.folder,
+            start_new_session=True,
+        )
+        self._ready = False
+
+    @property
+    def url(self) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180  # a bound, not a timing: a loaded CI machine boots it slowly
+        while not self._ready:
+            assert self.proc.poll() is None, (self.folder / f"server-{self.port}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not answer /health within 180 s"
+            try:
+                self._ready = urllib.request.urlopen(base + "/health", timeout=2).status == 200
+            except OSError:
+                time.sleep(0.2)
+        return base
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # uvicorn's graceful shutdown can take long; nothing here needs it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One MLflow tracking server for the session (per xdist worker), shared by the tracking and service tests;
+    started when first asked for, so a module asks early and lets it boot while its first tests run."""
+    pytest.importorskip("mlflow", reason="pip install -e '.[test]' (or 'bigtune[mlflow]')")
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture

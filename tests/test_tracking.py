@@ -3,20 +3,15 @@
 mid-run costs one warning and nothing else; a 2-rank run is one tracked run; a sweep is a parent run with a
 child per rung.
 
-Runs are the tiny recipe in-process (2 steps); one MLflow server (a subprocess) serves the whole module and is
-started first, so it boots while the tests that do not need it train.
+Runs are the tiny recipe in-process (2 steps); the session's MLflow server (conftest.py, a subprocess) serves the
+whole module and is asked for first, so it boots while the tests that do not need it train.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,64 +35,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class MlflowServer:
-    """`mlflow server` on a free port with a SQLite store, in its own process group (stopped as a group).
-    ``url`` waits until it answers /health, starting it again if a test stopped it."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-        self.start()
-
-    def start(self) -> None:
-        self.port = _free_port()
-        self.log = (self.folder / f"server-{self.port}.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port)]
-            + ["--workers", "1", "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}"]
-            + ["--artifacts-destination", str(self.folder / "artifacts")],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=self.folder,
-            start_new_session=True,
-        )
-        self._ready = False
-
-    @property
-    def url(self) -> str:
-        if self.proc is None or self.proc.poll() is not None:
-            self.start()
-        base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 180  # a bound, not a timing: a loaded CI machine boots it slowly
-        while not self._ready:
-            assert self.proc.poll() is None, (self.folder / f"server-{self.port}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mlflow server did not answer /health within 180 s"
-            try:
-                self._ready = urllib.request.urlopen(base + "/health", timeout=2).status == 200
-            except OSError:
-                time.sleep(0.2)
-        return base
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # uvicorn's graceful shutdown can take long; nothing here needs it
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="module", autouse=True)
-def server(tmp_path_factory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(mlflow_server):
+    """The session's MLflow server (conftest.py), asked for first: it boots while the tests that need none train."""
+    return mlflow_server
 
 
 def _client(url: str):

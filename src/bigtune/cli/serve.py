@@ -66,6 +66,11 @@ def add_cli(sub) -> None:
                    help="seconds before the first restart, doubled for each next one (default 5)")  # fmt: skip
     s.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
                    help="checkpoint interval for recipes that set none: what a restarted job resumes from")  # fmt: skip
+    s.add_argument("--mlflow-uri", metavar="URL", help="every job an MLflow run on this tracking server (e.g. "
+                   "http://mlflow:5000), linked from its view and the service's page (default: only where a recipe "
+                   "asks for tracking)")  # fmt: skip
+    s.add_argument("--mlflow-experiment", default="bigtune-serve", metavar="NAME",
+                   help="the MLflow experiment of jobs whose recipe names none (default bigtune-serve)")  # fmt: skip
     tokens = s.add_subparsers(dest="serve_verb", metavar="token")
     t = tokens.add_parser("token", help="make an API token for a user (printed once; stored hashed)")
     t.add_argument("action", choices=["add"])
@@ -128,7 +133,8 @@ def _config(args):
         retry_backoff_s=getattr(args, "retry_backoff", 5.0),
         checkpoint_every_steps=getattr(args, "checkpoint_every", 100), backend=getattr(args, "backend", "local"),
         partition=getattr(args, "partition", None), slurm_time=getattr(args, "slurm_time", None),
-        ray_address=getattr(args, "ray_address", None),
+        ray_address=getattr(args, "ray_address", None), mlflow_uri=getattr(args, "mlflow_uri", None),
+        mlflow_experiment=getattr(args, "mlflow_experiment", "bigtune-serve"),
     )  # fmt: skip
 
 
@@ -165,6 +171,13 @@ def main_serve(args) -> int:
             find_gpu(cfg.cluster.gpu)
         except UnknownGPUError as e:
             return _error(str(e))
+    if cfg.mlflow_uri:
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is None:  # the jobs run this Python: they would each fail
+            return _error(
+                "--mlflow-uri: MLflow is not installed: pip install 'bigtune[mlflow]', or leave --mlflow-uri out"
+            )
     from bigtune.serve.backends import BackendError
     from bigtune.serve.server import serve_forever
     from bigtune.serve.service import Service
@@ -173,9 +186,12 @@ def main_serve(args) -> int:
         service = Service(cfg)
     except BackendError as e:
         return _error(str(e))
+    from bigtune.serve.progress import without_login
+
     c = service.cfg.cluster
     print(f"bigtune serve: http://{args.host}:{args.port} (API pages: /docs), state in {cfg.state_dir}, backend "
-          f"{service.backend.name}: {service.cfg.slots} slot(s), {c.label()}", file=sys.stderr, flush=True)  # fmt: skip
+          f"{service.backend.name}: {service.cfg.slots} slot(s), {c.label()}"
+          + (f", jobs tracked in MLflow at {without_login(cfg.mlflow_uri)}" if cfg.mlflow_uri else ""), file=sys.stderr, flush=True)  # fmt: skip
     serve_forever(service, args.host, args.port)
     return EXIT_OK
 

@@ -63,6 +63,7 @@ from bigtune.engine.report import (
 from bigtune.engine.state import Built, LoopState, epoch_loss_mean
 from bigtune.engine.tracking import (
     RUNS_FILE,
+    SERVE_JOB_ENV,
     SWEEP_ENV,
     RunInfo,
     Trackers,
@@ -725,7 +726,10 @@ def _open_tracking(
         "bigtune.world_size": str(fabric.world_size),
         "bigtune.run_dir": str(run.path),
     }
-    info = RunInfo(run.path.name, run.path, tags, os.environ.get(SWEEP_ENV), resumed_at)
+    serve_job = os.environ.get(SERVE_JOB_ENV)
+    if serve_job:  # a job of the training service: its run named by the job
+        tags["bigtune.serve_job"] = serve_job
+    info = RunInfo(serve_job or run.path.name, run.path, tags, os.environ.get(SWEEP_ENV), resumed_at)
     tracker = open_trackers(r.tracking, info)
     params = {
         **flatten(r.to_dict()),

@@ -9,6 +9,7 @@ from typing import Optional
 
 from bigtune.core.rundir import RunDir
 from bigtune.engine.checkpoints import checkpoint_step
+from bigtune.engine.tracking.base import RUNS_FILE
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -84,3 +85,37 @@ def checkpoints(run_dir: str | Path) -> list[dict]:
 def newest_checkpoint(run_dir: str | Path) -> Optional[str]:
     found = checkpoints(run_dir)
     return Path(found[-1]["path"]).name if found else None
+
+
+def mlflow_run(run_dir: str | Path) -> Optional[dict]:
+    """The run's MLflow run, as its run folder's tracking.json records it (written when the run starts tracking):
+    run id, experiment, tracking URI, and the run's page in the MLflow UI where the URI is a server's. None when
+    the run is not tracked in MLflow (yet)."""
+    try:
+        entry = json.loads((Path(run_dir) / RUNS_FILE).read_text()).get("mlflow")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict) or not entry.get("run_id"):
+        return None
+    uri, run_id, exp_id = without_login(entry.get("tracking_uri")), entry["run_id"], entry.get("experiment_id")
+    url = None
+    if uri and uri.startswith(("http://", "https://")):
+        # the MLflow UI's own addresses of a run (hash routes)
+        base = uri.rstrip("/")
+        url = f"{base}/#/experiments/{exp_id}/runs/{run_id}" if exp_id else f"{base}/#/runs/{run_id}"
+    return {"run_id": run_id, "experiment": entry.get("experiment"), "experiment_id": exp_id, "tracking_uri": uri,
+            "url": url}  # fmt: skip
+
+
+def without_login(uri: Optional[str]) -> Optional[str]:
+    """``uri`` less any user:password in it: a job's view must not show a tracking server's credentials."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if not uri:
+        return uri
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

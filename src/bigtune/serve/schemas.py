@@ -34,6 +34,16 @@ class Memory(BaseModel):
     measured_peak_allocated_bytes: Optional[int] = None
 
 
+class MlflowRun(BaseModel):
+    """The job's MLflow run (every job's, when the service runs with --mlflow-uri), from its run folder."""
+
+    run_id: str
+    experiment: Optional[str] = None
+    experiment_id: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    url: Optional[str] = Field(None, description="the run's page in the MLflow UI (where the URI is a server's)")
+
+
 class AttemptView(BaseModel):
     number: int
     started_at: float
@@ -70,6 +80,7 @@ class JobView(BaseModel):
     planned_gpu_hours: Optional[float] = None
     run_dir: str
     error: Optional[str] = None
+    mlflow: Optional[MlflowRun] = Field(None, description="its MLflow run, once it has started one")
     plan: Optional[dict[str, Any]] = Field(None, description="the plan the job was admitted by (GET of one job)")
     recipe: Optional[str] = Field(None, description="the recipe as submitted (GET of one job)")
 

@@ -21,6 +21,8 @@ from typing import Optional
 
 import yaml
 
+from bigtune.engine.tracking.base import SERVE_JOB_ENV
+from bigtune.recipe import parse_override
 from bigtune.serve import progress
 from bigtune.serve.admission import Admitted, Cluster, Rules, admit
 from bigtune.serve.auth import new_token, token_digest
@@ -33,6 +35,10 @@ from bigtune.serve.store import TERMINAL, Attempt, Job, Store
 EXIT_OK, EXIT_BAD_INPUT, EXIT_OOM = 0, 2, 3
 # Variables the jobs' processes do not inherit from the server: its tokens are not theirs.
 PRIVATE_ENV = ("BIGTUNE_TOKEN", "BIGTUNE_ADMIN_TOKEN", "BIGTUNE_ADMIN_TOKENS")
+# MLflow's own settings for reaching a server that wants a login: passed on to the jobs (a Ray job gets only
+# what the service names), so that credentials need not sit in the tracking URI, where views and logs show it.
+MLFLOW_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+              "MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH")  # fmt: skip
 
 
 class NotFound(Exception):
@@ -76,6 +82,10 @@ class ServeConfig:
     max_retries: int = 3
     retry_backoff_s: float = 5.0  # doubled after each retry
     checkpoint_every_steps: int = 100  # for recipes that set no checkpoint.every_steps: what a retry resumes from
+    # Every job an MLflow run on this tracking server (its URI as `bigtune train` takes it), in the recipe's
+    # tracking.experiment, else this one. None: a job is tracked only where its recipe asks.
+    mlflow_uri: Optional[str] = None
+    mlflow_experiment: str = "bigtune-serve"
     cancel_grace_s: float = 5.0
     tick_s: float = 0.5
     python: str = sys.executable
@@ -199,7 +209,7 @@ class Service:
                 "measured_peak_allocated_bytes": progress.measured_peak_bytes(job.run_dir),
             },
             "variant": job.variant, "overrides": job.overrides, "planned_gpu_hours": job.planned_gpu_hours,
-            "run_dir": job.run_dir, "error": job.error,
+            "run_dir": job.run_dir, "error": job.error, "mlflow": progress.mlflow_run(job.run_dir),
         }  # fmt: skip
         if detail:
             out["plan"], out["recipe"] = plan, job.recipe_yaml
@@ -309,13 +319,38 @@ class Service:
             s.startswith("checkpoint.every_steps=") for s in job.overrides
         ):
             sets.append(f"checkpoint.every_steps={self.cfg.checkpoint_every_steps}")
+        sets += self._tracking_sets(job)
+        extra_env = {SERVE_JOB_ENV: job.id}
+        if self.cfg.mlflow_uri:
+            extra_env.update({k: os.environ[k] for k in MLFLOW_ENV if k in os.environ})
         step_s = job.plan.get("step_time_s")
         return Work(job_id=job.id, attempt=attempt, recipe=job_dir / "recipe.yaml", sets=sets,
                     run_dir=Path(job.run_dir), slots=job.slots, cwd=Path(self.cfg.workdir), python=self.cfg.python,
                     job_dir=job_dir, env={k: v for k, v in os.environ.items() if k not in PRIVATE_ENV},
-                    extra_env={"BIGTUNE_SERVE_JOB": job.id},
+                    extra_env=extra_env,
                     planned_s=step_s * job.total_steps if step_s and job.total_steps else None,
                     cancel_grace_s=self.cfg.cancel_grace_s)  # fmt: skip
+
+    def _tracking_sets(self, job: Job) -> list[str]:
+        """With an MLflow server (``cfg.mlflow_uri``): the overrides that make the job an MLflow run there, beside
+        the trackers its recipe names, in its own experiment or the service's. The service's URI wins over the
+        recipe's: the team's server is where the job's page links to."""
+        if not self.cfg.mlflow_uri:
+            return []
+        tracking = (yaml.safe_load(job.recipe_yaml) or {}).get("tracking") or {}
+        backends, experiment = tracking.get("backends") or [], tracking.get("experiment")
+        for text in job.overrides:
+            key, value = parse_override(text)
+            if key == "tracking.backends":
+                backends = value or []
+            elif key == "tracking.experiment":
+                experiment = value
+        backends = [backends] if isinstance(backends, str) else list(backends)
+        sets = [f"tracking.backends={json.dumps([*backends, 'mlflow'] if 'mlflow' not in backends else backends)}",
+                f"tracking.mlflow_uri={json.dumps(self.cfg.mlflow_uri)}"]  # fmt: skip
+        if not experiment:
+            sets.append(f"tracking.experiment={json.dumps(self.cfg.mlflow_experiment)}")
+        return sets
 
     def _start(self, job: Job) -> None:
         resumed = progress.newest_checkpoint(job.run_dir)

@@ -13,6 +13,7 @@ from pathlib import Path
 from bigtune.engine.tracking.base import (
     MLFLOW_PARENT_ENV,
     RUNS_FILE,
+    SERVE_JOB_ENV,
     SWEEP_ENV,
     Guarded,
     RunInfo,
@@ -25,6 +26,7 @@ from bigtune.recipe import TRACKING_BACKENDS, RecipeError, TrackingConfig
 __all__ = [
     "MLFLOW_PARENT_ENV",
     "RUNS_FILE",
+    "SERVE_JOB_ENV",
     "SWEEP_ENV",
     "RunInfo",
     "Tracker",

@@ -32,6 +32,9 @@ QUEUE_SIZE = 2000
 # MLflow run of the whole ladder, which each rung's run is nested under.
 SWEEP_ENV = "BIGTUNE_SWEEP_NAME"
 MLFLOW_PARENT_ENV = "BIGTUNE_MLFLOW_PARENT_RUN_ID"
+# The environment the training service (bigtune serve) sets for a job's process: the job's id, which names its
+# tracked run (its run folder is only "run") and tags it.
+SERVE_JOB_ENV = "BIGTUNE_SERVE_JOB"
 
 # In the run folder: each backend's run (MLflow run id, W&B run id, where they live), so that a resumed run
 # logs into the same tracked run.

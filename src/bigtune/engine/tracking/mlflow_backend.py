@@ -76,6 +76,7 @@ class MlflowTracker:
         self.uri, self.experiment, self.register_model, self.info = uri, experiment, register_model, info
         self.client: Any = None
         self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None  # the MLflow UI's address of the run names it
 
     def start(self, params: dict[str, Any], plan: Optional[dict]) -> None:
         from mlflow.entities import Param
@@ -94,8 +95,9 @@ class MlflowTracker:
             run = self.client.create_run(
                 experiment_id(self.client, self.experiment), run_name=self.info.name, tags=tags
             )
-            self.run_id = run.info.run_id
-        self.info.record_run("mlflow", {"run_id": self.run_id, "tracking_uri": self.uri, "experiment": self.experiment})
+            self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self.info.record_run("mlflow", {"run_id": self.run_id, "tracking_uri": self.uri, "experiment": self.experiment,
+                                        "experiment_id": self.experiment_id})  # fmt: skip
         items = [Param(k, v) for k, v in values.items() if k not in logged]
         for i in range(0, len(items), BATCH):
             self.client.log_batch(self.run_id, params=items[i : i + BATCH], synchronous=True)
@@ -131,6 +133,7 @@ class MlflowTracker:
             print(f"tracking: mlflow run {saved['run_id']} is gone from the server; starting a new run", flush=True)
             return None, {}
         self.client.update_run(run.info.run_id, status="RUNNING")
+        self.experiment_id = run.info.experiment_id
         logged = dict(run.data.params)
         changed = [f"{k}: {logged[k]} -> {v}" for k, v in values.items() if k in logged and logged[k] != v]
         if changed:
