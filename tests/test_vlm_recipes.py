@@ -27,12 +27,16 @@ MODEL_CARD_PARAMS = {
     "google/paligemma2-3b-pt-224": 3.03e9,  # 3,032,242,416
     "llava-hf/llava-1.5-7b-hf": 7.06e9,  # 7,063,427,072
     "HuggingFaceTB/SmolVLM-Instruct": 2.25e9,  # 2,246,272,880
+    "Qwen/Qwen3-VL-4B-Instruct": 4.44e9,  # 4,437,815,808 (tied embeddings)
+    "google/gemma-3-4b-it": 4.30e9,  # 4,300,079,472 (tied embeddings)
 }
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_CARD_PARAMS))
 def test_bundled_vlm_configs_have_the_model_cards_sizes(name):
-    config = AutoConfig.for_model(**json.loads(bundled_config_path(name).read_text()))
+    d = json.loads(bundled_config_path(name).read_text())
+    d.pop("_bigtune_source", None)  # provenance, not a config key
+    config = AutoConfig.for_model(**d)
     with torch.device("meta"):  # shapes only: no memory, no weights
         model = AutoModelForImageTextToText.from_config(config)
     n = sum(p.numel() for p in model.parameters())
@@ -71,6 +75,44 @@ def test_smolvlm_recipe_plans_its_tiles_and_fits_an_l4():
     tokens = 17 * 81 + 16 * 2 + 4 + 3  # images × tokens; per tile <fake><row_r_col_c>; newlines; global tags
     assert any(f"4×4 tiles of 384 px + the whole image ({tokens} image tokens)" in n for n in p.notes), p.notes
     assert p.fits and p.peak_allocated < find_gpu("l4").memory_bytes
+
+
+# the generic chat-VLM path's recipes (issue #46): the processor's own layout of the planned photo
+GENERIC_PATH_RECIPES = [
+    ("qwen3-vl-4b-alt-text", None, "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
+    ("qwen3-vl-4b-alt-text", "nf4", "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
+    (
+        "gemma-3-4b-alt-text",
+        None,
+        "every photo resized to 896×896 px, as Gemma3Processor lays it out: 256 image tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize("recipe, quantize, images", GENERIC_PATH_RECIPES)
+def test_generic_path_alt_text_recipes_plan_offline_on_a_24gb_card(monkeypatch, recipe, quantize, images):
+    """Qwen3-VL-4B and Gemma 3 4B, LoRA (and QLoRA) in bf16, planned for an RTX 4090 without the hub: the
+    bundled config and published processor settings (assets/processors) lay out the photo as the real
+    processor does; the plan says FITS and states the image tokens. 5-10 s each on 2 busy cores."""
+    from bigtune.models import build
+    from bigtune.models.configs import ModelError, bundled_processor_path
+    from bigtune.plan.step import chatvlm
+
+    def offline(cfg):
+        raise ModelError(f"{cfg.name}: the hub is unreachable (this test plans offline)")
+
+    monkeypatch.setattr(build, "load_processor", offline)
+    monkeypatch.setattr(chatvlm, "_PROCESSORS", {})
+    over = {"accelerator": "cpu"} | ({"model.quantize": quantize} if quantize else {})
+    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", over)
+    assert r.peft.method == "lora" and r.precision == "bf16-true" and r.model.family == "image-to-text"
+    settings = json.loads(bundled_processor_path(r.model.name).read_text())
+    assert settings["_bigtune_source"].startswith(f"{r.model.name} preprocessor_config.json")
+    p = plan(r, Target("cuda", find_gpu("rtx-4090"), 1), replay=False)
+    assert p.fits and p.peak_allocated < find_gpu("rtx-4090").memory_bytes, p.notes
+    assert any(n == f"images: {images}" for n in p.notes), p.notes
+    after = p.phases["after_optimizer"]  # LoRA: gradients and Adam state are the adapters' only
+    assert after["gradients"] < after["parameters"] / 20
 
 
 @pytest.fixture(scope="module")

@@ -324,7 +324,15 @@ def tiny_vlm(model_type: str):
     if "image_processor" not in params:
         raise TinyVlmError(f"{model_type}: {name} has no image processor")
     geometry = tiny_vlm_config(model_type, 1024, {})
-    proc = _build_processor(model_type, _image_only_class(cls), _image_processor_class(model_type), geometry)
+    ip_cls = _image_processor_class(model_type)
+
+    def small_images():
+        ip = ip_cls()
+        _shrink_image_processor(ip, model_type, geometry)
+        return ip
+
+    kwargs = _family_processor_kwargs(model_type, geometry)
+    proc = _build_processor(model_type, _image_only_class(cls), small_images, kwargs, _tokenizer)
     text = f"a {proc.image_token} b"
     out = proc(text=[text], images=[Image.new("RGB", (48, 40), (200, 120, 40))], return_tensors="pt")
     ids = out["input_ids"][0].tolist()
@@ -355,17 +363,15 @@ CONFIG_TOKEN_KEYS = {
 }
 
 
-def _build_processor(model_type: str, cls, ip_cls, config):
-    """The processor over the bundled tokenizer, each special token it asks for added (an AttributeError
-    naming a ``*_token`` of the tokenizer, or a ``*_token`` attribute of the processor not in the vocabulary),
-    built again until none is missing."""
+def _build_processor(model_type: str, cls, make_image_processor, kwargs: dict, make_tokenizer):
+    """The processor over a tokenizer ``make_tokenizer(extra)`` builds, each special token it asks for added
+    to ``extra`` (an AttributeError naming a ``*_token`` of the tokenizer, or a ``*_token`` attribute of the
+    processor not in the vocabulary), built again until none is missing."""
     extra: dict[str, str] = {}
     for _ in range(12):
-        tok = _tokenizer(extra)
-        ip = ip_cls()
-        _shrink_image_processor(ip, model_type, config)
+        tok = make_tokenizer(extra)
         try:
-            proc = cls(image_processor=ip, tokenizer=tok, **_family_processor_kwargs(model_type, config))
+            proc = cls(image_processor=make_image_processor(), tokenizer=tok, **kwargs)
         except AttributeError as e:
             missing = _missing_token(str(e))
             if missing is None or missing in extra:
@@ -383,6 +389,79 @@ def _build_processor(model_type: str, cls, ip_cls, config):
             return proc
         extra.update(unknown)
     raise TinyVlmError(f"{model_type}: {cls.__name__} kept asking for more special tokens ({', '.join(extra)})")
+
+
+# -- a published checkpoint's processor, offline, for the planner ---------------------------------------------
+
+
+def _tokenizer_at_ids(ids: dict[str, int]):
+    """A make_tokenizer for _build_processor: the bundled tokenizer with each special token the processor asks
+    for at the id the model's config gives it (``ids``: tokenizer attribute → id, see token_ids_of), others
+    after the bundled vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    def make(extra: dict[str, str]):
+        d = json.loads(TOKENIZER_FILE.read_text(encoding="utf-8"))
+        for attr, token in extra.items():
+            if attr in ids:  # in the model's vocabulary and in the added tokens, so it is never split
+                d["model"]["vocab"][token] = ids[attr]
+                d["added_tokens"].append(
+                    {"id": ids[attr], "content": token, "single_word": False, "lstrip": False, "rstrip": False}
+                    | {"normalized": False, "special": True}
+                )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(json.dumps(d)),
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            model_max_length=1 << 20,
+            padding_side="right",
+            extra_special_tokens=dict(extra),
+        )
+
+    return make
+
+
+def token_ids_of(config) -> dict[str, int]:
+    """Tokenizer attribute → id for the special tokens ``config`` names (the image token and the ids in
+    CONFIG_TOKEN_KEYS)."""
+    out = {}
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(getattr(config, key, None), int):
+            out["image_token"] = int(getattr(config, key))
+    for key, attr in CONFIG_TOKEN_KEYS.items():
+        if isinstance(getattr(config, key, None), int):
+            out[attr] = int(getattr(config, key))
+    return out
+
+
+def standin_processor(config, settings: dict):
+    """A published checkpoint's processor built offline for planning: the family's processor class
+    (image-only) and image processor at the checkpoint's published settings (``settings``: the bundled
+    ``image_processor`` and ``processor`` dicts, assets/processors), over the bundled tokenizer with the
+    config's special-token ids, and a neutral chat template. It lays out images exactly as the real one
+    (the image tokens, markers and per-image tensors); the text around them is the stand-in's."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    model_type = config.model_type
+    name = settings.get("processor_class") or PROCESSOR_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name or "", None)
+    if cls is None:
+        raise TinyVlmError(f"{model_type}: processor class {name!r} is not importable here")
+    ip_cls = _image_processor_class(model_type)
+    published = dict(settings.get("image_processor", {}))
+    kwargs = {k: v for k, v in settings.get("processor", {}).items() if k != "processor_class"}
+    return _build_processor(
+        model_type,
+        _image_only_class(cls),
+        lambda: ip_cls.from_dict(published),
+        kwargs,
+        _tokenizer_at_ids(token_ids_of(config)),
+    )
 
 
 def _missing_token(message: str) -> Optional[str]:

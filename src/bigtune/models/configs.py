@@ -23,6 +23,28 @@ def bundled_config_path(name: str) -> Optional[Path]:
     return p if p.is_file() else None
 
 
+# A bundled vision-language checkpoint's published processor settings (preprocessor_config.json and
+# processor_config.json, with their source), beside its config: enough to plan it without the hub
+PROCESSOR_DIR = CONFIG_DIR.parent / "processors"
+
+
+def bundled_processor_path(name: str) -> Optional[Path]:
+    p = PROCESSOR_DIR / (name.replace("/", "--") + ".json")
+    return p if p.is_file() else None
+
+
+def bundled_processor(model_cfg):
+    """For planning offline: ``model_cfg``'s processor class at its checkpoint's bundled published settings,
+    over a stand-in tokenizer with the config's special-token ids (core.tiny_vlm.standin_processor); None
+    when no settings are bundled for it."""
+    path = bundled_processor_path(model_cfg.name)
+    if path is None or model_cfg.tokenizer is not None:
+        return None
+    from bigtune.core.tiny_vlm import standin_processor
+
+    return standin_processor(_resolve_whole_config(model_cfg), json.loads(path.read_text(encoding="utf-8")))
+
+
 def resolve_config(recipe: Recipe):
     """The model's HF config, from a preset, a local folder, a bundled copy, or the hub (in that order)."""
     return resolve_config_name(recipe.model)

@@ -162,14 +162,20 @@ def generic_batch(recipe: Recipe, cfg, b_size: int, padded: bool, images: Option
 
 def generic_images_note(recipe: Recipe, config, images: Optional[tuple]) -> str:
     """What the plan assumed about a generic-path model's images."""
+    from bigtune.data.vlm import generic_budget_size
+
     sizes = generic_image_sizes(recipe, images, recipe.train.micro_batch_size)
     batch = generic_batch(recipe, config, 1, False, tuple(sizes[:1]))
+    layout = generic_layout(recipe, config)
     h, w = sizes[0]
-    why = "" if images or recipe.data.image_max_pixels else " (no data.image_max_pixels: a large photo)"
-    return (
-        f"images: {h}×{w} px{why}, as {type(generic_layout(recipe, config).processor).__name__} lays it out: "
-        f"{int((batch['input_ids'][0] == generic_layout(recipe, config).image_token_id).sum())} image tokens"
-    )
+    ip = layout.processor.image_processor
+    if generic_budget_size(ip, 1 << 20) is None and getattr(ip.size, "height", None):  # one size for every photo
+        what = f"every photo resized to {ip.size.height}×{ip.size.width} px"
+    else:
+        why = "" if images or recipe.data.image_max_pixels else " (no data.image_max_pixels: a large photo)"
+        what = f"{h}×{w} px{why}"
+    tokens = int((batch["input_ids"][0] == layout.image_token_id).sum())
+    return f"images: {what}, as {type(layout.processor).__name__} lays it out: {tokens} image tokens"
 
 
 def is_vlm_config(config) -> bool:
@@ -183,11 +189,20 @@ _PROCESSORS: dict[tuple, object] = {}  # one load per model for the several simu
 
 
 def _processor(model):
+    """The model's processor; offline, a bundled checkpoint's processor class at its published settings
+    (models.configs.bundled_processor), which lays its images out as the real one."""
     from bigtune.models.build import load_processor
+    from bigtune.models.configs import ModelError, bundled_processor
 
     key = (model.name, model.tokenizer, model.init, model.revision)
     if key not in _PROCESSORS:
-        _PROCESSORS[key] = load_processor(model)
+        try:
+            _PROCESSORS[key] = load_processor(model)
+        except ModelError:
+            standin = bundled_processor(model)
+            if standin is None:
+                raise
+            _PROCESSORS[key] = standin
     return _PROCESSORS[key]
 
 
