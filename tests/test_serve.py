@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -138,11 +139,26 @@ def test_the_queue_policy_reserves_slots_for_the_head_and_ages_waiting_jobs():
 def test_openapi_schema_and_401_without_a_valid_token(served):
     paths = httpx.get(served.url + "/openapi.json").json()["paths"]
     for p in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/cancel",
-              "/v1/jobs/{job_id}/checkpoints"):  # fmt: skip
+              "/v1/jobs/{job_id}/metrics", "/v1/jobs/{job_id}/checkpoints"):  # fmt: skip
         assert p in paths
     assert served.call("GET", "/v1/jobs", user=None).status_code == 401
     bad = httpx.get(served.url + "/v1/jobs", headers={"Authorization": "Bearer btk_not-a-token"})
     assert bad.status_code == 401
+
+
+def test_the_web_page_is_one_self_contained_html_page_that_asks_for_the_token(served):
+    res = httpx.get(served.url + "/")  # no token: the page has no data of its own
+    assert res.status_code == 200 and res.headers["content-type"].startswith("text/html")
+    html = res.text
+    for part in ('id="login"', 'type="password"', "sessionStorage", 'id="jobs"', 'class="plot loss"',
+                 'class="plot memory"', 'id="output"', 'id="events"', "/v1/jobs", "Authorization", "cancel"):  # fmt: skip
+        assert part in html, part
+    # nothing from elsewhere (the cluster may have no internet): no external script, style, font or image
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html) and "<link" not in html
+    assert "@import" not in html and "url(" not in html
+    policy = res.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy and "'unsafe-inline'" not in policy
+    assert "script-src 'sha256-" in policy and "frame-ancestors 'none'" in policy
 
 
 def test_bad_recipes_and_paths_outside_the_allowed_roots_are_refused_with_the_reason(served, tmp_path):

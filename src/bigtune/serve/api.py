@@ -1,19 +1,30 @@
 """The REST API: routes parse the request and check who calls, then call the service (service.py).
 
-Shaped like the fine-tuning job APIs people already use: create, list, get, events, cancel, checkpoints under
-/v1/jobs; the OpenAPI schema at /openapi.json and its pages at /docs. Every route but /healthz wants
-``Authorization: Bearer <token>``: none or an unknown one is 401; another user's job is 403.
+Shaped like the fine-tuning job APIs people already use: create, list, get, events, logs, metrics, cancel,
+checkpoints under /v1/jobs; the OpenAPI schema at /openapi.json and its pages at /docs; the web page at /
+(page.py). Every route but /healthz and the page wants ``Authorization: Bearer <token>``: none or an unknown one
+is 401; another user's job is 403.
 """
 
 from typing import Annotated, Optional
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from bigtune.serve.admission import Refused
 from bigtune.serve.auth import bearer
-from bigtune.serve.schemas import CheckpointList, EventList, JobCreate, JobList, JobOutput, JobView, Refusal
+from bigtune.serve.page import page
+from bigtune.serve.schemas import (
+    CheckpointList,
+    EventList,
+    JobCreate,
+    JobList,
+    JobMetrics,
+    JobOutput,
+    JobView,
+    Refusal,
+)
 from bigtune.serve.service import Caller, Conflict, Forbidden, NotFound, Service
 
 REFUSALS = {
@@ -36,7 +47,9 @@ def job_or_error(call):
 
 
 def create_app(service: Service) -> FastAPI:
-    """The FastAPI application over ``service``."""
+    """The FastAPI application over ``service``.
+
+    Long because it is the list of routes, each a few lines that parse, authorise and call the service."""
     from bigtune import __version__
 
     app = FastAPI(
@@ -56,6 +69,12 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:
         return {"ok": True}
+
+    @app.get("/", include_in_schema=False, response_class=HTMLResponse)
+    def web_page():
+        # no token here: the page asks for it and sends it with each of its API requests
+        html, headers = page()
+        return HTMLResponse(html, headers=headers)
 
     @app.post(
         "/v1/jobs",
@@ -99,6 +118,10 @@ def create_app(service: Service) -> FastAPI:
     def job_logs(job_id: str, who: Who, max_bytes: Annotated[int, Query(ge=1, le=2**24)] = 65536):
         job, text = job_or_error(lambda: service.output(who, job_id, max_bytes))
         return {"job_state": job.state, "backend": service.backend.name, "text": text}
+
+    @app.get("/v1/jobs/{job_id}/metrics", response_model=JobMetrics, responses=REFUSALS)
+    def job_metrics(job_id: str, who: Who, max_points: Annotated[int, Query(ge=2, le=100_000)] = 1000):
+        return job_or_error(lambda: service.metrics(who, job_id, max_points))
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses={**REFUSALS, 409: {"model": Refusal}})
     def cancel_job(job_id: str, who: Who):

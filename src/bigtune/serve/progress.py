@@ -59,6 +59,25 @@ def progress(run_dir: str | Path, total_steps: Optional[int]) -> dict:
     }
 
 
+def _thin(rows: list[dict], max_points: int) -> list[dict]:
+    """At most ``max_points`` of ``rows``, evenly spaced, the last one kept."""
+    if len(rows) <= max_points:
+        return rows
+    stride = -(-len(rows) // max_points)
+    return rows[::-1][::stride][::-1]
+
+
+MEMORY_FIELDS = ("step", "phase", "allocated", "peak_allocated", "reserved", "peak_reserved")
+
+
+def series(run_dir: str | Path, max_points: int = 1000) -> dict:
+    """The run's plots' data: each logged step's loss and throughput, and each memory snapshot's allocated and
+    reserved bytes (per device), thinned to ``max_points`` each."""
+    steps = [{k: r.get(k) for k in ("step", "loss", "tokens_per_s", "step_time_s")} for r in metrics(run_dir)]
+    snaps = [{k: s.get(k) for k in MEMORY_FIELDS} for s in _read_jsonl(Path(run_dir) / "memory.jsonl")]
+    return {"steps": _thin(steps, max_points), "memory": _thin(snaps, max_points)}
+
+
 def measured_peak_bytes(run_dir: str | Path) -> Optional[int]:
     """The run's peak allocated memory: the summary's when it has ended, else the largest snapshot so far."""
     done = summary(run_dir)

@@ -116,6 +116,36 @@ class JobOutput(BaseModel):
     text: str
 
 
+class StepPoint(BaseModel):
+    step: int
+    loss: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+
+
+class MemoryPoint(BaseModel):
+    """One memory snapshot (the run's memory.jsonl), bytes per device."""
+
+    step: int
+    phase: Optional[str] = None
+    allocated: Optional[int] = None
+    peak_allocated: Optional[int] = None
+    reserved: Optional[int] = None
+    peak_reserved: Optional[int] = None
+
+
+class JobMetrics(BaseModel):
+    """What the job's run has logged so far, for plots: each logged step, each memory snapshot (thinned to
+    ``max_points`` each, the last kept), and the peak its plan predicted."""
+
+    object: str = "fine_tuning.job.metrics"
+    job_state: str
+    steps: list[StepPoint]
+    memory: list[MemoryPoint]
+    planned_peak_allocated_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+
+
 class CheckpointView(BaseModel):
     object: str = "fine_tuning.job.checkpoint"
     step: Optional[int]

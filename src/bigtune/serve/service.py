@@ -253,6 +253,13 @@ class Service:
         except BackendError as e:
             return f"(its output cannot be read: {e})"
 
+    def metrics(self, caller: Caller, job_id: str, max_points: int = 1000) -> dict:
+        """The job's plots' data (progress.series) beside the memory its plan predicted."""
+        job = self.job(caller, job_id)
+        plan = job.plan
+        return {"job_state": job.state, **progress.series(job.run_dir, max_points),
+                "planned_peak_allocated_bytes": plan.get("peak_allocated"), "capacity_bytes": plan.get("capacity")}  # fmt: skip
+
     def checkpoints(self, caller: Caller, job_id: str) -> list[dict]:
         return progress.checkpoints(self.job(caller, job_id).run_dir)
 
