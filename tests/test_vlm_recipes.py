@@ -126,10 +126,12 @@ def test_tiny_vlm_ladder_runs_every_rung(tiny_ladder):
     rc, out = tiny_ladder
     assert rc == 0
     rows = {r["variant"]: r for r in json.loads((out / "sweep.json").read_text())["rows"]}
-    assert list(rows) == ["01-full-frozen-vision", "02-full-all", "03-lora", "04-lora-all-linear", "05-qlora"]
+    rungs = ["01-full-frozen-vision", "02-full-all", "03-lora", "04-lora-all-linear", "05-qlora", "06-qwen3-vl-lora"]
+    assert list(rows) == rungs
     for name, r in rows.items():
         assert r["status"] == "ok" and r["steps"] == 3 and r["final_loss"] is not None, (name, r.get("error"))
-        assert r["overrides"]["model.name"] == "tiny-qwen2.5-vl"
+        # the last rung: a family of the generic chat-VLM path (issue #46)
+        assert r["overrides"]["model.name"] == ("tiny-qwen3-vl" if name == rungs[-1] else "tiny-qwen2.5-vl")
     trainable = {n: json.loads((out / n / "summary.json").read_text())["parameters"]["trainable"] for n in rows}
     # each rung's knob does what its note says
     assert trainable["02-full-all"] > trainable["01-full-frozen-vision"] > trainable["04-lora-all-linear"]

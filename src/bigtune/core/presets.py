@@ -588,6 +588,26 @@ def _smolvlm(vocab: int, ids: dict):
 # Model families (issue #26): one tiny random-init model per architecture, 2 layers and hidden 64, so a
 # family's real code path (its attention, norms, rotary variant, MoE routing) trains, plans and exports in
 # seconds. Each keeps the family's defining traits; the rest is the config class's defaults.
+def _generic_vlm(model_type: str) -> tuple[Callable[[int, dict], object], Callable[[], object]]:
+    """(make_config, processor) of a tiny ``model_type`` vision-language model of the generic chat-VLM path,
+    both from core.tiny_vlm (which sizes the config to its own processor's tokenizer and special tokens)."""
+
+    def make_config(vocab: int, ids: dict):
+        from bigtune.core.tiny_vlm import tiny_vlm
+
+        return tiny_vlm(model_type)[1]
+
+    def processor():
+        from bigtune.core.tiny_vlm import tiny_vlm
+
+        return tiny_vlm(model_type)[0]
+
+    return make_config, processor
+
+
+_QWEN3_VL, _GEMMA3_VL = _generic_vlm("qwen3_vl"), _generic_vlm("gemma3")
+
+
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
 
 
@@ -676,6 +696,23 @@ PRESETS: dict[str, Preset] = {
         "SmolVLM (Idefics3): SigLIP ViT 32 px/patch 8 (1 layer, width 32), pixel-shuffle connector (4 tokens a "
         "tile), Llama 2 layers, hidden 64; images upscaled to 64 px and split into 32 px tiles + the whole image.",
         processor=tiny_smolvlm_processor,
+    ),
+    # the generic chat-VLM path (data.vlm, issue #46): any image-text-to-text family, built by core.tiny_vlm
+    "tiny-qwen3-vl": Preset(
+        "image-to-text",
+        _QWEN3_VL[0],
+        "Qwen3-VL: ViT 2 layers, width 32, patch 16, 2×2 merger and DeepStack mergers; Qwen3 text model 2 layers, "
+        "hidden 64, interleaved M-RoPE; the generic chat-VLM path (its processor lays out every photo).",
+        processor=_QWEN3_VL[1],
+        tokens=(),
+    ),
+    "tiny-gemma3-vl": Preset(
+        "image-to-text",
+        _GEMMA3_VL[0],
+        "Gemma 3 (vision-language): SigLIP 64 px/patch 16 (2 layers, width 32) pooled to 4 image tokens, Gemma 3 "
+        "text model 2 layers, hidden 64; the generic chat-VLM path.",
+        processor=_GEMMA3_VL[1],
+        tokens=(),
     ),
     # model families: see _family above
     "tiny-llama3": Preset(

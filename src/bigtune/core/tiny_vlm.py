@@ -16,9 +16,12 @@ read from the tiny config (``_PROCESSOR_GEOMETRY``), each with the reason.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any, Optional
 
-from bigtune.core.presets import TOKENIZER_FILE
+# the bundled tokenizer (core.presets.TOKENIZER_FILE; named here again so that presets can build its
+# generic-path presets from this module without an import circle)
+TOKENIZER_FILE = Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer.json"
 
 # The bundled tokenizer's turns in Zephyr's layout (as TINY_CHAT_TEMPLATE), content given as parts: an image
 # part is written as the processor's placeholder (IMAGE_PLACEHOLDER is replaced with it), a text part as is.
