@@ -80,6 +80,10 @@ def test_site_builds_with_generated_reference(site):
     assert "--alternatives" in cli and "--plan-only" in cli
     api = (site / "reference" / "api.html").read_text(encoding="utf-8")
     assert "load_recipe" in api and "RecipeError" in api
+    http_api = (site / "reference" / "http-api.html").read_text(encoding="utf-8")  # from the service's OpenAPI schema
+    for route in ("POST /v1/jobs", "GET /v1/jobs/{job_id}/metrics", "POST /v1/jobs/{job_id}/cancel"):
+        assert route in http_api, f"{route} missing from the HTTP API reference"
+    assert 'id="jobview"' in http_api and "queue_position" in http_api
 
 
 def test_internal_links_and_images_resolve(site):

@@ -8,10 +8,12 @@ with Markdown built from bigtune itself, so the reference cannot drift from the 
 - ``cli``: every command and flag, from the argparse parser (``bigtune.cli.build_parser``);
 - ``exit-codes``: the exit codes the CLI defines;
 - ``gpu-catalog``: the GPUs ``--gpu`` accepts, from the catalog (``bigtune.core.gpus``);
-- ``modules``: every module of the package by layer, with its docstring's first paragraph.
+- ``modules``: every module of the package by layer, with its docstring's first paragraph;
+- ``http-api``: the training service's routes, parameters, answers and models, from its OpenAPI schema
+  (``bigtune.serve.api.openapi_schema``, what ``bigtune serve`` serves at /openapi.json).
 
 The hook imports bigtune, so build the site from an environment where it is installed (``pip install -e
-'.[docs]'``).
+'.[docs]'``, which brings FastAPI and SQLAlchemy for the service's schema).
 """
 
 from __future__ import annotations
@@ -198,12 +200,93 @@ def _modules() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _schema_type(schema: dict) -> str:
+    """A JSON schema's type in words: ``integer``, ``string or null``, ``list of`` [`JobView`](#jobview)."""
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return f"[`{name}`](#{name.lower()})"
+    if "anyOf" in schema:
+        return " or ".join(_schema_type(s) for s in schema["anyOf"])
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return "list of " + _schema_type(schema.get("items", {}))
+    if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
+        return "mapping to " + _schema_type(schema["additionalProperties"])
+    if kind == "object":
+        return "object"
+    return str(kind)
+
+
+def _limits(schema: dict) -> str:
+    words = [f"{k} {schema[k]}" for k in ("minimum", "maximum") if k in schema]
+    if "default" in schema:
+        words.append(f"default `{schema['default']}`")
+    return "; ".join(words)
+
+
+def _http_api() -> str:
+    """Each route (method, path, what it does, its parameters, body and answers), then each model's fields, from
+    the service's OpenAPI schema."""
+    from bigtune.serve.api import openapi_schema
+
+    spec = openapi_schema()
+    routes = [(path, method, op) for path, ops in spec["paths"].items() for method, op in ops.items()]
+    out = ["| route | what |", "|---|---|"]
+    anchors = {}
+    for path, method, op in routes:
+        anchors[(path, method)] = re.sub(r"[^a-z0-9]+", "-", f"{method} {path}".lower()).strip("-")
+        first = (op.get("description") or op.get("summary") or "").split("\n")[0]
+        out.append(f"| [`{method.upper()} {path}`](#{anchors[(path, method)]}) | {_cell(first)} |")
+    out += ["", "## Routes", ""]
+    for path, method, op in routes:
+        out += [
+            f"### `{method.upper()} {path}` {{#{anchors[(path, method)]}}}",
+            "",
+            _cell(op.get("description", "")),
+            "",
+        ]
+        params = [p for p in op.get("parameters", []) if p["name"] != "authorization"]
+        if params:
+            out += ["| parameter | in | type | meaning |", "|---|---|---|---|"]
+            for prm in params:
+                sch = prm.get("schema", {})
+                extra = "; ".join(w for w in ("required" if prm.get("required") else "", _limits(sch)) if w)
+                out.append(
+                    f"| `{prm['name']}` | {prm['in']} | {_schema_type(sch)} | {_cell(prm.get('description', extra))} |"
+                )
+            out.append("")
+        body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+        if body:
+            out += [f"Body: {_schema_type(body)} (JSON).", ""]
+        out += ["| answer | body | when |", "|---|---|---|"]
+        for status, res in op.get("responses", {}).items():
+            sch = res.get("content", {}).get("application/json", {}).get("schema")
+            out.append(f"| {status} | {_schema_type(sch) if sch else '-'} | {_cell(res.get('description', ''))} |")
+        out.append("")
+    out += ["## Models", ""]
+    for name, sch in spec.get("components", {}).get("schemas", {}).items():
+        out += [f"### `{name}` {{#{name.lower()}}}", ""]
+        if sch.get("description"):
+            out += [_cell(sch["description"]), ""]
+        props = sch.get("properties", {})
+        if props:
+            out += ["| field | type | meaning |", "|---|---|---|"]
+            required = set(sch.get("required", []))
+            for field, fs in props.items():
+                extra = "; ".join(w for w in ("required" if field in required else "", _limits(fs)) if w)
+                text = " ".join(w for w in (_cell(fs.get("description", "")), f"({extra})" if extra else "") if w)
+                out.append(f"| `{field}` | {_schema_type(fs)} | {text} |")
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
 GENERATORS = {
     "recipe-keys": _recipe_keys,
     "cli": _cli,
     "exit-codes": _exit_codes,
     "gpu-catalog": _gpu_catalog,
     "modules": _modules,
+    "http-api": _http_api,
 }
 
 

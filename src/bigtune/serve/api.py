@@ -87,6 +87,8 @@ def create_app(service: Service) -> FastAPI:
         },
     )
     async def create_job(body: JobCreate, who: Who):
+        """Submit a job: its recipe is checked and planned against the cluster, then it is queued (or held)."""
+
         def submit():
             return service.submit(who, body.recipe, body.overrides, body.auto, body.priority, body.hold)
 
@@ -99,14 +101,17 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/jobs", response_model=JobList, responses=REFUSALS)
     def list_jobs(who: Who):
+        """Your jobs, oldest first (an admin: everyone's)."""
         return {"data": [service.view(j) for j in service.jobs(who)]}
 
     @app.get("/v1/jobs/{job_id}", response_model=JobView, responses=REFUSALS)
     def get_job(job_id: str, who: Who):
+        """One job: state, queue position, attempts, progress, planned and measured memory, plan and recipe."""
         return service.view(job_or_error(lambda: service.job(who, job_id)), detail=True)
 
     @app.get("/v1/jobs/{job_id}/events", response_model=EventList, responses=REFUSALS)
     def job_events(job_id: str, who: Who, after: Annotated[int, Query(ge=0)] = 0):
+        """What the service did with the job and each logged step, newer than event ``after``."""
         job, events = job_or_error(lambda: service.events(who, job_id, after))
         import json
 
@@ -116,23 +121,33 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=JobOutput, responses=REFUSALS)
     def job_logs(job_id: str, who: Who, max_bytes: Annotated[int, Query(ge=1, le=2**24)] = 65536):
+        """The job's own output (bigtune train's log), every attempt's: its last ``max_bytes``."""
         job, text = job_or_error(lambda: service.output(who, job_id, max_bytes))
         return {"job_state": job.state, "backend": service.backend.name, "text": text}
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=JobMetrics, responses=REFUSALS)
     def job_metrics(job_id: str, who: Who, max_points: Annotated[int, Query(ge=2, le=100_000)] = 1000):
+        """The logged steps and memory snapshots (at most ``max_points`` of each) and the planned peak."""
         return job_or_error(lambda: service.metrics(who, job_id, max_points))
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobView, responses={**REFUSALS, 409: {"model": Refusal}})
     def cancel_job(job_id: str, who: Who):
+        """Stop the job: a waiting one at once, a running one's processes (SIGTERM, then SIGKILL)."""
         return service.view(job_or_error(lambda: service.cancel(who, job_id)))
 
     @app.post("/v1/jobs/{job_id}/release", response_model=JobView, responses={**REFUSALS, 409: {"model": Refusal}})
     def release_job(job_id: str, who: Who):
+        """Queue a job that was submitted with ``hold``."""
         return service.view(job_or_error(lambda: service.release(who, job_id)))
 
     @app.get("/v1/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=REFUSALS)
     def job_checkpoints(job_id: str, who: Who):
+        """The job's resumable checkpoints: step, path, size."""
         return {"data": job_or_error(lambda: service.checkpoints(who, job_id))}
 
     return app
+
+
+def openapi_schema() -> dict:
+    """The API's OpenAPI schema, as /openapi.json serves it, without a service (the docs' API reference)."""
+    return create_app(None).openapi()  # the routes' service is only used when they are called
