@@ -175,7 +175,9 @@ def generic_images_note(recipe: Recipe, config, images: Optional[tuple]) -> str:
         why = "" if images or recipe.data.image_max_pixels else " (no data.image_max_pixels: a large photo)"
         what = f"{h}×{w} px{why}"
     tokens = int((batch["input_ids"][0] == layout.image_token_id).sum())
-    return f"images: {what}, as {type(layout.processor).__name__} lays it out: {tokens} image tokens"
+    note = f"images: {what}, as {type(layout.processor).__name__} lays it out: {tokens} image tokens"
+    standin = standin_note(recipe.model)
+    return note if standin is None else f"{note}; {standin}"
 
 
 def is_vlm_config(config) -> bool:
@@ -186,6 +188,7 @@ def is_vlm_config(config) -> bool:
 
 
 _PROCESSORS: dict[tuple, object] = {}  # one load per model for the several simulations of a plan
+_STANDINS: dict[tuple, str] = {}  # the models whose processor is the bundled stand-in: why the real one did not load
 
 
 def _processor(model):
@@ -198,12 +201,25 @@ def _processor(model):
     if key not in _PROCESSORS:
         try:
             _PROCESSORS[key] = load_processor(model)
-        except ModelError:
+        except ModelError as e:
             standin = bundled_processor(model)
             if standin is None:
                 raise
             _PROCESSORS[key] = standin
+            _STANDINS[key] = str(e).splitlines()[0]
     return _PROCESSORS[key]
+
+
+def standin_note(model) -> Optional[str]:
+    """Where the plan laid images out with the bundled processor settings instead of the model's own
+    processor (offline, a gated checkpoint...): that, and why the real one did not load; else None."""
+    why = _STANDINS.get((model.name, model.tokenizer, model.init, model.revision))
+    if why is None:
+        return None
+    return (
+        f"processor: {model.name}'s own did not load ({why}); its published settings bundled with bigtune laid "
+        "the images out instead (the same image tokens; the text around them from a stand-in tokenizer)"
+    )
 
 
 def _processor_and_layout(recipe: Recipe, config):
