@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from bigtune.engine import build as engine_build  # where the model is built and its blocks compiled
 from bigtune.engine import loop as engine
 from bigtune.recipe import RecipeError, load_recipe
 from bigtune.run.training import train
@@ -25,8 +26,8 @@ def test_compiled_blocks_train_like_eager_and_measured_steps_run_eager(tmp_path,
         norm.register_forward_pre_hook(lambda mod, args: seen.append(type(args[0].grad_fn).__name__))
         return blocks
 
-    real_compile = engine.compile_blocks
-    monkeypatch.setattr(engine, "compile_blocks", compile_and_watch)
+    real_compile = engine_build.compile_blocks
+    monkeypatch.setattr(engine_build, "compile_blocks", compile_and_watch)
     source = tmp_path / "long.jsonl"
     source.write_text("".join(json.dumps({"text": f"record {i}: " + "soup and bread " * 20}) + "\n" for i in range(40)))
     runs = {}
