@@ -162,3 +162,21 @@ def test_random_init_chat_vlm_without_a_processor_is_one_clear_error(tmp_path):
     p = run_cli("train", *[a for o in over for a in ("--set", o)], "--set", "accelerator=cpu", cwd=tmp_path)
     assert p.returncode != 0 and "Set model.tokenizer to a folder holding that model's processor" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_a_generic_path_plan_with_torchs_own_threads_does_not_hang(tmp_path):
+    """`bigtune plan` of Gemma 3's 896-px photos as a user runs it: torch with its default threads (the suite
+    pins one), the allocator replay's worker processes forked after the batch is laid out. Laying it out on
+    several threads started OpenMP's pool, and the forked workers hung in their first parallel op."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["BIGTUNE_SIM_CACHE"] = str(tmp_path / "sims")  # simulated here, not read from the suite's cache
+    cmd = [sys.executable, "-m", "bigtune", "plan", str(ROOT / "recipes" / "gemma-3-4b-alt-text.yaml")]
+    # 45 s on 2 idle cores; a hang would run to this bound
+    res = subprocess.run([*cmd, "--gpu", "rtx-4090"], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FITS" in res.stdout and "256 image tokens" in res.stdout

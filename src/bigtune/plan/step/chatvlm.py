@@ -135,6 +135,17 @@ def generic_layout(recipe: Recipe, config):
     return ChatImageLayout.for_model(proc, config, recipe.data.prompt)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one intra-op thread inside, as before outside."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def generic_batch(recipe: Recipe, cfg, b_size: int, padded: bool, images: Optional[tuple]) -> dict:
     """A micro-batch laid out exactly as training lays one out (bigtune.data.vlm's generic path), by the model's
     own processor from blank images of the planned sizes: every row the expanded prompt and an answer up to
@@ -149,11 +160,15 @@ def generic_batch(recipe: Recipe, cfg, b_size: int, padded: bool, images: Option
     top = min(int(cfg.get_text_config().vocab_size), layout.image_token_id)
     answer_len = max(1, recipe.data.max_seq_length - len(layout.prompt_ids))
     items = []
-    for h, w in generic_image_sizes(recipe, images, b_size):
-        ids = list(layout.prompt_ids) + torch.randint(3, top, (answer_len,), generator=g).tolist()
-        image = Image.new("RGB", (w, h), (128, 128, 128))
-        items.append(generic_item(layout, image, ids, ids))
-    batch = collate_chat_images(items, layout)
+    # On one thread: the processor's and the collation's ops on full-size pixels would otherwise start
+    # OpenMP's pool in this process, and the worker processes a plan forks later would hang in their first
+    # parallel op (a plan of Gemma 3's 896-px photos hung so on 2 cores).
+    with one_thread():
+        for h, w in generic_image_sizes(recipe, images, b_size):
+            ids = list(layout.prompt_ids) + torch.randint(3, top, (answer_len,), generator=g).tolist()
+            image = Image.new("RGB", (w, h), (128, 128, 128))
+            items.append(generic_item(layout, image, ids, ids))
+        batch = collate_chat_images(items, layout)
     if padded and not batch["padded"]:  # one padded position: the explicit-mask attention path
         batch["attention_mask"][-1, -1], batch["labels"][-1, -1] = 0, IGNORE_INDEX
         batch["padded"] = True
