@@ -337,6 +337,18 @@ def mlflow_server(tmp_path_factory):
 
 
 @pytest.fixture
+def one_thread(monkeypatch):
+    """torch on one intra-op thread, and the CLI subprocesses too, whatever an earlier test set: tiny models
+    gain nothing from more, and on a busy 2-core machine spinning OpenMP threads made the tiny BLIP-2's steps up
+    to 100x slower. For a module: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 

@@ -23,15 +23,8 @@ from conftest import HANG_GUARD_S, ROOT, read_jsonl, run_cli
 DEMO = ROOT / "recipes" / "gourmetgram-demo.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """The tiny BLIP-2 is too small to gain from intra-op threads, and on a busy 2-core machine spinning
-    OpenMP threads made steps up to 100× slower; one thread keeps these tests fast and steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the CLI subprocesses
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads on a busy 2-core machine (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _overrides(run_dir: Path, **extra) -> dict:

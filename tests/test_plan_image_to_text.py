@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from bigtune.core.gpus import find_gpu
 from bigtune.core.presets import preset_config, tiny_processor
@@ -23,13 +22,8 @@ from conftest import ROOT, read_jsonl, run_cli
 DEMO = ROOT / "recipes" / "gourmetgram-demo.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads on a busy 2-core machine (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from bigtune.core.presets import preset_config, tiny_qwen_vl_processor
 from bigtune.data.images import DEMO_IMAGES
@@ -26,13 +25,8 @@ DEMO = ROOT / "recipes" / "gourmetgram-qwen2-vl-demo.yaml"
 CATEGORIES = ("parameters", "gradients", "optimizer_device", "activations", "allocated", "peak_allocated")
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads on a busy 2-core machine (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,8 @@ DEMO = ROOT / "recipes" / "gourmetgram-qwen2-vl-demo.yaml"
 PROMPT = "Write alt text for this photo."
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """As in test_image_to_text: tiny models gain nothing from intra-op threads on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads on a busy 2-core machine (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _demo_images(n: int) -> list[Path]:

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from bigtune.core.stepmath import IGNORE_INDEX
 from bigtune.data import vlm
@@ -46,14 +45,8 @@ FAMILIES = [
 PLAN_UNAVAILABLE = {"ovis2_5": "its vision tower indexes by aten.nonzero, which fake tensors cannot size"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """As in test_vlm: tiny models gain nothing from intra-op threads on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from intra-op threads on a busy 2-core machine (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_folder(tmp_path: Path, model_type: str) -> tuple[Path, object]:
