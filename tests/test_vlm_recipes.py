@@ -28,7 +28,9 @@ MODEL_CARD_PARAMS = {
     "llava-hf/llava-1.5-7b-hf": 7.06e9,  # 7,063,427,072
     "HuggingFaceTB/SmolVLM-Instruct": 2.25e9,  # 2,246,272,880
     "Qwen/Qwen3-VL-4B-Instruct": 4.44e9,  # 4,437,815,808 (tied embeddings)
-    "google/gemma-3-4b-it": 4.30e9,  # 4,300,079,472 (tied embeddings)
+    "google/gemma-3-4b-it": 4.30e9,
+    "Qwen/Qwen3-VL-2B-Instruct": 2.13e9,  # 2,127,532,032 (tied embeddings)
+    "Qwen/Qwen3-VL-8B-Instruct": 8.77e9,  # 8,767,123,696  # 4,300,079,472 (tied embeddings)
 }
 
 
@@ -81,6 +83,9 @@ def test_smolvlm_recipe_plans_its_tiles_and_fits_an_l4():
 GENERIC_PATH_RECIPES = [
     ("qwen3-vl-4b-alt-text", None, "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
     ("qwen3-vl-4b-alt-text", "nf4", "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
+    ("qwen3-vl-2b-alt-text", None, "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
+    ("qwen3-vl-8b-alt-text", None, "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
+    ("qwen3-vl-8b-alt-text", "nf4", "512×512 px, as Qwen3VLProcessor lays it out: 256 image tokens"),
     (
         "gemma-3-4b-alt-text",
         None,
@@ -89,13 +94,20 @@ GENERIC_PATH_RECIPES = [
 ]
 
 
+# Qwen3-VL-8B under LoRA (bf16 base) is at a 24 GB card's limit, within the planner's typical error: 'bigtune
+# plan' says OOM (tight), 24.1 of 23.6 GiB, as its recipe says; planned here without replay it fits, tight
+# either way. Its QLoRA (--set model.quantize=nf4) fits with room
+TIGHT_ON_A_24GB_CARD = {("qwen3-vl-8b-alt-text", None)}
+
+
 @pytest.mark.parametrize("recipe, quantize, images", GENERIC_PATH_RECIPES)
 def test_generic_path_alt_text_recipes_plan_offline_on_a_24gb_card(monkeypatch, recipe, quantize, images):
-    """Qwen3-VL-4B and Gemma 3 4B, LoRA (and QLoRA) in bf16, planned for an RTX 4090 without the hub: the
-    bundled config and published processor settings (assets/processors) lay out the photo as the real
-    processor does; the plan says FITS and states the image tokens. 5-10 s each on 2 busy cores."""
+    """Qwen3-VL-2B/4B/8B and Gemma 3 4B, LoRA (and QLoRA) in bf16, planned for an RTX 4090 without the hub:
+    the bundled config and published processor settings (assets/processors) lay out the photo as the real
+    processor does; the plan says FITS (tight for the 8B under LoRA) and states the image tokens. 5-10 s each
+    on 2 busy cores."""
     from bigtune.models import build
-    from bigtune.models.configs import ModelError, bundled_processor_path
+    from bigtune.models.configs import SAME_PROCESSOR_AS, ModelError, bundled_processor_path
     from bigtune.plan.step import chatvlm
 
     def offline(cfg):
@@ -108,9 +120,13 @@ def test_generic_path_alt_text_recipes_plan_offline_on_a_24gb_card(monkeypatch, 
     r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", over)
     assert r.peft.method == "lora" and r.precision == "bf16-true" and r.model.family == "image-to-text"
     settings = json.loads(bundled_processor_path(r.model.name).read_text())
-    assert settings["_bigtune_source"].startswith(f"{r.model.name} preprocessor_config.json")
+    published_as = SAME_PROCESSOR_AS.get(r.model.name, r.model.name)  # 2B/8B: the 4B's settings
+    assert settings["_bigtune_source"].startswith(f"{published_as} preprocessor_config.json")
     p = plan(r, Target("cuda", find_gpu("rtx-4090"), 1), replay=False)
-    assert p.fits and p.peak_allocated < find_gpu("rtx-4090").memory_bytes, p.notes
+    if (recipe, quantize) in TIGHT_ON_A_24GB_CARD:
+        assert p.tight, p.notes
+    else:
+        assert p.fits and p.peak_allocated < find_gpu("rtx-4090").memory_bytes, p.notes
     (note,) = [n for n in p.notes if n.startswith(f"images: {images}; processor: ")]
     assert "the hub is unreachable" in note and "published settings bundled with bigtune" in note  # says so
     after = p.phases["after_optimizer"]  # LoRA: gradients and Adam state are the adapters' only

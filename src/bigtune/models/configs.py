@@ -28,7 +28,17 @@ def bundled_config_path(name: str) -> Optional[Path]:
 PROCESSOR_DIR = CONFIG_DIR.parent / "processors"
 
 
+# Checkpoints whose published image-processor settings are another's, file for file: the settings are
+# bundled once. Qwen3-VL-2B/8B-Instruct ship the 4B's preprocessor_config.json (size 65,536 to 16,777,216
+# px, patch 16, merge 2, as public copies of the 2B's and 8B's quote it).
+SAME_PROCESSOR_AS = {
+    "Qwen/Qwen3-VL-2B-Instruct": "Qwen/Qwen3-VL-4B-Instruct",
+    "Qwen/Qwen3-VL-8B-Instruct": "Qwen/Qwen3-VL-4B-Instruct",
+}
+
+
 def bundled_processor_path(name: str) -> Optional[Path]:
+    name = SAME_PROCESSOR_AS.get(name, name)
     p = PROCESSOR_DIR / (name.replace("/", "--") + ".json")
     return p if p.is_file() else None
 
