@@ -11,7 +11,10 @@ from bigtune.plan.planner import plan
 from bigtune.plan.step.chatvlm import fixed_image_layout
 from bigtune.recipe import load_recipe
 from conftest import run_cli
-from test_plan_vlm import DEMO, mixed_sizes, one_thread, train_and_compare, two_size_photos  # noqa: F401 - fixtures
+from test_plan_vlm import DEMO, mixed_sizes, train_and_compare, two_size_photos  # noqa: F401 - fixtures
+
+# tiny models gain nothing from intra-op threads on a busy 2-core machine (conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # 3 steps of 4 photos on the given data, every step measured and re-planned at its batch
 MEASURED_STEPS = {
