@@ -645,10 +645,8 @@ def real_index_math(config=None):
         known = make_constant or (not t.is_floating_point() and t.numel() <= KNOWN_NUMEL)
         return convert(self, fake_mode, t, known, *args, **kwargs)
 
-    threads = torch.get_num_threads()
     with contextlib.ExitStack() as stack:
-        torch.set_num_threads(1)
-        stack.callback(torch.set_num_threads, threads)
+        stack.enter_context(one_thread())
         stack.enter_context(mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT", KNOWN_NUMEL))
         stack.enter_context(mock.patch.object(fake_tensor.FakeTensorConverter, "from_real_tensor", from_real_tensor))
         for cls in (modeling_qwen2_vl.Qwen2VLModel, modeling_qwen2_5_vl.Qwen2_5_VLModel):
@@ -791,14 +789,10 @@ def split_image_batch(
     side = geometry.tile
     # Filled on one thread: a parallel fill of this large tensor would start OpenMP's pool, after which the
     # worker processes plans fork hang (as in _fake_pixels).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         pixel_mask = torch.zeros((b_size, max(counts), side, side), dtype=torch.long)
         for i, n in enumerate(counts):
             pixel_mask[i, :n] = 1
-    finally:
-        torch.set_num_threads(threads)
     return {
         # A shape only: simulate() swaps in a fake tensor (see _fake_pixels).
         "pixel_values": torch.empty(b_size, max(counts), geometry.channels, side, side),
