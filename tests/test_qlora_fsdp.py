@@ -60,15 +60,25 @@ def _tiny_llama_linears() -> list[tuple[int, int]]:
     return 2 * [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_fsdp_qlora_matches_one_process_and_shards_the_4bit_base(tmp_path, precision):
+# The published reference design of QLoRA + FSDP (FSDP1 over bitsandbytes 4-bit stored as bf16): everything
+# that is not 4-bit in bf16, adapters and their AdamW state included (docs/explanation/accuracy.md)
+PURE_BF16 = {"model.upcast_unquantized": False, "peft.adapter_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "precision, extra",
+    [("32-true", {}), ("bf16-true", {}), ("bf16-true", PURE_BF16)],
+    ids=["32-true", "bf16-true", "bf16-pure"],
+)
+def test_fsdp_qlora_matches_one_process_and_shards_the_4bit_base(tmp_path, precision, extra):
     """2 ranks × micro batch 2 against 1 process × 4 on the same samples: the losses agree (fp32 to 1e-5:
     only the order of the reductions differs; bf16-true to 2e-3: the bf16 hidden states round differently
-    when the batch is split). Each rank holds half of every NF4 weight's packed data and constants plus the
-    replicated scaler mean and code, exactly; the adapters and the rest are sharded with it."""
-    one = _train(tmp_path, "one", **_single(precision=precision))
-    two = _train(tmp_path, "two", **_fsdp(precision=precision, **{"memory.plan": True}))
-    tol = 1e-5 if precision == "32-true" else 2e-3
+    when the batch is split; pure bf16 to 1e-2, its adapters' updates rounding to bf16 as well). Each rank
+    holds half of every NF4 weight's packed data and constants plus the replicated scaler mean and code,
+    exactly; the adapters and the rest are sharded with it."""
+    one = _train(tmp_path, "one", **_single(precision=precision, **extra))
+    two = _train(tmp_path, "two", **_fsdp(precision=precision, **{"memory.plan": True}, **extra))
+    tol = 1e-5 if precision == "32-true" else 1e-2 if extra else 2e-3
     assert run_losses(two) == pytest.approx(run_losses(one), rel=tol)
     assert run_losses(two)[-1] < run_losses(two)[0]  # the adapters learn
     elem = 4 if precision == "32-true" else 2
