@@ -75,8 +75,14 @@ def _slurm_conf(root: Path, host: str) -> str:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "ReturnToService=2",
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory={_real_memory_mib()} State=UNKNOWN",
+            # A count-only resource standing in for GPUs (no device files, not named gpu: sinfo's gres shows no
+            # GPUs, so the partitions stay CPU partitions for the tests that read them from sinfo), which a job
+            # written from a cluster profile asks for as --gres=fakegpu:N (tests/test_serve_slurm.py).
+            "GresTypes=fakegpu",
+            f"NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory={_real_memory_mib()} Gres=fakegpu:2 State=UNKNOWN",
             f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+            # the same node in a second partition: a cluster profile's partitions to choose between
+            f"PartitionName=big Nodes={host} MaxTime=INFINITE State=UP",
             "",
         ]
     )
@@ -158,7 +164,7 @@ def one_node_cluster(root: Path) -> Iterator[dict]:
             res = subprocess.run(
                 [FOUND["sinfo"], "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True, timeout=60
             )
-            state = res.stdout.strip()
+            state = " ".join(sorted(set(res.stdout.split())))  # one line per partition the node is in
             if state == "idle":
                 break
             time.sleep(1)

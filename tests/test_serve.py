@@ -136,6 +136,20 @@ def test_the_queue_policy_reserves_slots_for_the_head_and_ages_waiting_jobs():
     assert d.start == ["small"] and "over quota" in d.blocked["hungry"]
 
 
+def test_each_partition_is_a_pool_whose_head_reserves_only_its_own_slots():
+    now = 10_000.0
+    big_a = Waiting("big-a", "a", 0, slots=2, queued_at=now - 10, pool="a")
+    small_a = Waiting("small-a", "b", 0, slots=1, queued_at=now - 5, pool="a")
+    small_b = Waiting("small-b", "b", 0, slots=1, queued_at=now - 1, pool="b")
+    # partition a has 1 slot free: its head waits and holds that slot; b's job behind it in the order starts
+    d = schedule([small_b, small_a, big_a], {"a": 1, "b": 1}, {}, {}, now)
+    assert d.start == ["small-b"] and d.order == ["big-a", "small-a", "small-b"]
+    assert "head of the queue of partition a" in d.blocked["big-a"] and "reserved" in d.blocked["small-a"]
+    # a pool with no free slots, or none at all, starts nothing of its own
+    assert schedule([small_b], {"a": 2, "b": 0}, {}, {}, now).start == []
+    assert schedule([small_b], {"a": 2}, {}, {}, now).start == []
+
+
 def test_openapi_schema_and_401_without_a_valid_token(served):
     paths = httpx.get(served.url + "/openapi.json").json()["paths"]
     for p in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/cancel",

@@ -2,19 +2,23 @@
 sinfo's text (fast, no Slurm), then over real HTTP on 127.0.0.1 with the real one-node Slurm of conftest.py's
 ``slurm`` fixture (tests/slurm_cluster.py; skips with the reason where Slurm cannot run here): a tiny job runs as
 an sbatch job to the end, its Slurm output shown by the logs route; another is taken back by a restarted server by
-its Slurm job id, then cancelled (SIGTERM first: it writes a checkpoint)."""
+its Slurm job id, then cancelled (SIGTERM first: it writes a checkpoint). With a cluster profile of two partitions
+of which only one fits the job, the job is sent to that one, slots are counted per partition, and a job Slurm keeps
+waiting shows as pending."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import pytest
+import yaml
 
 from bigtune.serve.backends import BackendError
 from bigtune.serve.service import ServeConfig
-from bigtune.serve.slurm_backend import exit_code, parse_gres, parse_job, read_cluster
-from slurm_cluster import job_state
+from bigtune.serve.slurm_backend import exit_code, parse_gres, parse_job, profile_partitions, read_cluster
+from slurm_cluster import FOUND, job_state
 from test_serve import TINY, WAIT_S, Served
 
 SINFO = "|".join(["%P", "%N", "%c", "%m", "%G", "%T"])  # the columns SlurmBackend asks sinfo for
@@ -72,6 +76,31 @@ def test_a_cluster_bigtune_cannot_plan_for_is_one_line_with_the_fix(text, partit
 def test_an_untyped_gres_is_named_by_gpu():
     cluster, _, gres = read_cluster(_rows("p*|n1|8|1000|gpu:a100:2|idle"), None, "a100-sxm-80gb", None)
     assert (cluster.gpu, cluster.gpus_per_node, gres) == ("a100-sxm-80gb", 2, "gpu:a100")
+
+
+# Two partitions of the same card, the cheaper one too small for anything (0.25 GiB: less than the CUDA context),
+# asked for as the test cluster's count-only gres (tests/slurm_cluster.py): the plan must choose "big".
+PROFILE = {
+    "name": "two-partitions",
+    "units": "SU",
+    "partitions": {
+        name: {"gpu": "rtx-4090", "gpus_per_node": 1, "cpus_per_node": 2, "mem_per_node_gib": 8,
+               "max_time": "1:00:00", "gres": "fakegpu", "units_per_gpu_hour": price, **extra}
+        for name, price, extra in [("debug", 1.0, {"gpu_memory_gib": 0.25}), ("big", 2.0, {})]
+    },
+}  # fmt: skip
+
+
+def test_a_cluster_profiles_partitions_are_checked_against_sinfo(tmp_path):
+    profile = tmp_path / "cluster.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    text = _rows("debug*|n1|2|8000|(null)|idle", "big|n1|2|8000|(null)|idle", "big|n2|2|8000|(null)|down*")
+    offers, slots = profile_partitions(text, str(profile))
+    assert sorted(o.name for o in offers.offers) == ["big", "debug"] and slots == {"debug": 1, "big": 1}
+    with pytest.raises(BackendError, match=r"partition 'big', which Slurm does not have \(sinfo lists: debug\)"):
+        profile_partitions(_rows("debug*|n1|2|8000|(null)|idle"), str(profile))
+    with pytest.raises(BackendError, match="no node of Slurm partition 'big'"):
+        profile_partitions(_rows("debug*|n1|2|8000|(null)|idle", "big|n2|2|8000|(null)|drained"), str(profile))
 
 
 # ------------------------------------------------------------------ on the real one-node Slurm
@@ -154,3 +183,62 @@ def test_a_job_runs_as_a_slurm_job_to_the_end_and_another_is_taken_back_then_can
     assert s.service.backend.free_slots() == 2
     # SIGTERM came first: training wrote a checkpoint before it stopped
     assert s.call("GET", f"/v1/jobs/{job_id}/checkpoints").json()["data"], "no checkpoint written on SIGTERM"
+
+
+@pytest.mark.slow
+def test_the_cluster_profile_sends_a_job_to_the_partition_that_fits_where_slurm_keeps_it_pending(slurm, tmp_path):
+    mp = pytest.MonkeyPatch()
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        mp.delenv(key)
+    mp.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    (tmp_path / "allowed").mkdir()
+    profile = tmp_path / "cluster.yaml"
+    profile.write_text(yaml.safe_dump(PROFILE))
+    cfg = ServeConfig(state_dir=tmp_path / "state", backend="slurm", cluster_profile=str(profile),
+                      allowed_roots=(tmp_path / "allowed",), workdir=tmp_path / "allowed", tick_s=0.3)  # fmt: skip
+    # Both of the node's CPUs taken by a job from outside the service: what the service hands Slurm waits there.
+    blocker = subprocess.run([FOUND["sbatch"], "--parsable", "-p", "debug", "-c", "2", "-o", "/dev/null", "--wrap",
+                              "sleep 300"], env=slurm, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert blocker.returncode == 0, blocker.stderr
+    blocker_id = blocker.stdout.strip().split(";")[0]
+    s = None
+    try:
+        s = Served(cfg)
+        assert s.service.backend.free_slots() == {"debug": 1, "big": 1}
+        res = s.submit(recipe=TINY)
+        assert res.status_code == 201, res.text
+        job_id = res.json()["id"]
+        job = s.call("GET", f"/v1/jobs/{job_id}").json()
+        assert job["partition"] == "big", job
+        placed = job["plan"]["partition"]
+        assert placed["gres"] == "fakegpu" and "does not fit" in placed["not_ranked"]["debug"], placed
+        events = [e["message"] for e in s.call("GET", f"/v1/jobs/{job_id}/events").json()["data"]]
+        assert any("of partition big (the cheapest partition that fits" in m for m in events), events
+
+        # Started by the service (it holds big's one slot), held in Slurm's queue behind the blocker: pending
+        pending = _wait(s, job_id, lambda j: j["state"] == "pending", "pending")
+        slurm_id = pending["backend_job_id"]
+        assert "PENDING in Slurm's queue" in pending["waiting_because"], pending
+        fields = parse_job(subprocess.run([FOUND["scontrol"], "show", "job", "-o", slurm_id], env=slurm,
+                                          capture_output=True, text=True, timeout=60).stdout)  # fmt: skip
+        assert fields["Partition"] == "big" and fields["JobState"] == "PENDING", fields
+        script = (tmp_path / "state" / "jobs" / job_id / "attempt-1.sbatch").read_text()
+        assert "#SBATCH --partition=big" in script and "#SBATCH --gres=fakegpu:1" in script, script
+        assert s.service.backend.free_slots() == {"debug": 1, "big": 0}
+
+        # The same job again (its plan kept: no second search) waits for big's slot, though debug's is free
+        res = s.submit(recipe=TINY)
+        assert res.status_code == 201, res.text
+        second = _wait(s, res.json()["id"], lambda j: j["queue_position"] == 1, "queued")
+        assert second["state"] == "queued" and "of partition big" in second["waiting_because"], second
+
+        for j in (job_id, second["id"]):
+            assert s.call("POST", f"/v1/jobs/{j}/cancel").status_code == 200
+        _wait(s, job_id, lambda j: s.service.store.job(job_id).handle is None, "released")
+        assert s.service.backend.free_slots() == {"debug": 1, "big": 1}
+        assert job_state(slurm, slurm_id) == "CANCELLED"
+    finally:
+        if s is not None:
+            s.server.stop()
+        subprocess.run([FOUND["scancel"], blocker_id], env=slurm, capture_output=True, timeout=60)
+        mp.undo()

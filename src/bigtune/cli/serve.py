@@ -40,6 +40,9 @@ def add_cli(sub) -> None:
                    "cluster sinfo shows; ray = Ray jobs on --ray-address (their GPUs read from the engine)")  # fmt: skip
     s.add_argument("--partition", help="slurm: the partition jobs go to and whose GPUs admit them (default: "
                    "Slurm's default partition)")  # fmt: skip
+    s.add_argument("--cluster", metavar="PROFILE", help="slurm: a cluster profile (as bigtune plan --cluster): each "
+                   "job is planned on every partition it names and sent to the cheapest that fits; slots are "
+                   "counted per partition (replaces --partition and --gpu)")  # fmt: skip
     s.add_argument("--slurm-time", metavar="TIME", help="slurm: each job's --time, e.g. 12:00:00 (default: its "
                    "plan's estimate x 1.5 + 15 min, else 24:00:00)")  # fmt: skip
     s.add_argument("--ray-address", metavar="URL",
@@ -133,6 +136,7 @@ def _config(args):
         retry_backoff_s=getattr(args, "retry_backoff", 5.0),
         checkpoint_every_steps=getattr(args, "checkpoint_every", 100), backend=getattr(args, "backend", "local"),
         partition=getattr(args, "partition", None), slurm_time=getattr(args, "slurm_time", None),
+        cluster_profile=getattr(args, "cluster", None),
         ray_address=getattr(args, "ray_address", None), mlflow_uri=getattr(args, "mlflow_uri", None),
         mlflow_experiment=getattr(args, "mlflow_experiment", "bigtune-serve"),
     )  # fmt: skip

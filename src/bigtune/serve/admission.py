@@ -2,11 +2,17 @@
 GPUs before it is queued. A job that can never fit is refused at once with the plan's reason and the variants that
 would fit; ``auto`` takes the fastest of those instead.
 
+On a cluster described by a cluster profile (Slurm partitions, ``Offers``), ``admit_to_partition`` plans the job
+on every partition and takes the one ``bigtune launch slurm --cluster`` would (plan/search/choose.py: the cheapest
+that fits, the faster on a tie, training what the recipe trains; with ``auto`` a variant that changes the training
+where nothing else fits).
+
 Nothing here knows HTTP: problems are raised as ``Refused`` with a status the API passes on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +33,11 @@ class Cluster:
     gpus_per_node: int = 1
     nodes: int = 1
     host_ram_gib: Optional[float] = None
+    one_node_jobs: bool = False  # each job runs on one node (Ray: see docs/how-to/serve.md, several GPUs under Ray)
+
+    @property
+    def most_gpus_per_job(self) -> int:
+        return self.gpus_per_node if self.one_node_jobs else self.total_gpus
 
     @property
     def total_gpus(self) -> int:
@@ -35,6 +46,15 @@ class Cluster:
     def label(self) -> str:
         what = self.gpu or "CPU slots"
         return f"{self.nodes} node(s) × {self.gpus_per_node} {what}"
+
+
+@dataclass(frozen=True)
+class Offers:
+    """A cluster profile's partitions (plan/search/offers.py's ``Offer``, one per partition) and where it was read."""
+
+    name: str
+    path: str
+    offers: tuple
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,7 @@ class Admitted:
     planned_gpu_hours: Optional[float] = None
     variant: Optional[str] = None
     output_dir: Optional[str] = None  # the user's output_dir: each job's run folder is <output_dir>/<job id>
+    placement: Optional[dict] = None  # admit_to_partition's choice: the partition and what the job asks of it
 
 
 def recipe_tree(recipe: str | dict) -> dict:
@@ -181,19 +202,12 @@ def _host_ram_problem(p, cluster: Cluster) -> Optional[str]:
     return f"needs {need:.1f} GiB of host RAM per node; the cluster's nodes have {cluster.host_ram_gib:.1f} GiB"
 
 
-def admit(recipe: str | dict, overrides: list[str], auto: bool, cluster: Cluster, rules: Rules, base: Path) -> Admitted:
-    """Validate, check and plan one submission (see the module's docstring); raise Refused when it is not admitted.
-
-    Long because it is admission's one sequence, read top to bottom: parse, validate, check the rules, plan,
-    and where the plan does not fit, refuse or take the fastest variant that does.
-    """
-    from bigtune.core.gpus import UnknownGPUError, find_gpu
-    from bigtune.plan.base.target import Target, run_strategy
+def _checked(recipe: str | dict, overrides: list[str], for_gpu: bool, rules: Rules, base: Path) -> tuple[dict, Any]:
+    """(the recipe's tree, the Recipe) once valid and within the admin's rules; else Refused."""
     from bigtune.recipe import RecipeError, gpu_plan_problems, load_recipe
 
     tree = recipe_tree(recipe)
     tree.setdefault("name", "job")
-    for_gpu = cluster.gpu is not None
     try:
         # As it will run: on a CPU cluster every rule (data present, precision this machine runs); for GPUs,
         # the rules a GPU node would apply (the planner's, as `bigtune plan --gpu`).
@@ -204,12 +218,32 @@ def admit(recipe: str | dict, overrides: list[str], auto: bool, cluster: Cluster
         raise Refused(422, "invalid recipe: " + "; ".join(e.problems), problems=e.problems) from None
     if problems := path_problems(r, rules, base):
         raise Refused(403, "; ".join(problems), problems=problems)
+    return tree, r
+
+
+def admit(recipe: str | dict, overrides: list[str], auto: bool, cluster: Cluster, rules: Rules, base: Path) -> Admitted:
+    """Validate, check and plan one submission (see the module's docstring); raise Refused when it is not admitted.
+
+    Long because it is admission's one sequence, read top to bottom: parse, validate, check the rules, plan,
+    and where the plan does not fit, refuse or take the fastest variant that does.
+    """
+    from bigtune.core.gpus import UnknownGPUError, find_gpu
+    from bigtune.plan.base.target import Target, run_strategy
+    from bigtune.recipe import RecipeError, load_recipe
+
+    for_gpu = cluster.gpu is not None
+    tree, r = _checked(recipe, overrides, for_gpu, rules, base)
     slots = r.world_size
-    if slots > cluster.total_gpus:
+    if cluster.one_node_jobs and r.num_nodes > 1:
+        raise Refused(409, f"the recipe asks for num_nodes={r.num_nodes}; this service runs each job on one node "
+                           f"of its cluster ({cluster.label()}): set num_nodes=1 and devices to at most "
+                           f"{cluster.gpus_per_node}, or run it on Slurm")  # fmt: skip
+    if slots > cluster.most_gpus_per_job:
+        per_job = " on one node" if cluster.one_node_jobs else ""
         raise Refused(
             409,
-            f"the recipe asks for {slots} GPUs (devices × num_nodes); the cluster has {cluster.total_gpus} "
-            f"({cluster.label()}): set devices (and num_nodes) to at most that",
+            f"the recipe asks for {slots} GPUs (devices × num_nodes); a job gets at most {cluster.most_gpus_per_job}"
+            f"{per_job} ({cluster.label()}): set devices (and num_nodes) to at most that",
         )
     try:
         gpu = find_gpu(cluster.gpu) if for_gpu else None
@@ -217,7 +251,7 @@ def admit(recipe: str | dict, overrides: list[str], auto: bool, cluster: Cluster
         raise Refused(409, str(e)) from None
     r_plan = load_recipe(tree, [*overrides, "accelerator=cpu"], check=False)
     target = Target("cuda" if for_gpu else "cpu", gpu, slots, run_strategy(r_plan.strategy, slots))
-    p, alts = _plan_with_alternatives(r_plan, target, cluster.total_gpus, want_alternatives=True)
+    p, alts = _plan_with_alternatives(r_plan, target, cluster.most_gpus_per_job, want_alternatives=True)
     why = None
     if p.fits is False:
         need = (p.needed_total or p.peak_total) / GIB
@@ -226,7 +260,9 @@ def admit(recipe: str | dict, overrides: list[str], auto: bool, cluster: Cluster
         why = f"does not fit: {host}"
     chosen, variant = overrides, None
     if why is not None:
-        fitting = [a for a in alts or [] if _variant_gpus(a, slots) <= cluster.total_gpus]
+        fitting = [a for a in alts or [] if _variant_gpus(a, slots) <= cluster.most_gpus_per_job]
+        if cluster.one_node_jobs:
+            fitting = [a for a in fitting if int(a.overrides.get("num_nodes", 1)) == 1]
         fitting = [a for a in fitting if _host_ram_problem(a, cluster) is None]
         if not auto or not fitting:
             more = " and none of its variants fits this cluster" if not fitting else "; submit with auto to take one"
@@ -243,3 +279,79 @@ def admit(recipe: str | dict, overrides: list[str], auto: bool, cluster: Cluster
     hours = p.step_time_s * steps * slots / 3600 if (p.step_time_s and steps) else None
     return Admitted(tree=tree, overrides=list(chosen), plan=p.to_dict(), slots=slots, name=str(tree["name"]),
                     total_steps=steps, planned_gpu_hours=hours, variant=variant, output_dir=r.output_dir)  # fmt: skip
+
+
+def _run_size(r):
+    """The run's data size as ``train`` reads it; where it cannot be read here (a path only the nodes see, a
+    tokenizer not downloaded) and the recipe sets max_steps, a size that gives max_steps steps (no evaluations
+    counted), else Refused."""
+    from bigtune.plan.base.constants import PlanError
+    from bigtune.plan.search.runlength import DataSize, data_size
+
+    try:
+        return data_size(r)
+    except PlanError as e:
+        if not r.train.max_steps:
+            raise Refused(422, f"{e}; or set train.max_steps, which fixes the run's length") from None
+        rows = r.train.max_steps * r.global_batch_size
+        return DataSize(rows, None, f"train.max_steps (the data could not be read here: {e})")
+
+
+def _deepspeed_missing(strategy: str) -> Optional[str]:
+    """As ``launch slurm --cluster``: a DeepSpeed strategy only where DeepSpeed is installed (here, and so,
+    as a rule, on the nodes that share this environment)."""
+    import importlib.util
+
+    if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install 'bigtune[deepspeed]')"
+    return None
+
+
+_COMPARES: OrderedDict = OrderedDict()
+
+
+def admit_to_partition(recipe: str | dict, overrides: list[str], auto: bool, offers: Offers, rules: Rules,
+                       base: Path) -> Admitted:  # fmt: skip
+    """Validate, check and plan one submission on every partition of ``offers``; queue it for the partition
+    choose.py picks (see the module's docstring), or raise Refused with each partition's reason."""
+    from bigtune.plan.base.constants import PlanError
+    from bigtune.plan.search.choose import compare, pick_partition
+    from bigtune.plan.search.offers import format_slurm_time
+    from bigtune.recipe import load_recipe
+
+    tree, r = _checked(recipe, overrides, True, rules, base)
+    r_plan = load_recipe(tree, [*overrides, "accelerator=cpu"], check=False)
+    key = (yaml.safe_dump(r_plan.to_dict(), sort_keys=True), offers)
+    with _PLAN_LOCK:  # the planner's fake-tensor mode is global to the process: one plan at a time
+        if key not in _COMPARES:
+            _COMPARES[key] = compare(r_plan, list(offers.offers), _run_size(r_plan), skip=_deepspeed_missing)
+            while len(_COMPARES) > 8:
+                _COMPARES.popitem(last=False)
+        cmp = _COMPARES[key]
+        try:
+            c = pick_partition(cmp, r_plan)
+        except PlanError as e:
+            changing = [x for x in cmp.choices if x.changes and not x.excluded]
+            if not auto or not changing:
+                more = "; submit with auto to take one of the variants that fit" if changing else ""
+                raise Refused(409, f"{e}{more}", alternatives=[x.to_dict() for x in changing]) from None
+            # auto: the same choice with the variants that change the training allowed
+            c = pick_partition(dataclasses.replace(cmp, choices=[dataclasses.replace(x, changes=[])
+                                                                 for x in changing]), r_plan)  # fmt: skip
+            c = next(x for x in changing if x.offer.name == c.offer.name and x.gpus == c.gpus)
+    layout = {"devices": c.gpus // c.nodes, "num_nodes": c.nodes, "strategy": c.strategy}
+    variant = {k: v for k, v in c.plan.overrides.items() if k not in layout}
+    chosen = [*overrides, *(_override_text(k, v) for k, v in {**variant, **layout}.items())]
+    cost = "" if c.cost is None else f", {c.cost:,.2f} {c.offer.unit}"
+    why = (f"the cheapest partition that fits{' (a variant: ' + ', '.join(c.changes) + ')' if c.changes else ''}: "
+           f"{c.gpus} × {c.offer.gpu.key} on {c.nodes} node(s), {c.plan.variant}, {c.seconds / 60:.1f} min{cost}")  # fmt: skip
+    placement = {
+        "partition": c.offer.name, "gres": c.offer.partition.gres, "time": format_slurm_time(c.slurm_time_s),
+        "mem_gib": -(-c.host_mem_bytes // GIB) or None, "cpus_per_task": c.cpus_per_task or None, "why": why,
+        "cluster": offers.name, "ranked": [x.to_dict() for x in cmp.ranked("cost")],
+        "not_ranked": cmp.not_ranked(),
+    }  # fmt: skip
+    return Admitted(tree=tree, overrides=chosen, plan={**c.plan.to_dict(), "partition": placement}, slots=c.gpus,
+                    name=str(tree["name"]), total_steps=c.length.steps, planned_gpu_hours=c.seconds * c.gpus / 3600,
+                    variant=c.plan.variant if (variant or c.changes) else None, output_dir=r.output_dir,
+                    placement=placement)  # fmt: skip

@@ -117,13 +117,13 @@ def create_app(service: Service) -> FastAPI:
 
         data = [{"id": e.id, "created_at": e.at, "level": e.level, "message": e.message, "step": e.step,
                  "data": json.loads(e.data_json) if e.data_json else None} for e in events]  # fmt: skip
-        return {"data": data, "job_state": job.state}
+        return {"data": data, "job_state": service.shown_state(job)}
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=JobOutput, responses=REFUSALS)
     def job_logs(job_id: str, who: Who, max_bytes: Annotated[int, Query(ge=1, le=2**24)] = 65536):
         """The job's own output (bigtune train's log), every attempt's: its last ``max_bytes``."""
         job, text = job_or_error(lambda: service.output(who, job_id, max_bytes))
-        return {"job_state": job.state, "backend": service.backend.name, "text": text}
+        return {"job_state": service.shown_state(job), "backend": service.backend.name, "text": text}
 
     @app.get("/v1/jobs/{job_id}/metrics", response_model=JobMetrics, responses=REFUSALS)
     def job_metrics(job_id: str, who: Who, max_points: Annotated[int, Query(ge=2, le=100_000)] = 1000):

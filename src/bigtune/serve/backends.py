@@ -1,5 +1,6 @@
 """Where a job's process runs. A backend is one small class: start, poll, cancel, release, adopt (after a server
-restart), output (the job's own log) and the slots it has free. The queue's order is the service's (policy.py); a
+restart), output (the job's own log), the slots it has free and, for an engine with a queue of its own, why a job
+it was handed has not started there yet (``queued_reason``). The queue's order is the service's (policy.py); a
 backend only runs what it is given, when it is given it.
 
 ``LocalBackend`` (here): each job one ``python -m bigtune train`` subprocess on this machine, in its own process
@@ -41,6 +42,9 @@ class Work:
     env: dict = field(default_factory=dict)  # the service's environment less its secrets (local, Slurm)
     extra_env: dict = field(default_factory=dict)  # what the service adds: the only variables a Ray job is given
     planned_s: Optional[float] = None  # the plan's step time x steps: a Slurm --time
+    # The Slurm partition admission chose from a cluster profile and what it asks there (partition, gres, time,
+    # mem_gib, cpus_per_task); None: the backend's own partition
+    placement: Optional[dict] = None
     cancel_grace_s: float = 5.0
 
     @property
@@ -146,6 +150,10 @@ class LocalBackend:
     def handles(self) -> list[str]:
         """The jobs' processes this backend holds slots for."""
         return self._pool.handles()
+
+    def queued_reason(self, handle: str) -> Optional[str]:
+        """Never queued: a local process runs from its start."""
+        return None
 
     def start(self, work: Work) -> Started:
         slot_ids = self._pool.take(work.slots)

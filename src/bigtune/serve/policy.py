@@ -15,6 +15,9 @@ The policy, in full:
    the head. The price is idle slots while the head waits; EASY backfill (start a small job only if its planned
    end comes before the head's reserved start) would recover them and is not built.
 4. **Backoff.** A job whose worker died waits out its retry backoff (``not_before``) without blocking others.
+5. **Pools.** Where the cluster's slots come in separate pools (the Slurm partitions of a cluster profile, each job
+   admitted to one), rules 3 and 4 hold within each pool: a job starts when its own pool has the slots, and the
+   head of one pool reserves that pool's slots only. Order (rule 1) and quotas (rule 2) are the same for all.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Waiting:
     queued_at: float
     not_before: float = 0.0
     planned_gpu_hours: Optional[float] = None  # None: the plan has no time estimate (counted as 0)
+    pool: str = ""  # the slots it runs on: a Slurm partition of a cluster profile; "" one pool for all
 
 
 @dataclass
@@ -55,18 +59,19 @@ def effective_priority(job: Waiting, now: float, aging_s: float = AGING_S) -> fl
 
 def schedule(
     waiting: list[Waiting],
-    free_slots: int,
+    free_slots: int | dict[str, int],
     used_gpu_hours: dict[str, float],
     quotas: dict[str, float],
     now: float,
     aging_s: float = AGING_S,
 ) -> Decision:
-    """Which of ``waiting`` start now on ``free_slots`` (the module's docstring states the policy)."""
+    """Which of ``waiting`` start now on ``free_slots`` (the module's docstring states the policy): a number, or
+    the free slots of each pool."""
     order = sorted(waiting, key=lambda j: (-effective_priority(j, now, aging_s), j.queued_at, j.id))
     out = Decision(order=[j.id for j in order])
     used = dict(used_gpu_hours)
-    free = free_slots
-    head: Optional[Waiting] = None
+    free = dict(free_slots) if isinstance(free_slots, dict) else {"": free_slots}
+    heads: dict[str, Waiting] = {}
     for job in order:
         if job.not_before > now:
             out.blocked[job.id] = f"retry backoff: starts again in {job.not_before - now:.0f} s at the earliest"
@@ -79,14 +84,19 @@ def schedule(
                 f"job plans {need_hours:.2f}; an admin can raise the quota (--quota {job.user}=HOURS)"
             )
             continue
-        if head is not None:
-            out.blocked[job.id] = f"behind {head.id}, which waits for {head.slots} slots: they are reserved for it"
+        pool = f" of partition {job.pool}" if job.pool else ""
+        if (head := heads.get(job.pool)) is not None:
+            out.blocked[job.id] = (
+                f"behind {head.id}, which waits for {head.slots} slots{pool}: they are reserved for it"
+            )
             continue
-        if job.slots <= free:
+        if job.slots <= free.get(job.pool, 0):
             out.start.append(job.id)
-            free -= job.slots
+            free[job.pool] -= job.slots
             used[job.user] = used.get(job.user, 0.0) + need_hours
         else:
-            head = job
-            out.blocked[job.id] = f"head of the queue: waits for {job.slots} free slots ({free} free now)"
+            heads[job.pool] = job
+            out.blocked[job.id] = (
+                f"head of the queue{pool}: waits for {job.slots} free slots ({free.get(job.pool, 0)} free now)"
+            )
     return out

@@ -54,7 +54,7 @@ def read_cluster(nodes: list[dict], gpu: Optional[str], host_ram_gib: Optional[f
         if gpu:
             raise BackendError(f"--gpu {gpu}: the Ray cluster has no GPUs; drop --gpu to run on its CPUs")
         per_node = [int(n.get("CPU", 0)) for n in nodes]
-        return Cluster(None, max(per_node), len(nodes), ram)
+        return Cluster(None, max(per_node), len(nodes), ram, one_node_jobs=True)
     if gpu is None:
         kinds = sorted({k.split(":", 1)[1] for n in gpu_nodes for k in n if k.startswith("accelerator_type:")})
         if len(kinds) != 1:
@@ -65,7 +65,7 @@ def read_cluster(nodes: list[dict], gpu: Optional[str], host_ram_gib: Optional[f
         except UnknownGPUError as e:
             raise BackendError(f"Ray names the cluster's GPUs {kinds[0]!r}, not a catalog name ({e}): give --gpu KIND")
     counts = [int(n["GPU"]) for n in gpu_nodes]
-    return Cluster(gpu, max(counts), len(gpu_nodes), ram)
+    return Cluster(gpu, max(counts), len(gpu_nodes), ram, one_node_jobs=True)
 
 
 def cluster_nodes(address: str) -> list[dict]:
@@ -91,6 +91,7 @@ class RayBackend:
         # Slots: every node's GPUs (or CPUs) together, a job taking its own on one node.
         self.slots = self.cluster.total_gpus
         self._pool = SlotPool(self.slots)
+        self._pending: dict[str, str] = {}  # handle → Ray's message, for jobs Ray had not started at the last poll
 
     def free_slots(self) -> int:
         return self._pool.free()
@@ -134,12 +135,21 @@ class RayBackend:
         if info is None:
             return False, None
         status = str(getattr(info.status, "value", info.status))
+        if status == "PENDING":
+            self._pending[handle] = getattr(info, "message", None) or "waiting for its resources"
+        else:
+            self._pending.pop(handle, None)
         if status in ALIVE:
             return True, None
         code = getattr(info, "driver_exit_code", None)
         if code is None:
             code = {"SUCCEEDED": 0, "STOPPED": -15}.get(status)
         return False, code
+
+    def queued_reason(self, handle: str) -> Optional[str]:
+        """Why Ray had not started the job at the last poll (Ray's PENDING and its message), or None."""
+        why = self._pending.get(handle)
+        return None if why is None else f"PENDING in Ray: {why}"
 
     def cancel(self, handle: str, grace_s: float = 5.0) -> None:
         """Ray's stop: SIGTERM to the entrypoint's processes (bigtune writes a checkpoint), SIGKILL after the
@@ -153,6 +163,7 @@ class RayBackend:
         info = self._info(handle)
         if info is not None and str(getattr(info.status, "value", info.status)) in ALIVE:
             self.cancel(handle)
+        self._pending.pop(handle, None)
         self._pool.give_back(handle)
 
     def adopt(self, handle: str, slot_ids: list[int], job_id: str) -> bool:

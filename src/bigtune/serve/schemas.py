@@ -59,13 +59,16 @@ class JobView(BaseModel):
     object: str = "fine_tuning.job"
     user: str
     name: str
-    state: str = Field(description="held, queued, running, succeeded, failed or cancelled")
+    state: str = Field(description="held, queued, pending, running, succeeded, failed or cancelled; pending: the "
+                       "service has handed it to its engine (its slots are held), which has not started it yet "
+                       "(Slurm's or Ray's PENDING; waiting_because gives the engine's reason)")  # fmt: skip
     priority: int
     slots: int
     slot_ids: list[int] = Field(default_factory=list)
     created_at: float
     started_at: Optional[float] = None
     finished_at: Optional[float] = None
+    partition: Optional[str] = Field(None, description="slurm with a cluster profile: the partition its plan chose")
     queue_position: Optional[int] = None
     waiting_because: Optional[str] = None
     retries: int = 0

@@ -24,7 +24,7 @@ import yaml
 from bigtune.engine.tracking.base import SERVE_JOB_ENV
 from bigtune.recipe import parse_override
 from bigtune.serve import progress
-from bigtune.serve.admission import Admitted, Cluster, Rules, admit
+from bigtune.serve.admission import Admitted, Cluster, Rules, admit, admit_to_partition
 from bigtune.serve.auth import new_token, token_digest
 from bigtune.serve.backends import BackendError, LocalBackend, Work
 from bigtune.serve.policy import AGING_S, Waiting, schedule
@@ -72,6 +72,9 @@ class ServeConfig:
     # engine; cluster.gpu and cluster.host_ram_gib, where given, name the card and the RAM instead).
     backend: str = "local"
     partition: Optional[str] = None  # slurm: default Slurm's default partition
+    # slurm: a cluster profile (the file `bigtune plan --cluster` reads): each job planned on every partition of
+    # it and sent to the one the plan chooses, slots counted per partition
+    cluster_profile: Optional[str] = None
     slurm_time: Optional[str] = None  # slurm: each job's --time (default: its plan's estimate x 1.5 + 15 min)
     ray_address: Optional[str] = None  # ray: the dashboard's address, http://HEAD:8265
     allowed_roots: tuple[Path, ...] = ()
@@ -98,12 +101,16 @@ class ServeConfig:
 
 def make_backend(cfg: ServeConfig):
     """The backend ``cfg.backend`` names; a cluster's engine that cannot be reached raises BackendError."""
+    if cfg.cluster_profile and cfg.backend != "slurm":
+        raise BackendError(f"--cluster {cfg.cluster_profile}: a cluster profile names Slurm partitions; use it with "
+                           "--backend slurm")  # fmt: skip
     if cfg.backend == "local":
         return LocalBackend(cfg.slots, gpus=cfg.cluster.gpu is not None)
     if cfg.backend == "slurm":
         from bigtune.serve.slurm_backend import SlurmBackend
 
-        return SlurmBackend(cfg.partition, cfg.cluster.gpu, cfg.cluster.host_ram_gib, cfg.slurm_time)
+        return SlurmBackend(cfg.partition, cfg.cluster.gpu, cfg.cluster.host_ram_gib, cfg.slurm_time,
+                            cfg.cluster_profile)  # fmt: skip
     if cfg.backend == "ray":
         if not cfg.ray_address:
             raise BackendError("--backend ray needs the cluster's address: --ray-address http://HEAD:8265")
@@ -155,7 +162,11 @@ class Service:
     def submit(self, caller: Caller, recipe, overrides: list[str], auto: bool = False, priority: int = 0,
                hold: bool = False) -> Job:  # fmt: skip
         """Admit (admission.py raises Refused) and queue a job; returns it."""
-        adm: Admitted = admit(recipe, list(overrides), auto, self.cfg.cluster, self.rules, Path(self.cfg.workdir))
+        offers, base = getattr(self.backend, "offers", None), Path(self.cfg.workdir)
+        if offers is not None:  # a cluster profile: the plan chooses the partition
+            adm: Admitted = admit_to_partition(recipe, list(overrides), auto, offers, self.rules, base)
+        else:
+            adm = admit(recipe, list(overrides), auto, self.cfg.cluster, self.rules, base)
         now = time.time()
         job_id = f"job-{int(now * 1000):x}-{secrets.token_hex(3)}"
         job_dir = Path(self.cfg.state_dir).resolve() / "jobs" / job_id
@@ -170,8 +181,9 @@ class Service:
                   run_dir=str(run_dir.resolve()))  # fmt: skip
         self.store.add_job(job)
         said = f" as the variant {adm.variant!r}" if adm.variant else ""
+        where = f" of partition {adm.placement['partition']} ({adm.placement['why']})" if adm.placement else ""
         self.store.add_event(job_id, f"admitted{said} by its plan on {adm.plan.get('target')}; "
-                                     f"{'held' if hold else 'queued'} for {adm.slots} slot(s)")  # fmt: skip
+                                     f"{'held' if hold else 'queued'} for {adm.slots} slot(s){where}")  # fmt: skip
         return job
 
     def job(self, caller: Caller, job_id: str) -> Job:
@@ -191,13 +203,17 @@ class Service:
         pos, why = self._waiting.get(job.id, (None, None)) if job.state == "queued" else (None, None)
         if job.state == "held":
             why = "held: POST /v1/jobs/{id}/release to queue it"
+        state = self.shown_state(job)
+        if state == "pending":
+            why = self.backend.queued_reason(job.handle)
         attempts = [{"number": a.number, "started_at": a.started_at, "ended_at": a.ended_at,
                      "exit_code": a.exit_code, "slot_ids": json.loads(a.slot_ids_json), "resumed_from": a.resumed_from,
                      "backend_job_id": a.handle}
                     for a in self.store.attempts(job.id)]  # fmt: skip
         out = {
-            "id": job.id, "user": job.user, "name": job.name, "state": job.state, "priority": job.priority,
+            "id": job.id, "user": job.user, "name": job.name, "state": state, "priority": job.priority,
             "slots": job.slots, "slot_ids": job.slot_ids if job.state == "running" else [],
+            "partition": (plan.get("partition") or {}).get("partition"),
             "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
             "queue_position": pos, "waiting_because": why, "retries": job.retries, "attempts": attempts,
             "backend": self.backend.name, "backend_job_id": attempts[-1]["backend_job_id"] if attempts else None,
@@ -214,6 +230,13 @@ class Service:
         if detail:
             out["plan"], out["recipe"] = plan, job.recipe_yaml
         return out
+
+    def shown_state(self, job: Job) -> str:
+        """The state the API shows: the stored one, except ``pending`` for a job the service has started (it holds
+        its slots) that its engine still has in its own queue (Slurm's or Ray's PENDING, as at the last tick)."""
+        if job.state == "running" and job.handle and self.backend.queued_reason(job.handle):
+            return "pending"
+        return job.state
 
     def release(self, caller: Caller, job_id: str) -> Job:
         with self._lock:
@@ -257,7 +280,7 @@ class Service:
         """The job's plots' data (progress.series) beside the memory its plan predicted."""
         job = self.job(caller, job_id)
         plan = job.plan
-        return {"job_state": job.state, **progress.series(job.run_dir, max_points),
+        return {"job_state": self.shown_state(job), **progress.series(job.run_dir, max_points),
                 "planned_peak_allocated_bytes": plan.get("peak_allocated"), "capacity_bytes": plan.get("capacity")}  # fmt: skip
 
     def checkpoints(self, caller: Caller, job_id: str) -> list[dict]:
@@ -299,8 +322,8 @@ class Service:
                 if not running:
                     self._ended(job, code)
             queued = self.store.jobs(states=("queued",))
-            waiting = [Waiting(j.id, j.user, j.priority, j.slots, j.queued_at, j.not_before, j.planned_gpu_hours)
-                       for j in queued]  # fmt: skip
+            waiting = [Waiting(j.id, j.user, j.priority, j.slots, j.queued_at, j.not_before, j.planned_gpu_hours,
+                               (j.plan.get("partition") or {}).get("partition", "")) for j in queued]  # fmt: skip
             decision = schedule(waiting, self.backend.free_slots(), self._used_gpu_hours(now), self.cfg.quotas, now,
                                 self.cfg.aging_s)  # fmt: skip
             self._waiting = {i: (n + 1, decision.blocked.get(i, "starting")) for n, i in enumerate(decision.order)}
@@ -336,7 +359,7 @@ class Service:
                     job_dir=job_dir, env={k: v for k, v in os.environ.items() if k not in PRIVATE_ENV},
                     extra_env=extra_env,
                     planned_s=step_s * job.total_steps if step_s and job.total_steps else None,
-                    cancel_grace_s=self.cfg.cancel_grace_s)  # fmt: skip
+                    cancel_grace_s=self.cfg.cancel_grace_s, placement=job.plan.get("partition"))  # fmt: skip
 
     def _tracking_sets(self, job: Job) -> list[str]:
         """With an MLflow server (``cfg.mlflow_uri``): the overrides that make the job an MLflow run there, beside

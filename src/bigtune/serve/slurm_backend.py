@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from bigtune.serve.admission import Cluster
+from bigtune.serve.admission import Cluster, Offers
 from bigtune.serve.backends import BackendError, SlotPool, Started, Work, read_tail
 
 # Slurm job states (squeue/scontrol's long names) in which the job has not ended. REQUEUED and PREEMPTED-then-
@@ -140,24 +140,74 @@ def exit_code(text: str) -> Optional[int]:
         return None
 
 
+def profile_partitions(sinfo_text: str, profile: str) -> tuple[Offers, dict[str, int]]:
+    """(the profile's partitions as the planner's offers, each one's slots: its GPUs per node × the nodes sinfo
+    shows taking jobs; the profile's max_nodes limits one job, not the partition). A profile partition Slurm does
+    not have, or whose nodes are all down, is an error naming the fix."""
+    from bigtune.plan.base.constants import PlanError
+    from bigtune.plan.search.offers import load_cluster
+
+    try:
+        name, offers = load_cluster(profile)
+    except PlanError as e:
+        raise BackendError(f"--cluster {profile}: {e}") from None
+    rows = [line.split("|") for line in sinfo_text.strip().splitlines() if line.count("|") == 5]
+    have = sorted({r[0].rstrip("*") for r in rows})
+    slots = {}
+    for o in offers:
+        nodes = [r for r in rows if r[0].rstrip("*") == o.name]
+        if not nodes:
+            raise BackendError(f"cluster profile {profile} names partition {o.name!r}, which Slurm does not have "
+                               f"(sinfo lists: {', '.join(have) or 'none'}): fix the profile")  # fmt: skip
+        up = {r[1] for r in nodes if not r[5].lower().rstrip("*~#!%$@^-+").startswith(UNUSABLE) and "*" not in r[5]}
+        if not up:
+            raise BackendError(f"no node of Slurm partition {o.name!r} (cluster profile {profile}) takes jobs: "
+                               "resume them or leave the partition out of the profile")  # fmt: skip
+        slots[o.name] = o.gpus_per_node * len(up)
+    return Offers(name, profile, tuple(offers)), slots
+
+
 class SlurmBackend:
     name = "slurm"
 
     def __init__(self, partition: Optional[str] = None, gpu: Optional[str] = None,
-                 host_ram_gib: Optional[float] = None, time_limit: Optional[str] = None):  # fmt: skip
+                 host_ram_gib: Optional[float] = None, time_limit: Optional[str] = None,
+                 profile: Optional[str] = None):  # fmt: skip
         res = _run(["sinfo", "-h", "-N", "-o", "%P|%N|%c|%m|%G|%T"])
         if res.returncode != 0:
             raise BackendError(f"sinfo failed: {_one_line(res.stderr)} (is slurmctld up? SLURM_CONF set?)")
-        self.cluster, self.partition, self.gres = read_cluster(res.stdout, partition, gpu, host_ram_gib)
-        self.slots = self.cluster.total_gpus
+        self.offers: Optional[Offers] = None
+        if profile is not None:
+            if partition or gpu:
+                raise BackendError("--cluster chooses each job's partition and names its GPUs: drop --partition "
+                                   "and --gpu, or drop --cluster")  # fmt: skip
+            self.offers, pools = profile_partitions(res.stdout, profile)
+            big = max(self.offers.offers, key=lambda o: (o.gpu.memory_gib, o.gpus_per_node))
+            # what the job views name as the cluster; admission plans on each partition instead
+            self.cluster = Cluster(big.gpu.key, big.gpus_per_node, pools[big.name] // big.gpus_per_node, host_ram_gib)
+            self.partition, self.gres = None, None
+        else:
+            self.cluster, self.partition, self.gres = read_cluster(res.stdout, partition, gpu, host_ram_gib)
+            pools = {"": self.cluster.total_gpus}
+        self.slots = sum(pools.values())
         self.time_limit = time_limit
-        self._pool = SlotPool(self.slots)
+        self._pools = {name: SlotPool(n) for name, n in pools.items()}
+        self._pool_of: dict[str, str] = {}  # handle → its pool
+        self._pending: dict[str, str] = {}  # handle → Slurm's reason, for jobs PENDING at the last poll
 
-    def free_slots(self) -> int:
-        return self._pool.free()
+    def free_slots(self) -> int | dict[str, int]:
+        """Free slots: one number, or each partition's with a cluster profile (policy.py's pools)."""
+        if self.offers is None:
+            return self._pools[""].free()
+        return {name: pool.free() for name, pool in self._pools.items()}
 
     def handles(self) -> list[str]:
-        return self._pool.handles()
+        return [h for pool in self._pools.values() for h in pool.handles()]
+
+    def queued_reason(self, handle: str) -> Optional[str]:
+        """Why Slurm had not started the job at the last poll (PENDING and Slurm's Reason), or None."""
+        why = self._pending.get(handle)
+        return None if why is None else f"PENDING in Slurm's queue ({why})"
 
     def _time(self, work: Work) -> str:
         if self.time_limit:
@@ -173,13 +223,23 @@ class SlurmBackend:
         """Write the attempt's script with launch's builder into the job's folder and sbatch it."""
         from bigtune.run.launch import launch_shape, slurm_script
 
-        slot_ids = self._pool.take(work.slots)
+        place = work.placement or {}
+        pool = place.get("partition", "") if self.offers is not None else ""
+        if pool not in self._pools:
+            raise BackendError(f"job {work.job_id} was admitted to partition {pool!r}, which the service's cluster "
+                               f"profile no longer has ({', '.join(self._pools)}): submit it again")  # fmt: skip
+        slot_ids = self._pools[pool].take(work.slots)
         nodes, per_node, strategy = launch_shape(str(work.recipe), work.sets, None, None, None)
         cpu = self.cluster.gpu is None
-        text = slurm_script(str(work.recipe), work.sets, nodes, per_node, self._time(work), self.partition,
-                            cpus_per_task=1 if cpu else None, job_name=f"bigtune-{work.job_id}", strategy=strategy,
-                            python=work.python, gres=self.gres, workdir=work.cwd, cpu=cpu,
-                            notes=[f"bigtune serve: job {work.job_id}, attempt {work.attempt}"])  # fmt: skip
+        partition = place.get("partition", self.partition)
+        notes = [f"bigtune serve: job {work.job_id}, attempt {work.attempt}"]
+        if place:
+            notes.append(f"partition chosen by bigtune serve from cluster profile {self.offers.path}: {place['why']}")
+        mem = f"{place['mem_gib']}G" if place.get("mem_gib") else None
+        text = slurm_script(str(work.recipe), work.sets, nodes, per_node, self.time_limit or place.get("time") or
+                            self._time(work), partition, cpus_per_task=1 if cpu else place.get("cpus_per_task"),
+                            mem=mem, job_name=f"bigtune-{work.job_id}", strategy=strategy, python=work.python,
+                            gres=place.get("gres", self.gres), workdir=work.cwd, cpu=cpu, notes=notes)  # fmt: skip
         script = work.job_dir / f"attempt-{work.attempt}.sbatch"
         script.write_text(text)
         Path(work.run_dir).mkdir(parents=True, exist_ok=True)  # Slurm opens the output file there, makes no folder
@@ -187,8 +247,9 @@ class SlurmBackend:
         if res.returncode != 0:
             raise BackendError(f"sbatch refused job {work.job_id}: {_one_line(res.stderr)} (its script: {script})")
         handle = res.stdout.strip().split(";")[0]
-        self._pool.hold(handle, slot_ids)
-        return Started(handle, slot_ids, f"as Slurm job {handle} (partition {self.partition})")
+        self._pools[pool].hold(handle, slot_ids)
+        self._pool_of[handle] = pool
+        return Started(handle, slot_ids, f"as Slurm job {handle} (partition {partition})")
 
     def _state(self, handle: str) -> tuple[Optional[str], Optional[int], dict]:
         """(Slurm's state, its exit code, scontrol's fields) of a job; (None, None, {}) when Slurm no longer
@@ -207,7 +268,11 @@ class SlurmBackend:
 
     def poll(self, handle: str) -> tuple[bool, Optional[int]]:
         """(still queued or running in Slurm, exit code): None when Slurm has forgotten the job."""
-        state, code, _ = self._state(handle)
+        state, code, fields = self._state(handle)
+        if state == "PENDING":
+            self._pending[handle] = fields.get("Reason", "no reason given")
+        else:
+            self._pending.pop(handle, None)
         if state in ALIVE:
             return True, None
         return False, code
@@ -219,6 +284,11 @@ class SlurmBackend:
         Not ``--full``: that signals the batch script's shell and srun too, and an srun that gets SIGTERM ends its
         step at once (``srun: forcing job termination``), killing the ranks before their checkpoint is written
         (seen on Slurm 22.05)."""
+        if self._state(handle)[0] == "PENDING":
+            # a pending job has no process to signal, and `scancel --signal` of one did not return within 60 s
+            # (seen on Slurm 22.05)
+            _run(["scancel", handle])
+            return
         res = _run(["scancel", "--signal=TERM", handle])
         if res.returncode != 0:
             _run(["scancel", handle])
@@ -232,7 +302,10 @@ class SlurmBackend:
         state, _, _ = self._state(handle)
         if state in ALIVE:
             _run(["scancel", handle])
-        self._pool.give_back(handle)
+        self._pending.pop(handle, None)
+        pool = self._pool_of.pop(handle, None)
+        if pool in self._pools:
+            self._pools[pool].give_back(handle)
 
     def adopt(self, handle: str, slot_ids: list[int], job_id: str) -> bool:
         """After a server restart: take back a Slurm job that is still queued or running (and is this job's: its
@@ -240,7 +313,11 @@ class SlurmBackend:
         state, _, fields = self._state(handle)
         if state not in ALIVE or job_id not in fields.get("JobName", ""):
             return False
-        self._pool.hold(handle, slot_ids)
+        pool = fields.get("Partition", "") if self.offers is not None else ""
+        if pool not in self._pools:  # left the profile since: counted nowhere, Slurm runs it all the same
+            return True
+        self._pools[pool].hold(handle, slot_ids)
+        self._pool_of[handle] = pool
         return True
 
     def output(self, handles: list[str], job_dir: Path, run_dir: Path, max_bytes: int) -> str:
