@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bigtune.serve.admission import Refused, Rules, admit
 from bigtune.serve.backends import BackendError
 from bigtune.serve.ray_backend import read_cluster
 from bigtune.serve.service import ServeConfig
@@ -52,6 +53,15 @@ def test_a_cluster_bigtune_cannot_plan_for_is_one_line_with_the_fix(nodes, gpu, 
     with pytest.raises(BackendError, match=says) as e:
         read_cluster(nodes, gpu, None)
     assert "\n" not in str(e.value)
+
+
+def test_a_job_over_one_node_is_refused_on_ray_with_the_reason(tmp_path):
+    cluster = read_cluster([{"CPU": 2}, {"CPU": 2}], None, None)  # 4 slots, 2 on each node
+    rules = Rules((tmp_path,))
+    with pytest.raises(Refused, match="runs each job on one node .* set num_nodes=1 .* or run it on Slurm"):
+        admit({**TINY, "num_nodes": 2}, [], False, cluster, rules, tmp_path)
+    with pytest.raises(Refused, match="asks for 3 GPUs .* at most 2 on one node"):
+        admit({**TINY, "devices": 3}, [], False, cluster, rules, tmp_path)
 
 
 # ------------------------------------------------------------------ on a real local Ray head
@@ -158,5 +168,57 @@ def test_a_job_runs_as_a_ray_job_to_the_end(ray_head, tmp_path):
         info = JobSubmissionClient(ray_head).get_job_info(job["backend_job_id"])
         assert str(info.status.value) == "SUCCEEDED" and info.metadata["bigtune_job"] == job_id
         assert s.service.backend.free_slots() == 2
+    finally:
+        s.server.stop()
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """Live processes (zombies aside) whose command line names the job: its `bigtune train` and what that started."""
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if job_id.encode() in cmdline.read_bytes():
+                state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    out.append(int(cmdline.parent.name))
+        except (OSError, IndexError):
+            continue
+    return [p for p in out if p != os.getpid()]
+
+
+@pytest.mark.slow
+def test_a_running_ray_job_cancelled_leaves_no_process_and_frees_its_slot(ray_head, tmp_path):
+    (tmp_path / "allowed").mkdir()
+    cfg = ServeConfig(state_dir=tmp_path / "state", backend="ray", ray_address=ray_head, cancel_grace_s=5.0,
+                      allowed_roots=(tmp_path / "allowed",), workdir=tmp_path / "allowed", tick_s=0.3)  # fmt: skip
+    s = Served(cfg)
+    try:
+        res = s.submit(recipe={**TINY, "train": {**TINY["train"], "max_steps": 100_000}})
+        assert res.status_code == 201, res.text
+        job_id = res.json()["id"]
+        deadline = time.monotonic() + WAIT_S
+        while not ((job := s.job(job_id))["state"] == "running" and job["progress"]["step"] >= 1):
+            if time.monotonic() > deadline or job["state"] in ("succeeded", "failed", "cancelled"):
+                out = s.call("GET", f"/v1/jobs/{job_id}/logs").json()["text"]
+                pytest.fail(f"job {job_id} not training within {WAIT_S} s: {job['state']}\n{out[-2000:]}")
+            time.sleep(0.3)
+        assert _job_processes(job_id), "the running job's processes are not visible by its id"
+        assert s.service.backend.free_slots() == 1
+
+        res = s.call("POST", f"/v1/jobs/{job_id}/cancel")
+        assert res.status_code == 200 and res.json()["state"] == "cancelled", res.text
+        deadline = time.monotonic() + 60  # Ray's stop: SIGTERM, SIGKILL after the 5 s grace submitted with it
+        while _job_processes(job_id) or s.service.store.job(job_id).handle is not None:
+            if time.monotonic() > deadline:
+                pytest.fail(f"after cancel: processes {_job_processes(job_id)}, handle "
+                            f"{s.service.store.job(job_id).handle}")  # fmt: skip
+            time.sleep(0.3)
+        assert s.service.backend.free_slots() == 2
+        from ray.job_submission import JobSubmissionClient
+
+        info = JobSubmissionClient(ray_head).get_job_info(f"{job_id}-a1")
+        assert str(info.status.value) == "STOPPED", info
+        # SIGTERM came first: training wrote a checkpoint before it stopped
+        assert s.call("GET", f"/v1/jobs/{job_id}/checkpoints").json()["data"], "no checkpoint written on SIGTERM"
     finally:
         s.server.stop()
