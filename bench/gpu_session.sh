@@ -32,8 +32,9 @@
 #      (TinyLlama full bf16, Llama-2-7B LoRA), then, with the time left in this call, more accuracy cases.
 # One session measures about 6-8 cases; the matrix (34 cases) takes several, each resuming the last file.
 #
-# Every call writes at most 6 files to $OUT (names of letters, digits, '.', '-', '_'): env.txt, <mode>.log,
-# cases.log (every case's own output), plan_accuracy-<gpu>.json, throughput-tinyllama.json,
+# Every call writes at most 7 files to $OUT (names of letters, digits, '.', '-', '_'): env.txt, <mode>.log,
+# cases.log (every case's own output), host_overhead-cuda.json (accuracy: the host's time per operator on
+# this machine, the planner's HOST_SECONDS_PER_OP), plan_accuracy-<gpu>.json, throughput-tinyllama.json,
 # throughput-llama7b-lora.json. JSONs are rewritten after every case, so a command killed at its time limit
 # keeps what finished. Commit the JSONs under bench/results/.
 #
@@ -117,7 +118,12 @@ case "$MODE" in
     BUDGET=${BUDGET_S:-500}
     env_report > "$OUT/env.txt"
     cat "$OUT/env.txt"
-    accuracy "$(left)" 2>&1 | tee "$OUT/accuracy.log" ;;
+    {
+      echo "== host time per operator (bench/host_overhead.py --accelerator cuda)"
+      timeout -k 5 90 "$PY" bench/host_overhead.py --accelerator cuda --steps 30 --repeats 3 \
+        --out "$OUT/host_overhead-cuda.json" || echo "host_overhead: exit $?"
+      accuracy "$(left)"
+    } 2>&1 | tee "$OUT/accuracy.log" ;;
   throughput)
     BUDGET=${BUDGET_S:-540}
     env_report > "$OUT/env.txt"

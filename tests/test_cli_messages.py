@@ -198,7 +198,7 @@ def test_plan_headline_is_one_figure_against_the_card():
     text = "\n".join(lines)
     assert "reserved ≈" not in text and "70.09" not in text  # no second total beside the headline
     # the sum under the table adds up to the headline: peak allocated + the allocator's part + context
-    assert "  62.82  peak allocated" in lines and "+  0.50  CUDA context (assumed)" in lines
+    assert "  62.82  peak allocated" in lines and "+  0.50  CUDA context (measured on an H200)" in lines
     assert "= 64.09  GiB needed of 79.11 GiB" in lines
     oom = format_plan(_plan(capacity_gib=23.64)).splitlines()[1]
     assert oom == "OOM: 64.1 of 23.6 GiB (271 %) on 1× h100-sxm-80gb"
@@ -224,7 +224,8 @@ def test_plan_verbose_flag(tmp_path, monkeypatch, capsys):
     assert main(["plan", "--gpu", "h100-80gb", "--verbose"]) == 0
     full = capsys.readouterr().out
     assert short.splitlines()[1].startswith("FITS: 0.") and " of 79.1 GiB (" in short.splitlines()[1], short
-    assert "CUDA context 0.5 GiB is an assumption" in full and "CUDA context 0.5 GiB is an assumption" not in short
+    note = "CUDA context 767 MiB outside the allocator"
+    assert note in full and note not in short
     assert len(full.splitlines()) > len(short.splitlines())
 
 

@@ -422,9 +422,11 @@ _ENTRIES: tuple[GPU, ...] = (
         key="h200-sxm-141gb",
         name="NVIDIA H200 SXM 141GB",
         aliases=("h200", "h200-141gb", "h200 141gb", "h200-sxm", "h200 sxm", "hgx h200", "dgx h200"),
-        # Estimated: nvidia-smi shows 143771 MiB (140.40 GiB); PyTorch reports ~0.5 GiB less.
+        # Observed: PyTorch's total_memory 139.80 GiB, 132 SMs (driver 580.159, CUDA 13.0, 2026-12-04:
+        # bench/results/gpu-logs/env-h200.txt); nvidia-smi shows 143771 MiB.
         memory_gib=139.8,
-        # Same GH100 compute as the H100 SXM; only memory changed.
+        # Same GH100 compute as the H100 SXM; only memory changed. An 8192^3 bf16 matmul ran at 779-782
+        # TFLOP/s there (79 % of this dense peak).
         bf16_tflops=989.5,
         fp16_tflops=989.5,
         fp32_tflops=67.0,

@@ -202,7 +202,11 @@ def _model_and_optimizer(recipe: Recipe, fabric, tokenizer, label_names):
         with fabric.init_module():
             model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names, zero3)
     else:
-        model = build_model(recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names, zero3)
+        # A quantized random base is drawn on the GPU, written, and loaded back quantized (build_model).
+        init = fabric.device if quantized and no_folder and fabric.device.type == "cuda" else None
+        model = build_model(
+            recipe.model, tokenizer, recipe.precision, recipe.seed, base_dir, label_names, zero3, init_device=init
+        )
     if recipe.train.activation_checkpointing and not quantized:
         enable_activation_checkpointing(model)
     if peft and not nf4:
@@ -253,9 +257,20 @@ def _nf4_model(recipe: Recipe, fabric, tokenizer, base_dir: Optional[Path], labe
         scratch = base_dir is None
         base_dir = base_dir or Path(tempfile.mkdtemp(prefix="bigtune-base-"))
         plain = dataclasses.replace(recipe.model, quantize="none")
-        whole = build_model(plain, tokenizer, recipe.precision, recipe.seed, None, label_names)
+        cuda = fabric.device.type == "cuda"
+        whole = build_model(
+            plain,
+            tokenizer,
+            recipe.precision,
+            recipe.seed,
+            None,
+            label_names,
+            init_device=fabric.device if cuda else None,
+        )
         write_base(whole, tokenizer, base_dir)
         del whole
+        if cuda:
+            torch.cuda.empty_cache()  # the 16-bit weights' cache: the run's reserved is measured
         folder = base_dir
     else:
         folder = weights_folder(recipe.model)

@@ -104,7 +104,7 @@ def _sum_lines(p: Plan, unit: str, size: int, verbose: bool) -> list[str]:
     if p.peak_reserved is not None:  # replayed: the segments the allocator holds in use at the peak
         out.append(f"+ {_n(slack, size):>{w}}  allocator rounding and fragmentation at the peak")
     if p.overhead:
-        out.append(f"+ {_n(p.overhead, size):>{w}}  CUDA context (assumed)")
+        out.append(f"+ {_n(p.overhead, size):>{w}}  CUDA context (measured on an H200)")
     total = f"= {_n(need, size):>{w}}  {unit} needed"
     out.append(total + (f" of {_n(p.capacity, size)} {unit}" if p.capacity is not None else ""))
     if verbose and p.peak_reserved is not None:

@@ -1107,8 +1107,8 @@ def plan_inference(
                 if sim.replayed_at
                 else ""
             )
-            + f"; FITS by the least memory that replay runs in + the CUDA context {CUDA_CONTEXT_BYTES / GIB:.1f} "
-            "GiB (the training planner's assumption, uncalibrated)"
+            + f"; FITS by the least memory that replay runs in + the CUDA context {CUDA_CONTEXT_BYTES / 2**20:.0f} "
+            "MiB (measured in training steps on an H200)"
         )
     if w.quantize != "none":
         notes.append(

@@ -1,4 +1,5 @@
-"""The planner's assumed constants (each until calibrated on GPU runs) and its error type."""
+"""The planner's constants for what simulation cannot see (measured where a GPU run has, else assumed) and its
+error type."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ CATEGORIES = (
     "phase_gradients_pending_late",
 )
 
-# --- assumptions for CUDA targets (not seen by simulation; uncalibrated until GPU runs are committed) ---
-CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # CUDA context + cuBLAS/cuDNN handles outside PyTorch's allocator
+# --- CUDA targets: what the device holds outside PyTorch's caching allocator ---
+# Measured: cudaMemGetInfo's used bytes minus torch's reserved at the peak of a training step, 766.9 MiB in
+# three runs and 768.9 MiB in a fourth (BLIP-2, whose vision tower loads more kernels) on an H200 with torch
+# 2.11 and CUDA 13.0 (bench/results/plan_accuracy-h200.json, measured_outside_allocator). It is the CUDA
+# context with the kernel modules a step loads lazily (0.51 GiB before the first kernel). Other cards and
+# CUDA versions are not measured yet: a card with fewer SMs holds somewhat less.
+CUDA_CONTEXT_BYTES = 767 * 2**20
+CUDA_CONTEXT_BASIS = "measured on an H200 with CUDA 13.0 (other cards not yet)"
 
 ZERO_ALTERNATIVE = "deepspeed_stage_3_offload"  # the DeepSpeed strategy --alternatives tries on several GPUs
 

@@ -68,7 +68,7 @@ def step_time(
         f"{t['backward_s']:.3g} s, optimizer {t['optimizer_s']:.3g} s of GPU time against {t['host_s']:.3g} s of "
         f"host dispatch (the {'host (eager dispatch)' if host_bound else 'GPU'} bounds the step); "
         f"+ {t_opt:.3g} s CPU update/PCIe, {t_comm:.3g} s communication not hidden by compute "
-        "(efficiencies assumed, uncalibrated: roofline.py)",
+        "(efficiencies from public figures, the GEMM one checked on an H200: roofline.py)",
         peak_floor_note(t),
     ]
     if host_bound:
