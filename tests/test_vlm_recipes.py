@@ -95,7 +95,7 @@ GENERIC_PATH_RECIPES = [
 
 
 # Qwen3-VL-8B under LoRA (bf16 base) is at a 24 GB card's limit, within the planner's typical error: 'bigtune
-# plan' says OOM (tight), 24.1 of 23.6 GiB, as its recipe says; planned here without replay it fits, tight
+# plan' says OOM (tight), 24.4 of 23.6 GiB, as its recipe says; planned here without replay it fits, tight
 # either way. Its QLoRA (--set model.quantize=nf4) fits with room
 TIGHT_ON_A_24GB_CARD = {("qwen3-vl-8b-alt-text", None)}
 
