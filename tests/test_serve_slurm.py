@@ -17,7 +17,14 @@ import yaml
 
 from bigtune.serve.backends import BackendError
 from bigtune.serve.service import ServeConfig
-from bigtune.serve.slurm_backend import exit_code, parse_gres, parse_job, profile_partitions, read_cluster
+from bigtune.serve.slurm_backend import (
+    SlurmBackend,
+    exit_code,
+    parse_gres,
+    parse_job,
+    profile_partitions,
+    read_cluster,
+)
 from slurm_cluster import FOUND, job_state
 from test_serve import TINY, WAIT_S, Served
 
@@ -35,6 +42,15 @@ def test_gres_and_job_fields_are_read():
     assert exit_code("0:0") == 0 and exit_code("2:0") == 2 and exit_code("0:9") == -9
     fields = parse_job("JobId=12 JobName=bigtune-job-1 JobState=RUNNING Reason=None ExitCode=0:0")
     assert fields["JobState"] == "RUNNING" and fields["JobName"] == "bigtune-job-1"
+
+
+def test_a_profile_with_a_partition_or_gpu_is_refused_before_slurm_is_asked(monkeypatch):
+    import bigtune.serve.slurm_backend as sb
+
+    monkeypatch.setattr(sb, "_run", lambda *a, **k: pytest.fail("sinfo was called"))
+    for extra in ({"partition": "gpu"}, {"gpu": "a100-80gb"}):
+        with pytest.raises(BackendError, match="--cluster chooses each job's partition"):
+            SlurmBackend(profile="cluster.yaml", **extra)
 
 
 def test_the_cluster_comes_from_sinfo():

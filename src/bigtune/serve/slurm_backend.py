@@ -173,14 +173,14 @@ class SlurmBackend:
     def __init__(self, partition: Optional[str] = None, gpu: Optional[str] = None,
                  host_ram_gib: Optional[float] = None, time_limit: Optional[str] = None,
                  profile: Optional[str] = None):  # fmt: skip
+        if profile is not None and (partition or gpu):  # the arguments' error first, whatever Slurm's state
+            raise BackendError("--cluster chooses each job's partition and names its GPUs: drop --partition "
+                               "and --gpu, or drop --cluster")  # fmt: skip
         res = _run(["sinfo", "-h", "-N", "-o", "%P|%N|%c|%m|%G|%T"])
         if res.returncode != 0:
             raise BackendError(f"sinfo failed: {_one_line(res.stderr)} (is slurmctld up? SLURM_CONF set?)")
         self.offers: Optional[Offers] = None
         if profile is not None:
-            if partition or gpu:
-                raise BackendError("--cluster chooses each job's partition and names its GPUs: drop --partition "
-                                   "and --gpu, or drop --cluster")  # fmt: skip
             self.offers, pools = profile_partitions(res.stdout, profile)
             big = max(self.offers.offers, key=lambda o: (o.gpu.memory_gib, o.gpus_per_node))
             # what the job views name as the cluster; admission plans on each partition instead
